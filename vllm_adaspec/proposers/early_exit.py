@@ -1,0 +1,109 @@
+"""EESD early-exit self-drafting: draft with the target's own first N layers and an exit head.
+
+vLLM constructs this class in the worker (speculative_config.model = "vllm_adaspec.EarlyExitProposer").
+Each step it drafts, batched across requests, up to K tokens per request: token by token through the first
+N layers (engine/drafting.py) and the exit head, greedily. The number of drafts per request is decided by
+that request's draft-length policy. Verification is vLLM's own: drafts are deterministic given the context,
+so its rejection sampler stays lossless (the draft distribution is a point mass).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+from vllm_adaspec.config import parse_adaspec_config, resolve_config
+from vllm_adaspec.policies import make_policy
+from vllm_adaspec.requests import RequestStates
+
+
+def request_seed(req_id: str, base_seed: int) -> int:
+    """Same on every tensor-parallel rank (unlike hash()), so adaptive draws agree across ranks."""
+    return (int.from_bytes(hashlib.sha256(req_id.encode()).digest()[:8], "little") ^ base_seed) & (2**63 - 1)
+
+
+class EarlyExitProposer:
+    def __init__(self, vllm_config):
+        self.vllm_config = vllm_config
+        hf = vllm_config.model_config.hf_text_config
+        self.cfg = resolve_config(
+            parse_adaspec_config(vllm_config.additional_config),
+            architectures=vllm_config.model_config.architectures,
+            num_layers=hf.num_hidden_layers,
+            num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens,
+        )
+        base_seed = vllm_config.model_config.seed or 0
+        self.states = RequestStates(
+            new_policy=lambda rid: make_policy(self.cfg.policy, self.cfg.num_speculative_tokens, request_seed(rid, base_seed))
+        )
+        self.prefix = None
+        self.runner = None
+        self.draft_steps = 0  # forward passes through the first N layers (for cost accounting)
+
+    # --- wiring (called by vLLM and by engine/worker.py) ---
+    def load_model(self, target_model) -> None:
+        from vllm_adaspec.engine.drafting import TargetPrefix
+
+        self.prefix = TargetPrefix(target_model, self.cfg.exit_layer, self.vllm_config)
+
+    def attach_runner(self, runner) -> None:
+        self.runner = runner
+
+    def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
+        self.states.finish(finished)
+        for req_id in scheduled:
+            self.states.scheduled(req_id, len(spec_tokens.get(req_id, ())))
+
+    # --- the proposer interface ---
+    @torch.inference_mode()
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_):
+        if self.runner is None:
+            raise RuntimeError(
+                "EarlyExitProposer was not attached to a model runner: the vllm_adaspec plugin did not install its "
+                "worker (is the package installed in the environment vLLM runs in?)"
+            )
+        req_ids = self.runner.input_batch.req_ids
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        rows, budgets, policies = [], [], []
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:  # prefill chunk in flight or discarded step: no new token to draft from
+                continue
+            req_id = req_ids[i]
+            self.states.verified(req_id, len(sampled))
+            policy = self.states.get(req_id).policy
+            budget = min(policy.begin_round(), self.cfg.num_speculative_tokens)
+            if budget > 0:
+                rows.append(i)
+                budgets.append(budget)
+                policies.append(policy)
+        if not rows:
+            return drafts
+        self.prefix.ensure_attached(self.runner)
+
+        rows_np = np.asarray(rows)
+        n = num_tokens_no_spec[rows_np]
+        device = self.runner.device
+        active = torch.tensor(rows, device=device)  # [B] batch rows still drafting
+        tokens = torch.from_numpy(token_ids_cpu[rows_np, n - 1].astype(np.int64)).to(device)  # [B] last committed
+        positions = torch.from_numpy((n - 1).astype(np.int64)).to(device)  # [B]
+        slots = list(range(len(rows)))  # index into rows/budgets/policies for each active entry
+        for depth in range(1, max(budgets) + 1):
+            hidden, residual = self.prefix.forward(active, tokens, positions)
+            logits = self.prefix.head(hidden, residual)  # [B, V]
+            tokens = logits.argmax(dim=-1)  # [B]
+            self.draft_steps += 1
+            keep = []
+            for j, (s, tok) in enumerate(zip(slots, tokens.tolist())):
+                drafts[rows[s]].append(tok)
+                if depth < budgets[s] and policies[s].keep_drafting(depth):
+                    keep.append(j)
+            if not keep:
+                break
+            if len(keep) < len(slots):
+                idx = torch.tensor(keep, device=device)
+                active, tokens, positions = active[idx], tokens[idx], positions[idx]
+                slots = [slots[j] for j in keep]
+            positions = positions + 1
+        return drafts
