@@ -114,8 +114,6 @@ def test_marker_must_match_pin_and_converter(tmp_path, fake_model):
 
 
 def test_interrupted_conversion_leaves_nothing_complete(tmp_path, fake_model, monkeypatch):
-    entry, calls = fake_model
-
     def boom(gguf, out, entry):
         (out / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt

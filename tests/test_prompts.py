@@ -27,7 +27,7 @@ def test_humaneval_all_164():
 
 def test_humaneval_instruct_wraps_the_code():
     raw, wrapped = load_humaneval(2), load_humaneval(2, instruct=True)
-    assert all(r in w and "```python" in w for r, w in zip(raw, wrapped))
+    assert all(r in w and "```python" in w for r, w in zip(raw, wrapped, strict=True))
 
 
 def test_mtbench_80_first_turns():

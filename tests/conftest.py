@@ -1,0 +1,63 @@
+import os
+
+import pytest
+
+SPEC = "vllm_adaspec.EarlyExitProposer"
+
+# Mixed lengths (one ~400-token prompt, two sharing a long prefix for prefix caching), raw and chat-style.
+LONG_CODE = "\n".join(
+    f"def helper_{i}(values):\n    \"\"\"Return the {i}-th transform of values.\"\"\"\n    return [v * {i} + {i % 7} for v in values]\n"
+    for i in range(14)
+)
+PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    LONG_CODE + "\ndef combine(values):\n",
+    "import numpy as np\n\ndef softmax(x):\n    \"\"\"Numerically stable softmax.\"\"\"\n",
+    LONG_CODE + "\nclass Pipeline:\n",
+    "<|im_start|>user\nExplain what a hash table is in two sentences.<|im_end|>\n<|im_start|>assistant\n",
+    "1, 2, 3, 4, 5,",
+    "Once upon a time, in a small village by the mountains,",
+    "SELECT name, COUNT(*) FROM orders",
+]
+MAX_TOKENS = [16, 64, 40, 96, 8, 72, 32, 128, 24, 56]
+
+ENGINE = {"dtype": "float32", "max_model_len": 2048, "seed": 0, "enforce_eager": True}
+
+
+def greedy_batch(prompts=PROMPTS, max_tokens=MAX_TOKENS, repeat=1):
+    return {
+        "prompts": prompts,
+        "params": [{"temperature": 0.0, "max_tokens": m, "ignore_eos": False} for m in max_tokens],
+        "repeat": repeat,
+    }
+
+
+def spec_engine(exit_layer: int, k: int, **extra):
+    return {
+        **ENGINE,
+        "speculative_config": {"model": SPEC, "num_speculative_tokens": k},
+        "additional_config": {"adaspec": {"exit_layer": exit_layer}},
+        **extra,
+    }
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    from vllm_adaspec.models import fetch_model
+
+    return str(fetch_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(smollm2):
+    """Reference: vLLM without speculation, same engine settings."""
+    from vllm_adaspec.harness import run_engine
+
+    return run_engine({"model": smollm2, "engine": ENGINE, "batches": [greedy_batch()]})["batches"][0]["runs"][0]
+
+
+def pytest_collection_modifyitems(config, items):
+    # Engine tests are slow; run the fast unit tests first so failures show up early.
+    items.sort(key=lambda it: 1 if it.get_closest_marker("engine") else 0)

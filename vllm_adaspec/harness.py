@@ -1,0 +1,116 @@
+"""Run one vLLM engine in a child process and get its outputs, timings and spec-decode counters back as JSON.
+
+Used by the tests, the demo and the benchmarks. A child process per engine keeps runs isolated (vLLM keeps
+global state, and environment variables such as VLLM_ENABLE_V1_MULTIPROCESSING must be set before import) and
+lets the parent stay free of vLLM. The parent side imports nothing heavy.
+
+    job = {"model": PATH, "engine": {...LLM kwargs...}, "batches": [{"prompts": [...], "params": [{...}], "repeat": 1}]}
+    result = run_engine(job)   # {"batches": [{"token_ids": [[...]], "texts": [...], "seconds": [...], "metrics": {...}}]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MARK = "@@ADASPEC_RESULT@@"
+COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:num_preemptions",
+    "vllm:generation_tokens",
+    "vllm:prompt_tokens",
+)
+
+
+class EngineRunError(RuntimeError):
+    pass
+
+
+def default_env(multiprocess: bool = False, workdir: str | None = None) -> dict:
+    """Environment for a CPU engine: small KV reservation, private temp/cache dirs."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    if workdir:
+        env["TMPDIR"] = workdir
+        env.setdefault("VLLM_CACHE_ROOT", os.path.join(workdir, "vllm-cache"))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run_engine(job: dict, env: dict | None = None, timeout: float = 1800, python: str = sys.executable) -> dict:
+    """Run `job` in a child Python; raise EngineRunError with the child's log tail on failure."""
+    with tempfile.TemporaryDirectory(prefix="adaspec-run-") as work:
+        env = env or default_env(workdir=work)
+        proc = subprocess.run(
+            [python, "-m", "vllm_adaspec.harness"],
+            input=json.dumps(job),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:])
+    raise EngineRunError(f"engine run failed (exit {proc.returncode}):\n{tail}")
+
+
+def metric_values(llm) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in COUNTERS:
+            out[m.name] = out.get(m.name, 0) + m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            prev = out.get(m.name, [0] * len(m.values))
+            out[m.name] = [a + b for a, b in zip(prev, m.values)]
+    return out
+
+
+def diff_metrics(after: dict, before: dict) -> dict:
+    out = {}
+    for k, v in after.items():
+        b = before.get(k, 0 if not isinstance(v, list) else [0] * len(v))
+        out[k] = [x - y for x, y in zip(v, b)] if isinstance(v, list) else v - b
+    return out
+
+
+def _child(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=job["model"], disable_log_stats=False, **job.get("engine", {}))
+    results = []
+    for batch in job["batches"]:
+        params = [SamplingParams(**p) for p in batch["params"]]
+        if len(params) == 1:
+            params = params * len(batch["prompts"])
+        runs = []
+        for _ in range(batch.get("repeat", 1)):
+            before = metric_values(llm)
+            t0 = time.perf_counter()
+            outs = llm.generate(batch["prompts"], params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            runs.append(
+                {
+                    "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                    "texts": [o.outputs[0].text for o in outs],
+                    "seconds": seconds,
+                    "metrics": diff_metrics(metric_values(llm), before),
+                }
+            )
+        results.append({"runs": runs})
+    return {"batches": results}
+
+
+if __name__ == "__main__":
+    result = _child(json.loads(sys.stdin.read()))
+    sys.stdout.write(MARK + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip slow engine teardown; the result is out
