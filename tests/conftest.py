@@ -23,6 +23,19 @@ PROMPTS = [
 ]
 MAX_TOKENS = [16, 64, 40, 96, 8, 72, 32, 128, 24, 56]
 
+# Short prompts with long generations: they are all admitted, then outgrow a small KV cache (preemption).
+GROW_PROMPTS = [
+    "Count from one to fifty in words:",
+    "List twenty animals, one per line:\n",
+    "def bubble_sort(items):",
+    "Here is a long story about a robot who learns to paint.",
+    "The history of the printing press",
+    "# A command line tool that renames files\nimport argparse\n",
+    "Write a recipe for bread:\n",
+    "Dear team, I am writing to",
+]
+GROW_MAX_TOKENS = [120] * len(GROW_PROMPTS)
+
 ENGINE = {"dtype": "float32", "max_model_len": 2048, "seed": 0, "enforce_eager": True}
 
 
@@ -55,7 +68,8 @@ def plain_greedy(smollm2):
     """Reference: vLLM without speculation, same engine settings."""
     from vllm_adaspec.harness import run_engine
 
-    return run_engine({"model": smollm2, "engine": ENGINE, "batches": [greedy_batch()]})["batches"][0]["runs"][0]
+    res = run_engine({"model": smollm2, "engine": ENGINE, "batches": [greedy_batch(), greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS)]})
+    return {"mixed": res["batches"][0]["runs"][0], "grow": res["batches"][1]["runs"][0]}
 
 
 def pytest_collection_modifyitems(config, items):

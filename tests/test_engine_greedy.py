@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import MAX_TOKENS, PROMPTS, greedy_batch, spec_engine
+from conftest import GROW_MAX_TOKENS, GROW_PROMPTS, greedy_batch, spec_engine
 from vllm_adaspec.harness import run_engine
 
 pytestmark = pytest.mark.engine
@@ -19,7 +19,7 @@ def test_greedy_identical_mixed_batch_with_prefix_cache_hits(smollm2, plain_gree
     res = run_engine({"model": smollm2, "engine": spec_engine(24, 4), "batches": [greedy_batch(repeat=2)]})
     first, second = res["batches"][0]["runs"]
     for run in (first, second):  # the second pass hits the prefix cache for every prompt
-        assert_identical(run, plain_greedy)
+        assert_identical(run, plain_greedy["mixed"])
     m = first["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0
     assert m["vllm:spec_decode_num_accepted_tokens"] > 10, m
@@ -28,11 +28,14 @@ def test_greedy_identical_mixed_batch_with_prefix_cache_hits(smollm2, plain_gree
 
 
 def test_greedy_identical_under_preemption_and_chunked_prefill(smollm2, plain_greedy):
-    # A KV cache too small for the whole batch forces preemption + recompute; a small token budget chunks
-    # the long prompts so prefill chunks and draft verification share steps.
-    engine = spec_engine(20, 3, kv_cache_memory_bytes=24 * 2**20, max_num_batched_tokens=128, max_num_seqs=8)
-    res = run_engine({"model": smollm2, "engine": engine, "batches": [greedy_batch()]})
+    # A KV cache of ~12 blocks of 32 tokens for 8 requests that each grow to ~130 tokens forces preemption and
+    # recompute; a small token budget chunks the long prompts of the mixed batch so prefill chunks and draft
+    # verification share steps.
+    engine = spec_engine(
+        20, 3, kv_cache_memory_bytes=18 * 2**20, block_size=32, max_model_len=320, max_num_batched_tokens=64
+    )
+    res = run_engine({"model": smollm2, "engine": engine, "batches": [greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS)]})
     run = res["batches"][0]["runs"][0]
-    assert_identical(run, plain_greedy)
+    assert_identical(run, plain_greedy["grow"])
     assert run["metrics"]["vllm:num_preemptions"] > 0, "the KV cache was large enough: no preemption was tested"
     assert run["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0

@@ -35,7 +35,8 @@ class EngineRunError(RuntimeError):
 def default_env(multiprocess: bool = False, workdir: str | None = None) -> dict:
     """Environment for a CPU engine: small KV reservation, private temp/cache dirs."""
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # The legacy variable overrides kv_cache_memory_bytes on CPU; the harness passes the size explicitly.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     if workdir:
         env["TMPDIR"] = workdir
@@ -85,7 +86,8 @@ def diff_metrics(after: dict, before: dict) -> dict:
 def _child(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=job["model"], disable_log_stats=False, **job.get("engine", {}))
+    engine = {"kv_cache_memory_bytes": 2**30, **job.get("engine", {})}
+    llm = LLM(model=job["model"], disable_log_stats=False, **engine)
     results = []
     for batch in job["batches"]:
         params = [SamplingParams(**p) for p in batch["params"]]
