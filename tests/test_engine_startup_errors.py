@@ -1,0 +1,71 @@
+"""Bad settings fail when the engine is built, in the caller's process, with one message naming what is wrong."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from vllm_adaspec.harness import default_env
+
+pytestmark = pytest.mark.engine
+
+CHILD = r"""
+import json, sys
+from vllm import LLM
+model, gpt2, cases = json.loads(sys.stdin.read())
+out = {}
+if __name__ == "__main__":
+    for name, (spec, add, extra) in cases.items():
+        try:
+            LLM(model=gpt2 if extra.pop("gpt2", False) else model, dtype="float32", kv_cache_memory_bytes=2**28,
+                speculative_config=spec, additional_config=add, **extra)
+            out[name] = "NO ERROR"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    print("@@" + json.dumps(out))
+"""
+
+EE = "vllm_adaspec.EarlyExitProposer"
+CASES = {
+    "unknown key": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_layr": 6}}, {},
+                    ["unknown key(s) 'exit_layr'", "allowed keys: exit_layer, policy"]),
+    "wrong type": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_layer": "6"}}, {},
+                   ["['exit_layer']: must be an integer, got str '6'"]),
+    "exit layer too deep": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_layer": 30}}, {},
+                            ["['exit_layer']: must satisfy 1 <= exit_layer < 30 (the model has 30 layers), got 30"]),
+    "unknown policy": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"policy": "thompson"}}, {},
+                       ["['policy']: must be one of fixed; got 'thompson'"]),
+    "unknown proposer": ({"model": "vllm_adaspec.EarlyExit", "num_speculative_tokens": 3}, {}, {},
+                         ["'vllm_adaspec.EarlyExit' is not an adaspec proposer; known: vllm_adaspec.EarlyExitProposer"]),
+    "K below 1": ({"model": EE, "num_speculative_tokens": 0}, {}, {}, ["num_speculative_tokens"]),
+    "foreign worker": ({"model": EE, "num_speculative_tokens": 3}, {}, {"worker_cls": "my.Worker"},
+                       ["installs its own worker", "worker_cls='my.Worker'", "Remove --worker-cls"]),
+    "unsupported model": ({"model": EE, "num_speculative_tokens": 3}, {}, {"gpt2": True},
+                          ["['GPT2LMHeadModel'] is not supported by early-exit drafting", "LlamaForCausalLM"]),
+}
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory, smollm2):
+    """A config-only GPT-2 folder: enough for vLLM to build its config, and an architecture we refuse."""
+    d = tmp_path_factory.mktemp("gpt2")
+    cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4,
+           "n_positions": 512, "vocab_size": 49152, "torch_dtype": "float32"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{smollm2}/{f}", d / f)
+    return str(d)
+
+
+def test_bad_input_fails_at_startup_with_a_message_naming_it(smollm2, gpt2_folder, tmp_path):
+    cases = {k: v[:3] for k, v in CASES.items()}
+    proc = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps([smollm2, gpt2_folder, cases]),
+                          capture_output=True, text=True, env=default_env(workdir=str(tmp_path)), timeout=600)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("@@")), None)
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(line[2:])
+    for name, (*_, words) in CASES.items():
+        for w in words:
+            assert w in got[name], f"{name}: {w!r} not in {got[name]!r}"
