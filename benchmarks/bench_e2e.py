@@ -30,7 +30,10 @@ def methods(args) -> dict[str, dict]:
         out["ngram"] = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5,
                                                "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
     if "suffix" in args.methods:
-        out["suffix"] = {"speculative_config": {"method": "suffix"}}
+        # Suffix decoding caches past responses across requests; with repeated identical prompts (repeats, and the
+        # same prompts at batch 1 then 8) that turns later runs into replays. 0 keeps every cell independent.
+        out["suffix"] = {"speculative_config": {"method": "suffix",
+                                                "suffix_decoding_max_cached_requests": args.suffix_cached_requests}}
     if "adaspec" in args.methods:
         for n in args.exit_layers:
             for k in args.ks:
@@ -116,7 +119,9 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=["plain", "ngram", "suffix", "adaspec"])
     p.add_argument("--exit-layers", type=int, nargs="+", default=[6])
     p.add_argument("--ks", type=int, nargs="+", default=[3])
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--suffix-cached-requests", type=int, default=0,
+                   help="suffix decoding's cross-request response cache; >0 lets repeats replay earlier outputs")
+    p.add_argument("--dtype", default="float32", help="float32: this CPU has no native bf16 (AVX2), where bf16 is several times slower")
     p.add_argument("--out", default="benchmarks/out/bench_e2e.json")
     args = p.parse_args(argv)
 
