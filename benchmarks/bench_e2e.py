@@ -61,13 +61,16 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
     cells: dict[tuple, dict] = {}
     for run, (r, ds, bs, i) in zip(runs, tags):
         c = cells.setdefault((ds, bs), {"reps": {}, "ids": {}})
-        rep = c["reps"].setdefault(r, {"tokens": 0, "seconds": 0.0, "drafts": 0, "draft_tokens": 0, "accepted": 0})
+        rep = c["reps"].setdefault(r, {"tokens": 0, "seconds": 0.0, "drafts": 0, "draft_tokens": 0, "accepted": 0,
+                                       "draft_seconds": 0.0, "draft_passes": 0})
         rep["tokens"] += sum(len(t) for t in run["token_ids"])
         rep["seconds"] += run["seconds"]
         m = run["metrics"]
         rep["drafts"] += m.get("vllm:spec_decode_num_drafts", 0)
         rep["draft_tokens"] += m.get("vllm:spec_decode_num_draft_tokens", 0)
         rep["accepted"] += m.get("vllm:spec_decode_num_accepted_tokens", 0)
+        rep["draft_seconds"] += run.get("adaspec", {}).get("draft_seconds", 0.0)
+        rep["draft_passes"] += run.get("adaspec", {}).get("draft_passes", 0)
         if r == 0:
             for j, t in enumerate(run["token_ids"]):
                 c["ids"][i + j] = t
@@ -75,7 +78,13 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
     for (ds, bs), c in cells.items():
         reps = list(c["reps"].values())
         rep = reps[0]
+        # Draft cost c = one draft pass / one target step. At batch 1 each committed round is one target forward.
+        forwards = max(1, rep["tokens"] - rep["accepted"])
+        target_step = (rep["seconds"] - rep["draft_seconds"]) / forwards
+        c_cost = (rep["draft_seconds"] / rep["draft_passes"]) / target_step if rep["draft_passes"] and bs == 1 else None
         rows[f"{ds}|{bs}"] = {
+            "draft_share": rep["draft_seconds"] / rep["seconds"],
+            "draft_cost_c": c_cost,
             "tok_s": statistics.median(x["tokens"] / x["seconds"] for x in reps),
             "tok_s_all": [x["tokens"] / x["seconds"] for x in reps],
             "tokens": rep["tokens"],
@@ -93,8 +102,9 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
 
 def markdown(results: dict, args) -> str:
     lines = [
-        "| dataset | batch | method | tok/s (median) | speedup | tau | accepted / drafted | identical to plain |",
-        "|---|---|---|---|---|---|---|---|",
+        "| dataset | batch | method | tok/s (median) | speedup | tau | accepted / drafted | drafting share of time |"
+        " draft cost c | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     plain = results["plain"]
     for key in plain:
@@ -103,8 +113,10 @@ def markdown(results: dict, args) -> str:
             row = rows[key]
             speed = row["tok_s"] / plain[key]["tok_s"]
             acc = f"{row['accepted']} / {row['draft_tokens']}" if row["draft_tokens"] else "-"
+            share = f"{row['draft_share']:.0%}" if row["draft_share"] else "-"
+            c_cost = f"{row['draft_cost_c']:.2f}" if row["draft_cost_c"] else "-"
             lines.append(f"| {ds} | {bs} | {name} | {row['tok_s']:.1f} | {speed:.2f}x | {row['tau']:.2f} | {acc} | "
-                         f"{row['identical']}/{row['n']} |")
+                         f"{share} | {c_cost} | {row['identical']}/{row['n']} |")
     return "\n".join(lines)
 
 

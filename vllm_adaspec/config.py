@@ -100,7 +100,10 @@ def resolve_config(
         )
     if num_speculative_tokens is None:
         raise AdaspecConfigError("speculative_config['num_speculative_tokens'] is required (K, the most drafts per step)")
-    k = _check_int("num_speculative_tokens", num_speculative_tokens) if not isinstance(num_speculative_tokens, int) else num_speculative_tokens
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
+        raise AdaspecConfigError(
+            f"speculative_config['num_speculative_tokens'] must be an integer, got {num_speculative_tokens!r}")
+    k = num_speculative_tokens
     if k < 1:
         raise AdaspecConfigError(f"speculative_config['num_speculative_tokens'] must be >= 1, got {k}")
     if num_layers < 2:

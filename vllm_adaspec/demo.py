@@ -35,6 +35,7 @@ def run_demo(model: str, exit_layer: int, k: int, max_tokens: int, dtype: str = 
         out[name] = {
             "tok_s": tokens / sum(r["seconds"] for r in runs),
             "tau": tokens / max(1, tokens - accepted),
+            "draft_share": sum(r.get("adaspec", {}).get("draft_seconds", 0.0) for r in runs) / sum(r["seconds"] for r in runs),
             "ids": [r["token_ids"][0] for r in runs],
             "texts": [r["texts"][0] for r in runs],
         }
@@ -47,5 +48,6 @@ def print_demo(res: dict, exit_layer: int, k: int) -> None:
     same = sum(a == b for a, b in zip(plain["ids"], ada["ids"]))
     print(f"plain decoding:                 {plain['tok_s']:7.1f} tok/s")
     print(f"adaspec early exit N={exit_layer} K={k}:  {ada['tok_s']:7.1f} tok/s   "
-          f"tau {ada['tau']:.2f}   speedup {ada['tok_s'] / plain['tok_s']:.2f}x")
+          f"tau {ada['tau']:.2f}   speedup {ada['tok_s'] / plain['tok_s']:.2f}x   "
+          f"(drafting {ada['draft_share']:.0%} of the time)")
     print(f"greedy outputs identical to plain decoding: {same}/{len(plain['ids'])}")

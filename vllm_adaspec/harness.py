@@ -83,6 +83,14 @@ def diff_metrics(after: dict, before: dict) -> dict:
     return out
 
 
+def adaspec_stats(llm) -> dict:
+    """The drafter's counters from the (first) worker; {} when the engine runs no adaspec proposer."""
+    try:
+        return llm.collective_rpc("adaspec_stats")[0] or {}
+    except Exception:  # a worker without our mixin (plain or another method)
+        return {}
+
+
 def _child(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -95,6 +103,7 @@ def _child(job: dict) -> dict:
             params = params * len(batch["prompts"])
         runs = []
         for _ in range(batch.get("repeat", 1)):
+            stats_before = adaspec_stats(llm)
             before = metric_values(llm)
             t0 = time.perf_counter()
             outs = llm.generate(batch["prompts"], params, use_tqdm=False)
@@ -105,6 +114,7 @@ def _child(job: dict) -> dict:
                     "texts": [o.outputs[0].text for o in outs],
                     "seconds": seconds,
                     "metrics": diff_metrics(metric_values(llm), before),
+                    "adaspec": diff_metrics(adaspec_stats(llm), stats_before),
                 }
             )
         results.append({"runs": runs})

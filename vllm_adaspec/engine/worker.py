@@ -27,6 +27,11 @@ class _AdaspecWorkerMixin:
             )
         return super().execute_model(scheduler_output)
 
+    def adaspec_stats(self) -> dict:
+        """Drafter counters (drafting time, passes, tokens); `LLM.collective_rpc("adaspec_stats")` reads them."""
+        drafter = getattr(self.model_runner, "drafter", None)
+        return drafter.get_stats() if hasattr(drafter, "get_stats") else {}
+
 
 class AdaspecCPUWorker(_AdaspecWorkerMixin, CPUWorker):
     pass

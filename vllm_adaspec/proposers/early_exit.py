@@ -10,6 +10,7 @@ so its rejection sampler stays lossless (the draft distribution is a point mass)
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
 import torch
@@ -40,7 +41,9 @@ class EarlyExitProposer:
         )
         self.prefix = None
         self.runner = None
-        self.draft_steps = 0  # forward passes through the first N layers (for cost accounting)
+        # Cost accounting, read through the worker's `adaspec_stats` RPC: draft passes through the first N layers,
+        # drafts returned, wall time inside propose (CPU: synchronous, so this is the drafting cost).
+        self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0}
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
@@ -80,6 +83,7 @@ class EarlyExitProposer:
                 policies.append(policy)
         if not rows:
             return drafts
+        t0 = time.perf_counter()
         self.prefix.ensure_attached(self.runner)
 
         rows_np = np.asarray(rows)
@@ -93,7 +97,7 @@ class EarlyExitProposer:
             hidden, residual = self.prefix.forward(active, tokens, positions)
             logits = self.prefix.head(hidden, residual)  # [B, V]
             tokens = logits.argmax(dim=-1)  # [B]
-            self.draft_steps += 1
+            self.stats["draft_passes"] += 1
             keep = []
             for j, (s, tok) in enumerate(zip(slots, tokens.tolist())):
                 drafts[rows[s]].append(tok)
@@ -106,4 +110,11 @@ class EarlyExitProposer:
                 active, tokens, positions = active[idx], tokens[idx], positions[idx]
                 slots = [slots[j] for j in keep]
             positions = positions + 1
+        st = self.stats
+        st["propose_calls"] += 1
+        st["draft_tokens"] += sum(map(len, drafts))
+        st["draft_seconds"] += time.perf_counter() - t0
         return drafts
+
+    def get_stats(self) -> dict:
+        return {**self.stats, "tracked_requests": len(self.states)}
