@@ -52,27 +52,31 @@ class TargetPrefix:
                 self.builders.append((attn_group.get_metadata_builder(), names))
         self.block_size = groups[self.gid].kv_cache_spec.block_size
 
-    def block_table(self) -> torch.Tensor:
-        return self.runner.input_batch.block_table[self.gid].get_device_tensor(self.runner.input_batch.num_reqs)
+    def block_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Block-table rows of the drafting requests [B, max_blocks]; gathered once per propose call."""
+        table = self.runner.input_batch.block_table[self.gid].get_device_tensor(self.runner.input_batch.num_reqs)
+        return table[rows]
 
-    def forward(self, rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One draft step. rows/tokens/positions: [B] (batch row, token id, position). Returns logits [B, V]."""
+    def forward(self, blocks: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, max_seq_len: int):
+        """One draft step through the first N layers.
+
+        blocks [B, max_blocks] (from block_rows), tokens [B], positions [B]; max_seq_len: an upper bound on
+        positions + 1, passed in so no device->host sync is needed. Returns (hidden, residual), each [B, H].
+        """
         b = tokens.shape[0]
-        device = tokens.device
-        blocks = self.block_table()[rows]  # [B, max_blocks]
         slots = blocks.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1).long() * self.block_size + (
             positions % self.block_size
         )
         seq_lens = (positions + 1).to(torch.int32)
-        qsl = torch.arange(b + 1, dtype=torch.int32, device=device)
+        qsl_cpu = torch.arange(b + 1, dtype=torch.int32)
         common = CommonAttentionMetadata(
-            query_start_loc=qsl,
-            query_start_loc_cpu=qsl.cpu(),
+            query_start_loc=qsl_cpu.to(tokens.device),
+            query_start_loc_cpu=qsl_cpu,
             seq_lens=seq_lens,
             num_reqs=b,
             num_actual_tokens=b,
             max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=max_seq_len,
             block_table_tensor=blocks,
             slot_mapping=slots,
             causal=True,

@@ -90,26 +90,29 @@ class EarlyExitProposer:
         n = num_tokens_no_spec[rows_np]
         device = self.runner.device
         active = torch.tensor(rows, device=device)  # [B] batch rows still drafting
+        blocks = self.prefix.block_rows(active)  # [B, max_blocks]
         tokens = torch.from_numpy(token_ids_cpu[rows_np, n - 1].astype(np.int64)).to(device)  # [B] last committed
         positions = torch.from_numpy((n - 1).astype(np.int64)).to(device)  # [B]
-        slots = list(range(len(rows)))  # index into rows/budgets/policies for each active entry
+        max_seq_len = int(n.max())  # host-side upper bound, grows by one per depth
+        entries = list(range(len(rows)))  # index into rows/budgets/policies for each active request
         for depth in range(1, max(budgets) + 1):
-            hidden, residual = self.prefix.forward(active, tokens, positions)
+            hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len)
             logits = self.prefix.head(hidden, residual)  # [B, V]
             tokens = logits.argmax(dim=-1)  # [B]
             self.stats["draft_passes"] += 1
             keep = []
-            for j, (s, tok) in enumerate(zip(slots, tokens.tolist())):
-                drafts[rows[s]].append(tok)
-                if depth < budgets[s] and policies[s].keep_drafting(depth):
+            for j, (e, tok) in enumerate(zip(entries, tokens.tolist())):
+                drafts[rows[e]].append(tok)
+                if depth < budgets[e] and policies[e].keep_drafting(depth):
                     keep.append(j)
             if not keep:
                 break
-            if len(keep) < len(slots):
+            if len(keep) < len(entries):
                 idx = torch.tensor(keep, device=device)
-                active, tokens, positions = active[idx], tokens[idx], positions[idx]
-                slots = [slots[j] for j in keep]
+                blocks, tokens, positions = blocks[idx], tokens[idx], positions[idx]
+                entries = [entries[j] for j in keep]
             positions = positions + 1
+            max_seq_len += 1
         st = self.stats
         st["propose_calls"] += 1
         st["draft_tokens"] += sum(map(len, drafts))
