@@ -7,6 +7,7 @@ Each subcommand is an `add_<name>(subparsers)` + `cmd_<name>(args) -> exit code`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -56,11 +57,53 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def add_distill(sub) -> None:
+    p = sub.add_parser("distill", help="self-distillation data: the target writes its own training text via vLLM")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
+    p.add_argument("--out", default=None, help="output folder (default: <cache>/distill/<model>-seed<seed>)")
+    p.add_argument("--tokens", type=int, default=500_000, help="generated tokens to collect (default 500000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=256, help="longest continuation per prompt")
+    p.add_argument("--prompts-per-shard", type=int, default=256)
+    p.set_defaults(func=cmd_distill)
+
+
+def default_distill_dir(model: str, seed: int) -> str:
+    from vllm_adaspec._pkgcache import cache_root
+
+    return str(cache_root() / "distill" / f"{os.path.basename(os.path.normpath(model))}-seed{seed}")
+
+
+def cmd_distill(args) -> int:
+    from vllm_adaspec.models import resolve_model
+    from vllm_adaspec.training.distill import DistillSettings, generate_distill_data
+
+    if args.tokens < 1 or args.max_tokens < 1 or args.prompts_per_shard < 1:
+        print("adaspec distill: --tokens, --max-tokens and --prompts-per-shard must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        model = resolve_model(args.model)
+    except ValueError as e:
+        print(f"adaspec distill: {e}", file=sys.stderr)
+        return 2
+    out = args.out or default_distill_dir(args.model, args.seed)
+    settings = DistillSettings(model=model, tokens=args.tokens, seed=args.seed, max_tokens=args.max_tokens,
+                               prompts_per_shard=args.prompts_per_shard)
+    try:
+        summary = generate_distill_data(settings, out)
+    except ValueError as e:  # settings clash with existing data in --out
+        print(f"adaspec distill: {e}", file=sys.stderr)
+        return 2
+    print(f"{summary['generated_tokens']} generated tokens in {summary['shards']} shard(s): {summary['out']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaspec", description="self-speculative decoding for vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
     add_fetch(sub)
     add_demo(sub)
+    add_distill(sub)
     return parser
 
 
