@@ -5,7 +5,12 @@ sizes and repeats. Reported per (dataset, batch size, method): median tokens/s o
 tau (tokens committed per target forward = generated / (generated - accepted drafts)), drafts accepted, and
 whether the greedy outputs equal plain decoding's.
 
-    .venv/bin/python benchmarks/bench_e2e.py --num-prompts 8 --repeats 3 --exit-layers 6 --ks 3
+    .venv/bin/python benchmarks/bench_e2e.py --num-prompts 8 --repeats 3 --ks 1 2 3 5 8
+
+adaspec rows use `--exit-head` (default "auto": the shipped head and its N; "none": the untrained exit; a folder,
+or a pattern with {n} for one trained head per N). Also reported: top-1 agreement inside vLLM (acceptance of the
+first draft), acceptance rate, and EESD's HM = 2 v r / (v + r) with v = accepted / drafted and r = accepted /
+generated. With several K a plot of speedup against K is written next to the table.
 """
 
 from __future__ import annotations
@@ -35,11 +40,14 @@ def methods(args) -> dict[str, dict]:
         out["suffix"] = {"speculative_config": {"method": "suffix",
                                                 "suffix_decoding_max_cached_requests": args.suffix_cached_requests}}
     if "adaspec" in args.methods:
-        for n in args.exit_layers:
+        for n in args.exit_layers or [None]:
+            head = args.exit_head.format(n=n) if "{n}" in args.exit_head else args.exit_head
             for k in args.ks:
-                out[f"adaspec-ee N={n} K={k}"] = {
+                settings = {"exit_head": head, **({"exit_layer": n} if n is not None else {})}
+                label = "adaspec-ee" + (f" N={n}" if n is not None else "") + f" K={k}"
+                out[label] = {
                     "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": k},
-                    "additional_config": {"adaspec": {"exit_layer": n}},
+                    "additional_config": {"adaspec": settings},
                 }
     return out
 
@@ -62,13 +70,14 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
     for run, (r, ds, bs, i) in zip(runs, tags):
         c = cells.setdefault((ds, bs), {"reps": {}, "ids": {}})
         rep = c["reps"].setdefault(r, {"tokens": 0, "seconds": 0.0, "drafts": 0, "draft_tokens": 0, "accepted": 0,
-                                       "draft_seconds": 0.0, "draft_passes": 0})
+                                       "draft_seconds": 0.0, "draft_passes": 0, "accepted_first": 0})
         rep["tokens"] += sum(len(t) for t in run["token_ids"])
         rep["seconds"] += run["seconds"]
         m = run["metrics"]
         rep["drafts"] += m.get("vllm:spec_decode_num_drafts", 0)
         rep["draft_tokens"] += m.get("vllm:spec_decode_num_draft_tokens", 0)
         rep["accepted"] += m.get("vllm:spec_decode_num_accepted_tokens", 0)
+        rep["accepted_first"] += (m.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [0])[0]
         rep["draft_seconds"] += run.get("adaspec", {}).get("draft_seconds", 0.0)
         rep["draft_passes"] += run.get("adaspec", {}).get("draft_passes", 0)
         if r == 0:
@@ -82,7 +91,12 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         forwards = max(1, rep["tokens"] - rep["accepted"])
         target_step = (rep["seconds"] - rep["draft_seconds"]) / forwards
         c_cost = (rep["draft_seconds"] / rep["draft_passes"]) / target_step if rep["draft_passes"] and bs == 1 else None
+        v = rep["accepted"] / rep["draft_tokens"] if rep["draft_tokens"] else 0.0
+        r_d = rep["accepted"] / max(1, rep["tokens"])
         rows[f"{ds}|{bs}"] = {
+            "agree1": rep["accepted_first"] / rep["drafts"] if rep["drafts"] else None,
+            "accept_rate": v,
+            "hm": 2 * v * r_d / (v + r_d) if v + r_d else 0.0,
             "draft_share": rep["draft_seconds"] / rep["seconds"],
             "draft_cost_c": c_cost,
             "tok_s": statistics.median(x["tokens"] / x["seconds"] for x in reps),
@@ -102,9 +116,9 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
 
 def markdown(results: dict, args) -> str:
     lines = [
-        "| dataset | batch | method | tok/s (median) | speedup | tau | accepted / drafted | drafting share of time |"
-        " draft cost c | identical to plain |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| dataset | batch | method | tok/s (median) | speedup | tau | top-1 agreement | accepted / drafted | HM |"
+        " drafting share of time | draft cost c | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     plain = results["plain"]
     for key in plain:
@@ -115,8 +129,10 @@ def markdown(results: dict, args) -> str:
             acc = f"{row['accepted']} / {row['draft_tokens']}" if row["draft_tokens"] else "-"
             share = f"{row['draft_share']:.0%}" if row["draft_share"] else "-"
             c_cost = f"{row['draft_cost_c']:.2f}" if row["draft_cost_c"] else "-"
-            lines.append(f"| {ds} | {bs} | {name} | {row['tok_s']:.1f} | {speed:.2f}x | {row['tau']:.2f} | {acc} | "
-                         f"{share} | {c_cost} | {row['identical']}/{row['n']} |")
+            agree = f"{row['agree1']:.1%}" if row.get("agree1") is not None else "-"
+            hm = f"{row['hm']:.1%}" if row["draft_tokens"] else "-"
+            lines.append(f"| {ds} | {bs} | {name} | {row['tok_s']:.1f} | {speed:.2f}x | {row['tau']:.2f} | {agree} | "
+                         f"{acc} | {hm} | {share} | {c_cost} | {row['identical']}/{row['n']} |")
     return "\n".join(lines)
 
 
@@ -129,7 +145,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", nargs="+", default=["plain", "ngram", "suffix", "adaspec"])
-    p.add_argument("--exit-layers", type=int, nargs="+", default=[6])
+    p.add_argument("--exit-layers", type=int, nargs="+", default=None,
+                   help="N values (default: the exit head's own N)")
+    p.add_argument("--exit-head", default="auto", help="'auto', 'none', a checkpoint folder, or a pattern with {n}")
     p.add_argument("--ks", type=int, nargs="+", default=[3])
     p.add_argument("--suffix-cached-requests", type=int, default=0,
                    help="suffix decoding's cross-request response cache; >0 lets repeats replay earlier outputs")
@@ -170,8 +188,45 @@ def main(argv=None) -> int:
             row.pop("ids")
     out.write_text(json.dumps({"args": vars(args), "command": " ".join(sys.argv), "results": results}, indent=1))
     out.with_suffix(".md").write_text(table + "\n")
+    if len(args.ks) > 1:
+        plot_k_sweep(results, out.with_suffix(".png"))
     print(table)
     return 0
+
+
+def plot_k_sweep(results: dict, path: Path) -> None:
+    """Speedup over plain against K, one line per (dataset, batch), baselines as dashed lines."""
+    import re
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plain = results["plain"]
+    keys = list(plain)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        series: dict[str, list] = {}
+        for name, rows in results.items():
+            m = re.match(r"(adaspec-ee(?: N=\d+)?) K=(\d+)", name)
+            if m:
+                series.setdefault(m.group(1), []).append((int(m.group(2)), rows[key]["tok_s"] / plain[key]["tok_s"]))
+        for label, pts in series.items():
+            pts.sort()
+            ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", label=label)
+        for base in ("ngram", "suffix"):
+            if base in results:
+                ax.axhline(results[base][key]["tok_s"] / plain[key]["tok_s"], ls="--", lw=1, label=base,
+                           color="gray" if base == "ngram" else "black")
+        ax.axhline(1.0, color="red", lw=0.8)
+        ds, bs = key.split("|")
+        ax.set_title(f"{ds}, batch {bs}")
+        ax.set_xlabel("K (max drafts per step)")
+        ax.set_ylabel("speedup over plain")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

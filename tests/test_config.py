@@ -22,7 +22,7 @@ def test_explicit_values_are_kept():
 @pytest.mark.parametrize(
     "section, words",
     [
-        ({"exit_layers": 6}, ["unknown key", "'exit_layers'", "allowed keys: exit_layer, policy"]),
+        ({"exit_layers": 6}, ["unknown key", "'exit_layers'", "allowed keys: exit_layer, policy, exit_head"]),
         ({"exit_layer": "six"}, ["['exit_layer']", "must be an integer", "str 'six'"]),
         ({"exit_layer": True}, ["['exit_layer']", "must be an integer", "bool"]),
         ({"exit_layer": 6.0}, ["['exit_layer']", "must be an integer", "float"]),

@@ -98,12 +98,57 @@ def cmd_distill(args) -> int:
     return 0
 
 
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train what a drafter needs")
+    tsub = p.add_subparsers(dest="what", required=True)
+    e = tsub.add_parser("exit-layer", help="EESD exit layer on the frozen first N layers, by self-distillation")
+    e.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
+    e.add_argument("--data", default=None, help="`adaspec distill` folder (default: its default for --model, seed 0)")
+    e.add_argument("-N", "--exit-layer", type=int, required=True, help="target layers the exit layer sits on")
+    e.add_argument("--out", required=True, help="checkpoint folder to write")
+    e.add_argument("--num-exit-layers", type=int, default=1)
+    e.add_argument("--loss", choices=("argmax", "distribution"), default="argmax")
+    e.add_argument("--draft-vocab", type=int, default=8192, help="V': rows of the draft LM head (0 = all)")
+    e.add_argument("--train-head", action="store_true", help="train a copy of the LM head rows (default: shared)")
+    e.add_argument("--epochs", type=float, default=1.0)
+    e.add_argument("--lr", type=float, default=3e-4)
+    e.add_argument("--batch-tokens", type=int, default=8192)
+    e.add_argument("--seed", type=int, default=0)
+    e.set_defaults(func=cmd_train_exit)
+
+
+def cmd_train_exit(args) -> int:
+    import json
+
+    from vllm_adaspec.models import resolve_model
+    from vllm_adaspec.training.exit_trainer import ExitTrainSettings, train_exit_layer
+
+    try:
+        model = resolve_model(args.model)
+    except ValueError as e:
+        print(f"adaspec train: {e}", file=sys.stderr)
+        return 2
+    data = args.data or default_distill_dir(args.model, 0)
+    st = ExitTrainSettings(model=model, data=data, exit_layer=args.exit_layer, out=args.out,
+                           num_exit_layers=args.num_exit_layers, loss=args.loss, draft_vocab=args.draft_vocab,
+                           train_head=args.train_head, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                           seed=args.seed, name=os.path.basename(os.path.normpath(args.model)))
+    try:
+        report = train_exit_layer(st)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"adaspec train: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaspec", description="self-speculative decoding for vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
     add_fetch(sub)
     add_demo(sub)
     add_distill(sub)
+    add_train(sub)
     return parser
 
 

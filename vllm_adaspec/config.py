@@ -30,6 +30,10 @@ class AdaspecConfig:
     exit_layer: int | None = None
     # Draft-length policy: one object per request decides how many tokens to draft each step.
     policy: str = "fixed"
+    # Trained exit head: a checkpoint folder from `adaspec train exit-layer`; "auto" = the one shipped for this
+    # model if there is one (else the untrained exit, with a warning); "none" = the untrained exit
+    # (final norm + LM head on h_N).
+    exit_head: str = "auto"
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -71,7 +75,10 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None) -> Adaspec
     policy = section.get("policy", "fixed")
     if not isinstance(policy, str) or policy not in POLICIES:
         raise _fail("policy", f"must be one of {', '.join(POLICIES)}; got {policy!r}")
-    return AdaspecConfig(exit_layer=exit_layer, policy=policy)
+    exit_head = section.get("exit_head", "auto")
+    if not isinstance(exit_head, str) or not exit_head:
+        raise _fail("exit_head", f"must be 'auto', 'none' or a checkpoint folder; got {exit_head!r}")
+    return AdaspecConfig(exit_layer=exit_layer, policy=policy, exit_head=exit_head)
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,7 @@ class ResolvedConfig:
     num_layers: int
     num_speculative_tokens: int
     policy: str
+    exit_head: str | None = None  # checkpoint folder, or None for the untrained exit
 
 
 def resolve_config(
@@ -90,8 +98,13 @@ def resolve_config(
     architectures: list[str] | None,
     num_layers: int,
     num_speculative_tokens: int | None,
+    hf_config=None,
 ) -> ResolvedConfig:
-    """Check the settings against the target model; fill defaults that depend on it."""
+    """Check the settings against the target model; fill defaults that depend on it.
+
+    With `hf_config` the exit head is resolved too: an explicit checkpoint must match the model's config and N
+    (its weights are checked when the worker loads it); "auto" finds a shipped one.
+    """
     archs = list(architectures or [])
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise AdaspecConfigError(
@@ -108,10 +121,24 @@ def resolve_config(
         raise AdaspecConfigError(f"speculative_config['num_speculative_tokens'] must be >= 1, got {k}")
     if num_layers < 2:
         raise AdaspecConfigError(f"vllm_adaspec: the model has {num_layers} layer(s); early exit needs at least 2")
-    exit_layer = cfg.exit_layer if cfg.exit_layer is not None else max(1, num_layers // 4)
+    head, exit_layer = None, cfg.exit_layer
+    if hf_config is not None and cfg.exit_head != "none":
+        from vllm_adaspec.heads import check_against_model, find_shipped, load_exit_head
+
+        if cfg.exit_head == "auto":
+            head = find_shipped(hf_config, cfg.exit_layer)
+        else:
+            head = cfg.exit_head
+            meta, _ = load_exit_head(head, tensors=False)
+            check_against_model(meta, head, hf_config, cfg.exit_layer)
+        if head is not None:
+            exit_layer = load_exit_head(head, tensors=False)[0]["exit_layer"]
+    if exit_layer is None:
+        exit_layer = max(1, num_layers // 4)
     if not 1 <= exit_layer < num_layers:
         raise _fail(
             "exit_layer",
             f"must satisfy 1 <= exit_layer < {num_layers} (the model has {num_layers} layers), got {exit_layer}",
         )
-    return ResolvedConfig(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy)
+    return ResolvedConfig(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
+                          exit_head=head)

@@ -78,6 +78,9 @@ def metric_values(llm) -> dict:
 def diff_metrics(after: dict, before: dict) -> dict:
     out = {}
     for k, v in after.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float, list)):
+            out[k] = v  # a setting (e.g. the exit head in use), not a counter
+            continue
         b = before.get(k, 0 if not isinstance(v, list) else [0] * len(v))
         out[k] = [x - y for x, y in zip(v, b)] if isinstance(v, list) else v - b
     return out

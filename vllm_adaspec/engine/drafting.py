@@ -16,9 +16,9 @@ from vllm_adaspec.config import AdaspecConfigError
 
 
 class TargetPrefix:
-    """The target model's embedding + first `num_layers` decoder layers, callable on draft tokens."""
+    """The target model's embedding + first `num_layers` decoder layers (+ a trained exit), callable on drafts."""
 
-    def __init__(self, target_model: torch.nn.Module, num_layers: int, vllm_config):
+    def __init__(self, target_model: torch.nn.Module, num_layers: int, vllm_config, trained_exit=None):
         inner = getattr(target_model, "model", None)
         missing = [a for a in ("embed_tokens", "layers", "norm") if not hasattr(inner, a)]
         if inner is None or missing or not hasattr(target_model, "compute_logits"):
@@ -29,7 +29,10 @@ class TargetPrefix:
         self.model = target_model
         self.inner = inner
         self.layers = list(inner.layers[:num_layers])
+        self.exit = trained_exit  # engine/exit_head.TrainedExit or None (untrained exit)
         self.layer_names = [layer.self_attn.attn.layer_name for layer in self.layers]
+        if trained_exit is not None:
+            self.layer_names += trained_exit.layer_names
         self.vllm_config = vllm_config
         self.runner = None
 
@@ -90,11 +93,24 @@ class TargetPrefix:
         with set_forward_context(attn_metadata, self.vllm_config, num_tokens=b, slot_mapping=slot_mapping):
             hidden = self.inner.embed_tokens(tokens)
             residual = None
-            for layer in self.layers:
-                hidden, residual = layer(positions, hidden, residual)
+            if self.exit is not None:
+                self.exit.feeding = False  # the hook is for target forwards; here the exit runs explicitly
+            try:
+                for layer in self.layers:
+                    hidden, residual = layer(positions, hidden, residual)
+            finally:
+                if self.exit is not None:
+                    self.exit.feeding = True
+            if self.exit is not None:
+                hidden, residual = self.exit.run_layers(positions, hidden, residual)
         return hidden, residual
 
-    def head(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The untrained exit: the target's final norm + LM head on h_N. [B, H] -> logits [B, V]."""
+    def head(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, H] -> (logits [B, V'], vocab [V'] full ids of the logit columns, or None when V' is the vocabulary).
+
+        Trained exit: its norm + the draft vocabulary's LM-head rows. Untrained: the target's final norm + LM head.
+        """
+        if self.exit is not None:
+            return self.exit.logits(hidden, residual), self.exit.vocab
         normed, _ = self.inner.norm(hidden, residual)
-        return self.model.compute_logits(normed)
+        return self.model.compute_logits(normed), None

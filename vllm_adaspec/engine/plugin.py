@@ -75,6 +75,7 @@ def configure(vllm_config) -> None:
         architectures=getattr(model_config, "architectures", None) or getattr(hf, "architectures", None),
         num_layers=int(getattr(hf, "num_hidden_layers", 0) or 0),
         num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens,
+        hf_config=hf,
     )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise AdaspecConfigError("vllm_adaspec: pipeline parallelism is not supported (the drafter runs the first layers)")

@@ -34,6 +34,7 @@ class EarlyExitProposer:
             architectures=vllm_config.model_config.architectures,
             num_layers=hf.num_hidden_layers,
             num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens,
+            hf_config=hf,
         )
         base_seed = vllm_config.model_config.seed or 0
         self.states = RequestStates(
@@ -41,6 +42,7 @@ class EarlyExitProposer:
         )
         self.prefix = None
         self.runner = None
+        self.exit_head = None  # checkpoint folder in use, None = untrained exit
         # Cost accounting, read through the worker's `adaspec_stats` RPC: draft passes through the first N layers,
         # drafts returned, wall time inside propose (CPU: synchronous, so this is the drafting cost).
         self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0}
@@ -48,8 +50,12 @@ class EarlyExitProposer:
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
         from vllm_adaspec.engine.drafting import TargetPrefix
+        from vllm_adaspec.engine.exit_head import load_trained_exit
 
-        self.prefix = TargetPrefix(target_model, self.cfg.exit_layer, self.vllm_config)
+        explicit = parse_adaspec_config(self.vllm_config.additional_config).exit_head not in ("auto", "none")
+        trained = load_trained_exit(target_model, self.vllm_config, self.cfg.exit_head, self.cfg.exit_layer, explicit)
+        self.prefix = TargetPrefix(target_model, self.cfg.exit_layer, self.vllm_config, trained_exit=trained)
+        self.exit_head = self.cfg.exit_head if trained is not None else None
 
     def attach_runner(self, runner) -> None:
         self.runner = runner
@@ -97,8 +103,10 @@ class EarlyExitProposer:
         entries = list(range(len(rows)))  # index into rows/budgets/policies for each active request
         for depth in range(1, max(budgets) + 1):
             hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len)
-            logits = self.prefix.head(hidden, residual)  # [B, V]
+            logits, vocab = self.prefix.head(hidden, residual)  # [B, V'], V' ids (None: all)
             tokens = logits.argmax(dim=-1)  # [B]
+            if vocab is not None:
+                tokens = vocab[tokens]
             self.stats["draft_passes"] += 1
             keep = []
             for j, (e, tok) in enumerate(zip(entries, tokens.tolist())):
@@ -120,4 +128,5 @@ class EarlyExitProposer:
         return drafts
 
     def get_stats(self) -> dict:
-        return {**self.stats, "tracked_requests": len(self.states)}
+        return {**self.stats, "tracked_requests": len(self.states),
+                "config": {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head}}

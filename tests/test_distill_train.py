@@ -1,0 +1,92 @@
+"""`adaspec distill` (the target writes its training text through vLLM) and `adaspec train exit-layer`, end to end
+on SmolLM2 with tiny sizes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from vllm_adaspec.harness import default_env
+from vllm_adaspec.training.distill import load_shards
+
+pytestmark = pytest.mark.engine
+
+
+def cli(args, workdir, timeout=900):
+    proc = subprocess.run([sys.executable, "-m", "vllm_adaspec.cli", *args], capture_output=True, text=True,
+                          env=default_env(workdir=str(workdir)), timeout=timeout)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory, smollm2):
+    d = tmp_path_factory.mktemp("distill")
+    out = d / "data"
+    args = ["distill", "--model", smollm2, "--out", str(out), "--tokens", "150", "--max-tokens", "24",
+            "--prompts-per-shard", "6"]
+    p = cli(args, d)
+    assert p.returncode == 0, p.stderr[-3000:]
+    first = {k: v.copy() for k, v in np.load(out / "shard-00000.npz").items()}
+    # Resumable: asking for more adds shards and leaves the finished ones alone.
+    more = cli(args[:-6] + ["--tokens", "300", "--max-tokens", "24", "--prompts-per-shard", "6"], d)
+    assert more.returncode == 0, more.stderr[-3000:]
+    return {"dir": d, "out": out, "first": first, "stdout": p.stdout, "more": more.stdout}
+
+
+def test_distill_shards_are_aligned_resumable_and_seeded(distilled, smollm2):
+    out = distilled["out"]
+    manifest = json.load(open(out / "manifest.json"))
+    assert manifest["seed"] == 0 and manifest["max_tokens"] == 24
+    seqs = load_shards(str(out))
+    go = seqs.gen_offsets()
+    assert go[-1] >= 300 and len(seqs.topk_ids) == go[-1] and seqs.topk_ids.shape[1] == 8
+    assert seqs.sampled.any() and (~seqs.sampled).any()  # the greedy / sampled mix
+    n_shards = len([f for f in os.listdir(out) if f.startswith("shard-")])
+    assert n_shards >= 2
+    again = np.load(out / "shard-00000.npz")
+    for k, v in distilled["first"].items():
+        assert np.array_equal(again[k], v), k
+    # Greedy continuations are the target's argmax: generated token j == top-1 of the log-probs recorded for it.
+    for s in np.nonzero(~seqs.sampled)[0]:
+        p, a, b = seqs.prompt_lens[s], seqs.offsets[s], seqs.offsets[s + 1]
+        gen = seqs.tokens[a + p:b]
+        assert np.array_equal(gen, seqs.topk_ids[go[s]:go[s + 1], 0])
+    # Log-probs are sorted and finite for the top entries.
+    lp = seqs.topk_logp.astype(np.float32)
+    assert np.all(np.diff(lp[:, :2], axis=1) <= 1e-3)
+    # No evaluation prompt leaked into the training text.
+    from transformers import AutoTokenizer
+    from vllm_adaspec.data.prompts import load_humaneval
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    text = tok.decode(seqs.tokens)
+    assert not any(p.strip()[:120] in text for p in load_humaneval())
+
+
+def test_distill_refuses_other_settings_in_the_same_folder(distilled, smollm2):
+    p = cli(["distill", "--model", smollm2, "--out", str(distilled["out"]), "--tokens", "10", "--max-tokens", "32",
+             "--prompts-per-shard", "6"], distilled["dir"])
+    assert p.returncode == 2 and "max_tokens" in p.stderr and "other settings" in p.stderr
+
+
+def test_train_exit_layer_writes_a_checkpoint_that_learned(distilled, smollm2):
+    head = distilled["dir"] / "head"
+    p = cli(["train", "exit-layer", "--model", smollm2, "--data", str(distilled["out"]), "-N", "2",
+             "--out", str(head), "--draft-vocab", "64", "--epochs", "3", "--batch-tokens", "2048", "--lr", "1e-3"],
+            distilled["dir"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(p.stdout[p.stdout.index("{"):])
+    assert report["loss_last"] < report["loss_first"]
+    from vllm_adaspec.heads import load_exit_head
+
+    meta, t = load_exit_head(str(head))
+    assert meta["exit_layer"] == 2 and meta["draft_vocab_size"] == 64 and meta["lm_head"] == "shared"
+    assert 2 in t["draft_vocab"].tolist()  # EOS is always draftable
+    assert t["layers.0.self_attn.q_proj.weight"].shape == (576, 576)
+    assert (distilled["out"] / "hidden-N2.npy").exists()  # h_N cached for the next run
+    bad = cli(["train", "exit-layer", "--model", smollm2, "--data", str(distilled["out"]), "-N", "30",
+               "--out", str(head)], distilled["dir"])
+    assert bad.returncode == 2 and "1 <= N < 30" in bad.stderr

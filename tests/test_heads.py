@@ -1,0 +1,85 @@
+"""Exit-head checkpoints: identity of the base model, N, and the shipped head."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from vllm_adaspec.config import AdaspecConfigError
+from vllm_adaspec.heads import (check_against_model, config_hash, find_shipped, load_exit_head, save_exit_head,
+                                weights_fingerprint)
+
+SMOL = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
+        "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 100000.0}, "tie_word_embeddings": True}
+
+
+def test_config_hash_sees_shape_fields_only():
+    assert config_hash(SMOL) == config_hash({**SMOL, "transformers_version": "9", "use_cache": False})
+    assert config_hash(SMOL) == config_hash({**SMOL, "rope_theta": 100000.0})  # old and new rope spelling
+    for k, v in (("num_hidden_layers", 24), ("hidden_size", 896), ("vocab_size", 151936), ("rope_theta", 1e6)):
+        assert config_hash(SMOL) != config_hash({**SMOL, k: v}), k
+
+
+def test_weights_fingerprint_is_dtype_and_padding_independent():
+    g = torch.Generator().manual_seed(0)
+    t = {"model.embed_tokens.weight": torch.randn(10, 4, generator=g), "model.norm.weight": torch.randn(4, generator=g)}
+    for i in range(2):
+        t[f"model.layers.{i}.input_layernorm.weight"] = torch.randn(4, generator=g)
+        t[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.randn(4, generator=g)
+    fp = weights_fingerprint(t.__getitem__, 2, 10)
+    bf = {k: v.to(torch.bfloat16) for k, v in t.items()}
+    padded = dict(t, **{"model.embed_tokens.weight": torch.cat([t["model.embed_tokens.weight"], torch.zeros(6, 4)])})
+    assert weights_fingerprint(bf.__getitem__, 2, 10) == fp
+    assert weights_fingerprint(padded.__getitem__, 2, 10) == fp
+    changed = dict(t, **{"model.layers.1.input_layernorm.weight": t["model.layers.1.input_layernorm.weight"] * 1.1})
+    assert weights_fingerprint(changed.__getitem__, 2, 10) != fp
+
+
+def _meta(n=4):
+    return {"base_model": {"name": "smol", "architectures": ["LlamaForCausalLM"], "config_hash": config_hash(SMOL),
+                           "weights_fingerprint": "abc"}, "exit_layer": n, "num_exit_layers": 1, "lm_head": "shared",
+            "draft_vocab_size": 3}
+
+
+def test_check_against_model_names_what_does_not_match():
+    check_against_model(_meta(), "F", SMOL, None)
+    check_against_model(_meta(), "F", SMOL, 4, fingerprint="abc")
+    with pytest.raises(AdaspecConfigError, match=r"\['exit_layer'\] = 6, but exit head F was trained on the first 4"):
+        check_against_model(_meta(), "F", SMOL, 6)
+    with pytest.raises(AdaspecConfigError, match="not for this model"):
+        check_against_model(_meta(), "F", {**SMOL, "num_hidden_layers": 24}, None)
+    with pytest.raises(AdaspecConfigError, match="different weights"):
+        check_against_model(_meta(), "F", SMOL, None, fingerprint="xyz")
+
+
+def test_save_load_roundtrip(tmp_path):
+    t = {"layers.0.mlp.up_proj.weight": torch.randn(3, 2), "norm.weight": torch.ones(2),
+         "draft_vocab": torch.tensor([5, 7, 9])}
+    save_exit_head(str(tmp_path), t, _meta())
+    meta, got = load_exit_head(str(tmp_path))
+    assert meta["exit_layer"] == 4 and meta["format"].startswith("vllm-adaspec/exit-head/")
+    assert got["draft_vocab"].dtype == torch.int64 and got["draft_vocab"].tolist() == [5, 7, 9]
+    assert got["layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    with pytest.raises(AdaspecConfigError, match="not an exit-head checkpoint folder"):
+        load_exit_head(str(tmp_path / "nope"))
+
+
+def test_a_head_ships_for_smollm2_and_matches_its_config(smollm2):
+    cfg = json.load(open(os.path.join(smollm2, "config.json")))
+    folder = find_shipped(cfg)
+    assert folder is not None
+    meta, tensors = load_exit_head(folder)
+    assert meta["base_model"]["config_hash"] == config_hash(cfg)
+    assert meta["lm_head"] == "shared" and "lm_head.weight" not in tensors  # small: the LM head is the target's
+    assert os.path.getsize(os.path.join(folder, "exit_head.safetensors")) < 16 * 2**20
+    assert meta["training"]["after"]["agreement"] >= 0.40  # the issue's target, on held-out self-distilled text
+    assert find_shipped(cfg, exit_layer=meta["exit_layer"] + 1) is None
+    from vllm_adaspec.heads import fingerprint_names
+    from vllm_adaspec.training.layers import read_hf_tensors
+
+    t = read_hf_tensors(smollm2, fingerprint_names(cfg["num_hidden_layers"]))
+    assert weights_fingerprint(t.__getitem__, cfg["num_hidden_layers"], cfg["vocab_size"]) == \
+        meta["base_model"]["weights_fingerprint"]

@@ -1,0 +1,153 @@
+"""A trained EESD exit head inside vLLM: vLLM decoder layer(s) of the target's own class, a norm, and the draft
+vocabulary's rows of the LM head.
+
+KV of the exit layer. It is a full attention layer, so it needs keys/values over the whole sequence, computed from
+the layer-N hidden states of the tokens. It is built as a vLLM attention layer named `adaspec_exit.layers.{L+j}`
+while the drafter loads, so the engine sees it in the model's KV-cache spec: its cache is allocated, accounted in
+the memory budget and paged with the same block table as the target's layers (same spec, same group), and
+prefix caching / preemption / rollback treat it like any other layer. It is kept up to date incrementally: a
+forward hook on target layer N-1 runs the exit layer on h_N of every token the target computes (prompt chunks
+and verified drafts), which writes their KV at their slots; draft steps write theirs at the lookahead slots the
+next verification overwrites. No prefix is ever recomputed.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from vllm_adaspec.config import AdaspecConfigError
+
+logger = logging.getLogger("vllm_adaspec")
+
+PREFIX = "adaspec_exit.layers"
+_STACKED = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v"),
+            ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
+
+
+def _new_decoder_layer(target_model, vllm_config, index: int):
+    """One decoder layer of the target's own class at layer index `index` (past the target's last)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.models.llama import LlamaDecoderLayer
+    from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
+
+    cls = type(target_model.model.layers[0])
+    hf = copy.copy(vllm_config.model_config.hf_text_config)
+    if getattr(hf, "layer_types", None):  # per-layer attention types are indexed by layer index
+        hf.layer_types = list(hf.layer_types) + [hf.layer_types[-1]] * (index + 1 - len(hf.layer_types))
+    prefix = f"{PREFIX}.{index}"
+    with set_current_vllm_config(vllm_config):
+        if issubclass(cls, LlamaDecoderLayer):
+            layer = cls(vllm_config=vllm_config, prefix=prefix, config=hf)
+        elif issubclass(cls, Qwen2DecoderLayer):
+            layer = cls(config=hf, cache_config=vllm_config.cache_config, quant_config=vllm_config.quant_config,
+                        prefix=prefix)
+        else:
+            raise AdaspecConfigError(f"vllm_adaspec: trained exit heads are not supported for {cls.__name__}")
+    return layer
+
+
+def _load_layer_weights(layer, tensors: dict[str, torch.Tensor], j: int) -> None:
+    params = dict(layer.named_parameters())
+    prefix = f"layers.{j}."
+    for name, w in tensors.items():
+        if not name.startswith(prefix):
+            continue
+        local = name[len(prefix):]
+        shard = None
+        for old, (new, sid) in _STACKED.items():
+            if old in local:
+                local, shard = local.replace(old, new), sid
+                break
+        if local not in params:
+            raise AdaspecConfigError(f"exit head tensor {name} has no place in {type(layer).__name__}")
+        p = params[local]
+        loader = getattr(p, "weight_loader", None)
+        w = w.to(p.dtype)
+        if shard is not None:
+            loader(p, w, shard)
+        elif loader is not None:
+            loader(p, w)
+        else:
+            p.data.copy_(w)
+
+
+class TrainedExit:
+    """Exit layers + norm + draft-vocabulary head, and the hook that keeps the exit layers' KV current."""
+
+    def __init__(self, target_model, vllm_config, folder: str, exit_layer: int):
+        from vllm.model_executor.layers.layernorm import RMSNorm
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        from vllm_adaspec.heads import check_against_model, load_exit_head, weights_fingerprint
+
+        hf = vllm_config.model_config.hf_text_config
+        meta, tensors = load_exit_head(folder)
+        num_layers = hf.num_hidden_layers
+        params = dict(target_model.named_parameters())
+        fp = weights_fingerprint(params.__getitem__, num_layers, hf.vocab_size)
+        check_against_model(meta, folder, hf, exit_layer, fingerprint=fp)  # raises on mismatch
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise AdaspecConfigError("vllm_adaspec: trained exit heads need tensor_parallel_size == 1 for now")
+        device = next(target_model.parameters()).device
+        dtype = vllm_config.model_config.dtype
+        self.meta = meta
+        self.layers = []
+        for j in range(meta["num_exit_layers"]):
+            layer = _new_decoder_layer(target_model, vllm_config, num_layers + j).to(device)
+            _load_layer_weights(layer, tensors, j)
+            process_weights_after_loading(layer, vllm_config.model_config, device)
+            self.layers.append(layer)
+        self.norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps).to(device=device, dtype=dtype)
+        self.norm.weight.data.copy_(tensors["norm.weight"].to(dtype))
+        self.vocab = tensors["draft_vocab"].to(device)  # [V'] full ids
+        if "lm_head.weight" in tensors:
+            self.head_rows = tensors["lm_head.weight"].to(device, dtype)
+        else:  # shared: the target's own LM head rows (a copy: [V', H] contiguous for one GEMM)
+            self.head_rows = target_model.lm_head.weight[: hf.vocab_size][self.vocab].detach().clone()
+        self.layer_names = [layer.self_attn.attn.layer_name for layer in self.layers]
+        self.feeding = True
+        self._hook = target_model.model.layers[exit_layer - 1].register_forward_hook(self._feed, with_kwargs=True)
+        logger.info("vllm_adaspec: exit head %s (N=%d, %d exit layer(s), draft vocabulary %d)", folder, exit_layer,
+                    len(self.layers), len(self.vocab))
+
+    def _feed(self, module, args, kwargs, output):
+        """After target layer N-1: write the exit layers' KV for every token of this target forward."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not self.feeding or not is_forward_context_available():
+            return None
+        if get_forward_context().attn_metadata is None:  # profiling / dummy runs
+            return None
+        positions = args[0] if args else kwargs["positions"]
+        hidden, residual = output
+        h = hidden + residual if residual is not None else hidden.clone()  # never touch the target's tensors
+        self.run_layers(positions, h, None)
+        return None
+
+    def run_layers(self, positions, hidden, residual):
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        return hidden, residual
+
+    def logits(self, hidden, residual) -> torch.Tensor:
+        """[B, H] -> draft logits over the draft vocabulary [B, V'] (map argmax through `self.vocab`)."""
+        normed, _ = self.norm(hidden, residual)
+        return F.linear(normed, self.head_rows)
+
+
+def load_trained_exit(target_model, vllm_config, folder: str | None, exit_layer: int, explicit: bool):
+    """TrainedExit, or None for the untrained exit. A shipped head picked by "auto" that does not fit the loaded
+    weights falls back to the untrained exit with a warning; an explicitly named one fails start-up."""
+    if folder is None:
+        return None
+    try:
+        return TrainedExit(target_model, vllm_config, folder, exit_layer)
+    except AdaspecConfigError as e:
+        if explicit:
+            raise
+        logger.warning("vllm_adaspec: not using the shipped exit head (%s); drafting with the untrained exit", e)
+        return None

@@ -1,0 +1,130 @@
+"""Exit-head checkpoints: the trained EESD exit layer(s) + norm (+ LM head when trained) + draft vocabulary.
+
+A checkpoint is a folder with `exit_head.safetensors` and `exit_head.json`. The JSON names the base model it was
+trained on (architecture, a hash of the config fields that shape the network, and a fingerprint of its weights),
+N (the target layers the exit sits on), how many exit layers, whether the LM head is shared, the draft vocabulary
+size, and how it was trained. `check_against_model` refuses a checkpoint for another model or another N.
+
+Folders next to this file are checkpoints shipped with the package; `find_shipped` picks one for a model.
+Pure Python + torch: usable by the trainer (no vLLM) and by the drafter (inside vLLM).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Callable, Mapping
+
+import torch
+
+from vllm_adaspec.config import AdaspecConfigError
+
+__all__ = ["FORMAT", "config_hash", "weights_fingerprint", "fingerprint_names", "save_exit_head", "load_exit_head",
+           "check_against_model", "find_shipped", "SHIPPED_DIR"]
+
+FORMAT = "vllm-adaspec/exit-head/1"
+SHIPPED_DIR = os.path.dirname(os.path.abspath(__file__))
+_CONFIG_KEYS = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
+
+
+def _cfg_get(cfg, key):
+    return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
+
+
+def config_hash(cfg) -> str:
+    """sha256 over the config fields that shape the network (dict or HF config object)."""
+    picked = {k: _cfg_get(cfg, k) for k in _CONFIG_KEYS}
+    if picked["rope_theta"] is None:  # transformers 5 configs keep it under rope_parameters
+        rp = _cfg_get(cfg, "rope_parameters") or {}
+        picked["rope_theta"] = rp.get("rope_theta") if isinstance(rp, Mapping) else None
+    if picked["head_dim"] is None and picked["hidden_size"] and picked["num_attention_heads"]:
+        picked["head_dim"] = picked["hidden_size"] // picked["num_attention_heads"]
+    picked = {k: (float(v) if isinstance(v, float) else v) for k, v in picked.items()}
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def fingerprint_names(num_layers: int) -> list[str]:
+    """Tensors fingerprinted: embedding, final norm and every layer's two norms. They have the same name and
+    layout in Hugging Face checkpoints and in vLLM's loaded model on every platform (linear weights do not:
+    vLLM fuses q/k/v and, on CPU, repacks them), so both sides can compute the same value."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(num_layers):
+        names += [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"]
+    return names
+
+
+def weights_fingerprint(get: Callable[[str], torch.Tensor], num_layers: int, vocab_size: int) -> str:
+    """sha256 over the bfloat16-rounded fingerprint tensors: the same for a float32 and a bfloat16 load."""
+    h = hashlib.sha256()
+    for name in fingerprint_names(num_layers):
+        t = get(name).detach()
+        if name == "model.embed_tokens.weight":
+            t = t[:vocab_size]  # vLLM pads the vocabulary
+        h.update(name.encode())
+        h.update(t.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_exit_head(folder: str, tensors: dict[str, torch.Tensor], meta: dict, dtype=torch.bfloat16) -> None:
+    """tensors: `layers.{j}.<hf layer param>`, `norm.weight`, `draft_vocab` (int64), optionally `lm_head.weight`."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    out = {k: (v.detach().to("cpu").contiguous() if v.dtype == torch.int64 else v.detach().to("cpu", dtype).contiguous())
+           for k, v in tensors.items()}
+    save_file(out, os.path.join(folder, "exit_head.safetensors"))
+    with open(os.path.join(folder, "exit_head.json"), "w") as f:
+        json.dump({"format": FORMAT, **meta}, f, indent=1, sort_keys=True)
+
+
+def load_exit_head(folder: str, tensors: bool = True) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    folder = os.path.expanduser(folder)
+    path = os.path.join(folder, "exit_head.json")
+    if not os.path.isfile(path):
+        raise AdaspecConfigError(f"additional_config['adaspec']['exit_head']: {folder!r} is not an exit-head "
+                                 "checkpoint folder (no exit_head.json); train one with `adaspec train exit-layer`")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise AdaspecConfigError(f"{path}: format {meta.get('format')!r}, this vllm_adaspec reads {FORMAT!r}")
+    if not tensors:
+        return meta, None
+    from safetensors.torch import load_file
+
+    return meta, load_file(os.path.join(folder, "exit_head.safetensors"))
+
+
+def check_against_model(meta: dict, folder: str, hf_config, exit_layer: int | None,
+                        fingerprint: str | None = None) -> None:
+    """Raise AdaspecConfigError when the checkpoint was not trained for this model / N."""
+    base = meta["base_model"]
+    where = f"exit head {folder}"
+    archs = list(_cfg_get(hf_config, "architectures") or [])
+    if base["config_hash"] != config_hash(hf_config):
+        raise AdaspecConfigError(
+            f"{where} was trained for {base.get('name')} ({', '.join(base.get('architectures', []))}, config hash "
+            f"{base['config_hash']}), not for this model ({', '.join(archs)}, config hash {config_hash(hf_config)})")
+    if exit_layer is not None and exit_layer != meta["exit_layer"]:
+        raise AdaspecConfigError(
+            f"additional_config['adaspec']['exit_layer'] = {exit_layer}, but {where} was trained on the first "
+            f"{meta['exit_layer']} layers; omit exit_layer or set it to {meta['exit_layer']}")
+    if fingerprint is not None and fingerprint != base["weights_fingerprint"]:
+        raise AdaspecConfigError(
+            f"{where} was trained for {base.get('name')} with weights fingerprint {base['weights_fingerprint']}; "
+            f"the loaded weights have {fingerprint} (same architecture, different weights: another checkpoint or a "
+            "fine-tune). Train a head for these weights with `adaspec train exit-layer`")
+
+
+def find_shipped(hf_config, exit_layer: int | None = None) -> str | None:
+    """A shipped checkpoint folder whose config hash (and N, when given) match; None when there is none."""
+    want = config_hash(hf_config)
+    for name in sorted(os.listdir(SHIPPED_DIR)):
+        folder = os.path.join(SHIPPED_DIR, name)
+        if not os.path.isfile(os.path.join(folder, "exit_head.json")):
+            continue
+        meta, _ = load_exit_head(folder, tensors=False)
+        if meta["base_model"]["config_hash"] == want and exit_layer in (None, meta["exit_layer"]):
+            return folder
+    return None
