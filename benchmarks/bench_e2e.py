@@ -52,6 +52,15 @@ def methods(args) -> dict[str, dict]:
     return out
 
 
+def flop_share(cfg: dict, n: int, exit_layers: int, draft_vocab: int) -> float:
+    """FLOPs of one draft step / one target step per token (weights only: layers run + LM-head rows)."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d = cfg.get("head_dim") or h // heads
+    layer = h * d * (2 * heads + 2 * kv) + 3 * h * i
+    return ((n + exit_layers) * layer + draft_vocab * h) / (cfg["num_hidden_layers"] * layer + cfg["vocab_size"] * h)
+
+
 def calls(prompts: dict[str, list[str]], batch_sizes: list[int], repeats: int, max_tokens: int) -> list[dict]:
     """One entry per generate() call, tagged with (repeat, dataset, batch size)."""
     params = [{"temperature": 0.0, "max_tokens": max_tokens}]
@@ -129,6 +138,8 @@ def markdown(results: dict, args) -> str:
             acc = f"{row['accepted']} / {row['draft_tokens']}" if row["draft_tokens"] else "-"
             share = f"{row['draft_share']:.0%}" if row["draft_share"] else "-"
             c_cost = f"{row['draft_cost_c']:.2f}" if row["draft_cost_c"] else "-"
+            if row.get("flop_share") and row["draft_cost_c"]:
+                c_cost += f" ({row['draft_cost_c'] / row['flop_share']:.1f}x FLOP share {row['flop_share']:.2f})"
             agree = f"{row['agree1']:.1%}" if row.get("agree1") is not None else "-"
             hm = f"{row['hm']:.1%}" if row["draft_tokens"] else "-"
             lines.append(f"| {ds} | {bs} | {name} | {row['tok_s']:.1f} | {speed:.2f}x | {row['tau']:.2f} | {agree} | "
@@ -177,6 +188,19 @@ def main(argv=None) -> int:
             plain_ids = {k: v["ids"] for k, v in rows.items()}
             for v in rows.values():
                 v["identical"] = v["n"]
+        cfg_used = next((r.get("adaspec", {}).get("config") for r in runs if r.get("adaspec", {}).get("config")), None)
+        if cfg_used:
+            with open(Path(model) / "config.json") as f:
+                hf = json.load(f)
+            n_exit, vocab = 0, hf["vocab_size"]
+            if cfg_used.get("exit_head"):
+                with open(Path(cfg_used["exit_head"]) / "exit_head.json") as f:
+                    meta = json.load(f)
+                n_exit, vocab = meta["num_exit_layers"], meta["draft_vocab_size"]
+            share = flop_share(hf, cfg_used["exit_layer"], n_exit, vocab)
+            for v in rows.values():
+                v["flop_share"] = share
+                v["exit"] = cfg_used
         results[name] = rows
         tqdm.write(f"{name}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
 

@@ -30,7 +30,11 @@ if __name__ == "__main__":
 EE = "vllm_adaspec.EarlyExitProposer"
 CASES = {
     "unknown key": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_layr": 6}}, {},
-                    ["unknown key(s) 'exit_layr'", "allowed keys: exit_layer, policy"]),
+                    ["unknown key(s) 'exit_layr'", "allowed keys: exit_layer, policy, exit_head"]),
+    "exit head not a string": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_head": 5}}, {},
+                               ["['exit_head']: must be 'auto', 'none' or a checkpoint folder; got 5"]),
+    "exit head missing": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_head": "/no/such/head"}}, {},
+                          ["'/no/such/head' is not an exit-head checkpoint folder", "adaspec train exit-layer"]),
     "wrong type": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_layer": "6"}}, {},
                    ["['exit_layer']: must be an integer, got str '6'"]),
     "exit layer too deep": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_layer": 30}}, {},
@@ -59,13 +63,36 @@ def gpt2_folder(tmp_path_factory, smollm2):
     return str(d)
 
 
-def test_bad_input_fails_at_startup_with_a_message_naming_it(smollm2, gpt2_folder, tmp_path):
-    cases = {k: v[:3] for k, v in CASES.items()}
+@pytest.fixture(scope="module")
+def head_cases(tmp_path_factory, smollm2):
+    """Checkpoints that do not fit: the shipped head with another N asked, or edited to claim another model."""
+    from vllm_adaspec.heads import find_shipped, load_exit_head
+
+    shipped = find_shipped(json.load(open(f"{smollm2}/config.json")))
+    n = load_exit_head(shipped, tensors=False)[0]["exit_layer"]
+    spec = {"model": EE, "num_speculative_tokens": 3}
+    out = {"exit head wrong N": (spec, {"adaspec": {"exit_head": shipped, "exit_layer": n + 1}}, {},
+                                 [f"['exit_layer'] = {n + 1}, but exit head", f"trained on the first {n} layers"])}
+    for name, key, words in (("exit head other model", "config_hash", ["not for this model"]),
+                             ("exit head other weights", "weights_fingerprint",
+                              ["different weights", "adaspec train exit-layer"])):
+        d = tmp_path_factory.mktemp(key)
+        shutil.copy(f"{shipped}/exit_head.safetensors", d)
+        meta = json.load(open(f"{shipped}/exit_head.json"))
+        meta["base_model"][key] = "0123456789abcdef"
+        (d / "exit_head.json").write_text(json.dumps(meta))
+        out[name] = (spec, {"adaspec": {"exit_head": str(d)}}, {}, words)
+    return out
+
+
+def test_bad_input_fails_at_startup_with_a_message_naming_it(smollm2, gpt2_folder, head_cases, tmp_path):
+    all_cases = {**CASES, **head_cases}
+    cases = {k: v[:3] for k, v in all_cases.items()}
     proc = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps([smollm2, gpt2_folder, cases]),
                           capture_output=True, text=True, env=default_env(workdir=str(tmp_path)), timeout=600)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("@@")), None)
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(line[2:])
-    for name, (*_, words) in CASES.items():
+    for name, (*_, words) in all_cases.items():
         for w in words:
             assert w in got[name], f"{name}: {w!r} not in {got[name]!r}"

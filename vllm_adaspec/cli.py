@@ -40,11 +40,16 @@ def cmd_fetch(args) -> int:
     return 0
 
 
+DEMO_K = 2  # the K the benchmark found best with the shipped head (benchmarks/RESULTS.md)
+
+
 def add_demo(sub) -> None:
     p = sub.add_parser("demo", help="generate with and without adaspec; print tau and speedup")
     p.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
-    p.add_argument("--exit-layer", type=int, default=6, help="N: target layers the drafter runs")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--exit-layer", type=int, default=None,
+                   help="N: target layers the drafter runs (default: the shipped exit head's N)")
+    p.add_argument("--exit-head", default="auto", help="'auto' (shipped head), 'none' (untrained), or a folder")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEMO_K)
     p.add_argument("--max-tokens", type=int, default=96)
     p.set_defaults(func=cmd_demo)
 
@@ -52,8 +57,8 @@ def add_demo(sub) -> None:
 def cmd_demo(args) -> int:
     from vllm_adaspec.demo import print_demo, run_demo
 
-    res = run_demo(args.model, args.exit_layer, args.num_speculative_tokens, args.max_tokens)
-    print_demo(res, args.exit_layer, args.num_speculative_tokens)
+    res = run_demo(args.model, args.exit_layer, args.num_speculative_tokens, args.max_tokens, exit_head=args.exit_head)
+    print_demo(res, args.num_speculative_tokens)
     return 0
 
 
@@ -107,13 +112,16 @@ def add_train(sub) -> None:
     e.add_argument("-N", "--exit-layer", type=int, required=True, help="target layers the exit layer sits on")
     e.add_argument("--out", required=True, help="checkpoint folder to write")
     e.add_argument("--num-exit-layers", type=int, default=1)
-    e.add_argument("--loss", choices=("argmax", "distribution"), default="argmax")
+    e.add_argument("--loss", choices=("argmax", "distribution"), default="distribution",
+                   help="fit the target's top-k distribution (default) or only its argmax")
     e.add_argument("--draft-vocab", type=int, default=8192, help="V': rows of the draft LM head (0 = all)")
     e.add_argument("--train-head", action="store_true", help="train a copy of the LM head rows (default: shared)")
     e.add_argument("--epochs", type=float, default=1.0)
-    e.add_argument("--lr", type=float, default=3e-4)
-    e.add_argument("--batch-tokens", type=int, default=8192)
+    e.add_argument("--lr", type=float, default=1e-3)
+    e.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per optimizer step")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--init", choices=("last", "next", "identity"), default="identity",
+                   help="exit layer start: copy of the last layer (EESD), of layer N, or an identity")
     e.set_defaults(func=cmd_train_exit)
 
 
@@ -132,7 +140,7 @@ def cmd_train_exit(args) -> int:
     st = ExitTrainSettings(model=model, data=data, exit_layer=args.exit_layer, out=args.out,
                            num_exit_layers=args.num_exit_layers, loss=args.loss, draft_vocab=args.draft_vocab,
                            train_head=args.train_head, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-                           seed=args.seed, name=os.path.basename(os.path.normpath(args.model)))
+                           seed=args.seed, init=args.init, name=os.path.basename(os.path.normpath(args.model)))
     try:
         report = train_exit_layer(st)
     except (ValueError, FileNotFoundError) as e:

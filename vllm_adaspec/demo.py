@@ -15,12 +15,14 @@ DEMO_PROMPTS = [
 ]
 
 
-def run_demo(model: str, exit_layer: int, k: int, max_tokens: int, dtype: str = "float32") -> dict:
+def run_demo(model: str, exit_layer: int | None, k: int, max_tokens: int, dtype: str = "float32",
+             exit_head: str = "auto") -> dict:
     path = resolve_model(model)
     engine = {"dtype": dtype, "max_model_len": 2048, "seed": 0, "enforce_eager": True}
     spec = {
         "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": k},
-        "additional_config": {"adaspec": {"exit_layer": exit_layer}},
+        "additional_config": {"adaspec": {"exit_head": exit_head,
+                                          **({"exit_layer": exit_layer} if exit_layer is not None else {})}},
     }
     # Batch 1, one prompt per call, after a warm-up call: the setting speculative decoding is for.
     batches = [{"prompts": ["Hello"], "params": [{"temperature": 0, "max_tokens": 8}]}] + [
@@ -38,12 +40,16 @@ def run_demo(model: str, exit_layer: int, k: int, max_tokens: int, dtype: str = 
             "draft_share": sum(r.get("adaspec", {}).get("draft_seconds", 0.0) for r in runs) / sum(r["seconds"] for r in runs),
             "ids": [r["token_ids"][0] for r in runs],
             "texts": [r["texts"][0] for r in runs],
+            "config": runs[-1].get("adaspec", {}).get("config", {}),
         }
     return out
 
 
-def print_demo(res: dict, exit_layer: int, k: int) -> None:
+def print_demo(res: dict, k: int) -> None:
     plain, ada = res["plain"], res["adaspec"]
+    cfg = ada.get("config", {})
+    exit_layer = cfg.get("exit_layer")
+    print(f"exit head: {cfg.get('exit_head') or 'untrained (final norm + LM head on h_N)'}")
     print(f"--- first completion (adaspec) ---\n{DEMO_PROMPTS[0]}{ada['texts'][0]}\n---")
     same = sum(a == b for a, b in zip(plain["ids"], ada["ids"]))
     print(f"plain decoding:                 {plain['tok_s']:7.1f} tok/s")

@@ -129,4 +129,13 @@ class EarlyExitProposer:
 
     def get_stats(self) -> dict:
         return {**self.stats, "tracked_requests": len(self.states),
-                "config": {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head}}
+                "config": {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head,
+                           "exit_kv_layers": self.exit_kv_layers()}}
+
+    def exit_kv_layers(self) -> list[str]:
+        """Exit-layer attention layers that have KV in the engine's cache config (proof it is engine-owned)."""
+        ex = self.prefix.exit if self.prefix is not None else None
+        if ex is None or self.runner is None or getattr(self.runner, "kv_cache_config", None) is None:
+            return []
+        groups = self.runner.kv_cache_config.kv_cache_groups
+        return [n for n in ex.layer_names if any(n in g.layer_names for g in groups)]

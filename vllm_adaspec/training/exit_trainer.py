@@ -35,15 +35,19 @@ class ExitTrainSettings:
     exit_layer: int  # N
     out: str  # checkpoint folder
     num_exit_layers: int = 1
-    loss: str = "argmax"  # or "distribution"
+    loss: str = "distribution"  # or "argmax"
     draft_vocab: int = 8192  # V'; 0 = the full vocabulary
     train_head: bool = False
     epochs: float = 1.0
-    lr: float = 3e-4
-    batch_tokens: int = 8192
+    lr: float = 1e-3
+    batch_tokens: int = 2048
     holdout_every: int = 20  # every 20th sequence is held out for evaluation
     seed: int = 0
     name: str | None = None  # base model name recorded in the checkpoint
+    # How the exit layers start: "last" = copies of the target's last layers (EESD); "next" = copies of layers
+    # N, N+1, ... (the exit starts as the untrained exit one layer deeper); "identity" = last layers with o_proj
+    # and down_proj zeroed, so the exit starts as exactly the untrained exit (final norm + LM head on h_N).
+    init: str = "identity"
 
 
 def _read_config(model: str) -> dict:
@@ -182,14 +186,17 @@ def train_exit_layer(st: ExitTrainSettings, progress: bool = True, log=print) ->
         raise ValueError(f"exit_layer must satisfy 1 <= N < {L}, got {st.exit_layer}")
     if not 1 <= st.num_exit_layers <= L:
         raise ValueError(f"num_exit_layers must be in 1..{L}, got {st.num_exit_layers}")
+    if st.init not in ("last", "next", "identity"):
+        raise ValueError(f"init must be 'last', 'next' or 'identity', got {st.init!r}")
     if st.loss not in ("argmax", "distribution"):
         raise ValueError(f"loss must be 'argmax' or 'distribution', got {st.loss!r}")
     s = LayerShape.from_hf_config(cfg)
 
     seqs = load_shards(st.data)
     all_idx = np.arange(len(seqs))
-    held = all_idx[all_idx % st.holdout_every == 0]
-    train = all_idx[all_idx % st.holdout_every != 0]
+    # A seeded random 1/holdout_every of the sequences (greedy and sampled alike) is held out.
+    is_held = np.random.default_rng(12345).permutation(len(seqs)) % st.holdout_every == 0
+    held, train = all_idx[is_held], all_idx[~is_held]
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     vocab_ids, coverage = choose_draft_vocab(seqs, train, st.draft_vocab, cfg["vocab_size"], always=eos)
@@ -198,7 +205,10 @@ def train_exit_layer(st: ExitTrainSettings, progress: bool = True, log=print) ->
     # Exit layers = copies of the last layers; norm = final norm; head rows = LM head restricted to V'.
     head = ExitHead(s, st.num_exit_layers)
     for j, layer in enumerate(head.layers):
-        load_layer(layer, st.model, L - st.num_exit_layers + j)
+        load_layer(layer, st.model, (st.exit_layer + j) if st.init == "next" else (L - st.num_exit_layers + j))
+        if st.init == "identity":
+            layer.self_attn.o_proj.weight.data.zero_()
+            layer.mlp.down_proj.weight.data.zero_()
     tied = cfg.get("tie_word_embeddings", False)
     lm_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     t = read_hf_tensors(st.model, ["model.norm.weight", lm_name])

@@ -1,0 +1,52 @@
+"""The shipped trained exit head inside vLLM: lossless, its KV owned by the engine and kept current, useful."""
+
+import pytest
+
+from conftest import ENGINE, GROW_MAX_TOKENS, GROW_PROMPTS, SPEC, greedy_batch
+from test_engine_greedy import assert_identical
+from vllm_adaspec.harness import run_engine
+
+pytestmark = pytest.mark.engine
+
+
+def head_engine(k=3, **extra):
+    # No exit_layer: "auto" picks the shipped head and its N.
+    return {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": k}, **extra}
+
+
+def accept_rate(m):
+    return m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_draft_tokens"]
+
+
+def test_shipped_head_is_lossless_and_drafts_well(smollm2, plain_greedy):
+    res = run_engine({"model": smollm2, "engine": head_engine(), "batches": [greedy_batch(repeat=2)]})
+    first, second = res["batches"][0]["runs"]
+    for run in (first, second):  # the second pass hits the prefix cache (exit-layer KV included)
+        assert_identical(run, plain_greedy["mixed"])
+    cfg = first["adaspec"]["config"]
+    assert cfg["exit_head"] and "heads" in cfg["exit_head"], cfg
+    # The exit layer's KV is part of the engine's KV-cache spec (allocated and accounted by vLLM).
+    assert cfg["exit_kv_layers"] == ["adaspec_exit.layers.30.self_attn.attn"], cfg
+    # An untrained exit agrees ~3% of the time; stale or missing exit-layer KV would wreck agreement too.
+    m = first["metrics"]
+    assert accept_rate(m) > 0.25, m
+    assert m["vllm:spec_decode_num_accepted_tokens_per_pos"][0] / m["vllm:spec_decode_num_drafts"] > 0.35, m
+    assert accept_rate(second["metrics"]) > 0.25, second["metrics"]
+
+
+def test_shipped_head_lossless_under_preemption_and_chunked_prefill(smollm2, plain_greedy):
+    engine = head_engine(kv_cache_memory_bytes=19 * 2**20, block_size=32, max_model_len=320, max_num_batched_tokens=64)
+    res = run_engine({"model": smollm2, "engine": engine, "batches": [greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS)]})
+    run = res["batches"][0]["runs"][0]
+    assert_identical(run, plain_greedy["grow"])
+    assert run["metrics"]["vllm:num_preemptions"] > 0, "no preemption happened: the test did not test it"
+    assert accept_rate(run["metrics"]) > 0.2, run["metrics"]
+
+
+def test_shipped_head_in_compiled_mode(smollm2, plain_greedy):
+    # Default vLLM mode (torch.compile): the hook that feeds the exit layer's KV must survive compilation.
+    engine = {k: v for k, v in head_engine().items() if k != "enforce_eager"}
+    res = run_engine({"model": smollm2, "engine": engine, "batches": [greedy_batch()]})
+    run = res["batches"][0]["runs"][0]
+    assert_identical(run, plain_greedy["mixed"])
+    assert accept_rate(run["metrics"]) > 0.25, run["metrics"]
