@@ -51,7 +51,8 @@ def spec_engine(exit_layer: int, k: int, **extra):
     return {
         **ENGINE,
         "speculative_config": {"model": SPEC, "num_speculative_tokens": k},
-        "additional_config": {"adaspec": {"exit_layer": exit_layer}},
+        # The speed guard would switch slow drafting off; these tests want every drafting path exercised.
+        "additional_config": {"adaspec": {"exit_layer": exit_layer, "speed_guard": False}},
         **extra,
     }
 

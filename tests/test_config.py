@@ -22,12 +22,14 @@ def test_explicit_values_are_kept():
 @pytest.mark.parametrize(
     "section, words",
     [
-        ({"exit_layers": 6}, ["unknown key", "'exit_layers'", "allowed keys: exit_layer, policy, exit_head"]),
+        ({"exit_layers": 6}, ["unknown key", "'exit_layers'", "allowed keys: exit_layer, policy, exit_head, speed_guard"]),
         ({"exit_layer": "six"}, ["['exit_layer']", "must be an integer", "str 'six'"]),
         ({"exit_layer": True}, ["['exit_layer']", "must be an integer", "bool"]),
         ({"exit_layer": 6.0}, ["['exit_layer']", "must be an integer", "float"]),
         ({"exit_layer": 0}, ["['exit_layer']", ">= 1", "got 0"]),
         ({"policy": "greedy"}, ["['policy']", "must be one of fixed", "'greedy'"]),
+        ({"speed_guard": "yes"}, ["['speed_guard']", "must be true or false", "str 'yes'"]),
+        ({"exit_head": ""}, ["['exit_head']", "'auto', 'none' or a checkpoint folder"]),
     ],
 )
 def test_bad_settings_name_the_key_and_what_is_allowed(section, words):

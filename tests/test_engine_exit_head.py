@@ -9,9 +9,10 @@ from vllm_adaspec.harness import run_engine
 pytestmark = pytest.mark.engine
 
 
-def head_engine(k=3, **extra):
-    # No exit_layer: "auto" picks the shipped head and its N.
-    return {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": k}, **extra}
+def head_engine(k=3, guard=False, **extra):
+    # No exit_layer: "auto" picks the shipped head and its N. Guard off: every step drafts K, every path runs.
+    return {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": k},
+            "additional_config": {"adaspec": {"speed_guard": guard}}, **extra}
 
 
 def accept_rate(m):
@@ -50,3 +51,12 @@ def test_shipped_head_in_compiled_mode(smollm2, plain_greedy):
     run = res["batches"][0]["runs"][0]
     assert_identical(run, plain_greedy["mixed"])
     assert accept_rate(run["metrics"]) > 0.25, run["metrics"]
+
+
+def test_default_settings_are_lossless_and_the_guard_measures(smollm2, plain_greedy):
+    # Defaults: shipped head, speed guard on. The guard tries every cap 0..K on pure decode steps.
+    res = run_engine({"model": smollm2, "engine": head_engine(guard=True), "batches": [greedy_batch()]})
+    run = res["batches"][0]["runs"][0]
+    assert_identical(run, plain_greedy["mixed"])
+    caps = run["adaspec"]["cap_steps"]
+    assert len(caps) == 4 and all(c > 0 for c in caps), caps

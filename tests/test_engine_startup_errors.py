@@ -30,7 +30,7 @@ if __name__ == "__main__":
 EE = "vllm_adaspec.EarlyExitProposer"
 CASES = {
     "unknown key": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_layr": 6}}, {},
-                    ["unknown key(s) 'exit_layr'", "allowed keys: exit_layer, policy, exit_head"]),
+                    ["unknown key(s) 'exit_layr'", "allowed keys: exit_layer, policy, exit_head, speed_guard"]),
     "exit head not a string": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_head": 5}}, {},
                                ["['exit_head']: must be 'auto', 'none' or a checkpoint folder; got 5"]),
     "exit head missing": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_head": "/no/such/head"}}, {},

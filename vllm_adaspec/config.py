@@ -34,6 +34,9 @@ class AdaspecConfig:
     # model if there is one (else the untrained exit, with a warning); "none" = the untrained exit
     # (final norm + LM head on h_N).
     exit_head: str = "auto"
+    # Cap each step's drafts at the k in 0..K with the best measured throughput for the current batch size
+    # (policies/speed_guard.py): drafting is switched off where it does not pay. false = always up to K.
+    speed_guard: bool = True
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -78,7 +81,10 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None) -> Adaspec
     exit_head = section.get("exit_head", "auto")
     if not isinstance(exit_head, str) or not exit_head:
         raise _fail("exit_head", f"must be 'auto', 'none' or a checkpoint folder; got {exit_head!r}")
-    return AdaspecConfig(exit_layer=exit_layer, policy=policy, exit_head=exit_head)
+    speed_guard = section.get("speed_guard", True)
+    if not isinstance(speed_guard, bool):
+        raise _fail("speed_guard", f"must be true or false, got {type(speed_guard).__name__} {speed_guard!r}")
+    return AdaspecConfig(exit_layer=exit_layer, policy=policy, exit_head=exit_head, speed_guard=speed_guard)
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class ResolvedConfig:
     num_speculative_tokens: int
     policy: str
     exit_head: str | None = None  # checkpoint folder, or None for the untrained exit
+    speed_guard: bool = True
 
 
 def resolve_config(
@@ -141,4 +148,4 @@ def resolve_config(
             f"must satisfy 1 <= exit_layer < {num_layers} (the model has {num_layers} layers), got {exit_layer}",
         )
     return ResolvedConfig(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
-                          exit_head=head)
+                          exit_head=head, speed_guard=cfg.speed_guard)

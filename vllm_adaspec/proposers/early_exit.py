@@ -17,6 +17,7 @@ import torch
 
 from vllm_adaspec.config import parse_adaspec_config, resolve_config
 from vllm_adaspec.policies import make_policy
+from vllm_adaspec.policies.speed_guard import SpeedGuard
 from vllm_adaspec.requests import RequestStates
 
 
@@ -43,9 +44,14 @@ class EarlyExitProposer:
         self.prefix = None
         self.runner = None
         self.exit_head = None  # checkpoint folder in use, None = untrained exit
+        k = self.cfg.num_speculative_tokens
+        self.guard = SpeedGuard(k, seed=base_seed) if self.cfg.speed_guard else None
+        self._interval = None  # (start time, decoding batch size, cap) of the previous propose call
+        self._pure_decode = False  # the step being verified carried no prefill tokens
         # Cost accounting, read through the worker's `adaspec_stats` RPC: draft passes through the first N layers,
         # drafts returned, wall time inside propose (CPU: synchronous, so this is the drafting cost).
-        self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0}
+        self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
+                      "cap_steps": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1)}
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
@@ -62,8 +68,12 @@ class EarlyExitProposer:
 
     def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
         self.states.finish(finished)
-        for req_id in scheduled:
-            self.states.scheduled(req_id, len(spec_tokens.get(req_id, ())))
+        pure = bool(scheduled)
+        for req_id, n in scheduled.items():
+            drafts = len(spec_tokens.get(req_id, ()))
+            self.states.scheduled(req_id, drafts)
+            pure = pure and n == 1 + drafts
+        self._pure_decode = pure
 
     # --- the proposer interface ---
     @torch.inference_mode()
@@ -73,8 +83,11 @@ class EarlyExitProposer:
                 "EarlyExitProposer was not attached to a model runner: the vllm_adaspec plugin did not install its "
                 "worker (is the package installed in the environment vLLM runs in?)"
             )
+        now = time.perf_counter()
         req_ids = self.runner.input_batch.req_ids
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        decoding = sum(1 for s in sampled_token_ids if s)
+        cap = self._speed_cap(now, decoding, sum(map(len, sampled_token_ids)))
         rows, budgets, policies = [], [], []
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:  # prefill chunk in flight or discarded step: no new token to draft from
@@ -82,7 +95,7 @@ class EarlyExitProposer:
             req_id = req_ids[i]
             self.states.verified(req_id, len(sampled))
             policy = self.states.get(req_id).policy
-            budget = min(policy.begin_round(), self.cfg.num_speculative_tokens)
+            budget = min(policy.begin_round(), cap)
             if budget > 0:
                 rows.append(i)
                 budgets.append(budget)
@@ -126,6 +139,20 @@ class EarlyExitProposer:
         st["draft_tokens"] += sum(map(len, drafts))
         st["draft_seconds"] += time.perf_counter() - t0
         return drafts
+
+    def _speed_cap(self, now: float, decoding: int, committed: int) -> int:
+        """Feed the guard the interval that just ended (drafts of the last cap + their verification), pick the
+        cap for the next step. Steps with prefill chunks are not observed: their time is not the decode cost."""
+        k = self.cfg.num_speculative_tokens
+        if self.guard is None:
+            return k
+        last = self._interval
+        if last is not None and self._pure_decode and last[1] == decoding:
+            self.guard.observe(decoding, last[2], committed, now - last[0])
+        cap = self.guard.choose(decoding) if decoding else k
+        self._interval = (now, decoding, cap)
+        self.stats["cap_steps"][cap] += 1
+        return cap
 
     def get_stats(self) -> dict:
         return {**self.stats, "tracked_requests": len(self.states),
