@@ -43,12 +43,19 @@ def methods(args) -> dict[str, dict]:
         for n in args.exit_layers or [None]:
             head = args.exit_head.format(n=n) if "{n}" in args.exit_head else args.exit_head
             for k in args.ks:
-                settings = {"exit_head": head, **({"exit_layer": n} if n is not None else {})}
+                # Fixed K: the speed guard off, so the row measures drafting K every step.
+                settings = {"exit_head": head, "speed_guard": False, **({"exit_layer": n} if n is not None else {})}
                 label = "adaspec-ee" + (f" N={n}" if n is not None else "") + f" K={k}"
                 out[label] = {
                     "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": k},
                     "additional_config": {"adaspec": settings},
                 }
+        if args.default_k:
+            out[f"adaspec default (guard, K={args.default_k})"] = {
+                "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer",
+                                       "num_speculative_tokens": args.default_k},
+                "additional_config": {"adaspec": {"exit_head": args.exit_head}},
+            }
     return out
 
 
@@ -158,6 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=["plain", "ngram", "suffix", "adaspec"])
     p.add_argument("--exit-layers", type=int, nargs="+", default=None,
                    help="N values (default: the exit head's own N)")
+    p.add_argument("--default-k", type=int, default=3,
+                   help="also run the default settings (shipped head, speed guard on) with this K; 0 = skip")
     p.add_argument("--exit-head", default="auto", help="'auto', 'none', a checkpoint folder, or a pattern with {n}")
     p.add_argument("--ks", type=int, nargs="+", default=[3])
     p.add_argument("--suffix-cached-requests", type=int, default=0,

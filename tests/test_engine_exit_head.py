@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import ENGINE, GROW_MAX_TOKENS, GROW_PROMPTS, SPEC, greedy_batch
+from conftest import ENGINE, GROW_MAX_TOKENS, GROW_PROMPTS, MAX_TOKENS, SPEC, greedy_batch
 from test_engine_greedy import assert_identical
 from vllm_adaspec.harness import run_engine
 
@@ -44,12 +44,15 @@ def test_shipped_head_lossless_under_preemption_and_chunked_prefill(smollm2, pla
     assert accept_rate(run["metrics"]) > 0.2, run["metrics"]
 
 
-def test_shipped_head_in_compiled_mode(smollm2, plain_greedy):
+def test_shipped_head_in_compiled_mode(smollm2):
     # Default vLLM mode (torch.compile): the hook that feeds the exit layer's KV must survive compilation.
+    # Compiled kernels round differently from eager ones, so the reference is plain decoding compiled too.
+    compiled = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}
+    batch = greedy_batch(max_tokens=[min(m, 48) for m in MAX_TOKENS])
+    plain = run_engine({"model": smollm2, "engine": compiled, "batches": [batch]})["batches"][0]["runs"][0]
     engine = {k: v for k, v in head_engine().items() if k != "enforce_eager"}
-    res = run_engine({"model": smollm2, "engine": engine, "batches": [greedy_batch()]})
-    run = res["batches"][0]["runs"][0]
-    assert_identical(run, plain_greedy["mixed"])
+    run = run_engine({"model": smollm2, "engine": engine, "batches": [batch]})["batches"][0]["runs"][0]
+    assert_identical(run, plain)
     assert accept_rate(run["metrics"]) > 0.25, run["metrics"]
 
 
