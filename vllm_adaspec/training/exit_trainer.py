@@ -88,7 +88,8 @@ def hidden_cache(model: str, data: str, seqs: Sequences, n: int, batch_tokens: i
         arr = np.load(path, mmap_mode="r")
         if arr.shape[0] == len(seqs.tokens):
             return arr
-    stack = target_prefix_layers(model, n)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    stack = target_prefix_layers(model, n).to(device)
     hdim = stack.embed.weight.shape[1]
     tmp = path + ".tmp.npy"
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(len(seqs.tokens), hdim))
@@ -98,8 +99,9 @@ def hidden_cache(model: str, data: str, seqs: Sequences, n: int, batch_tokens: i
     with torch.inference_mode():
         for batch in _batches(lengths, order, batch_tokens):
             ids = torch.from_numpy(_pad([seqs.tokens[seqs.offsets[i]:seqs.offsets[i + 1]] for i in batch]).astype(np.int64))
-            pos = torch.arange(ids.shape[1])[None].expand_as(ids)
-            h = stack(ids, pos, capture=(n,))[n].to(torch.float16).numpy()
+            ids = ids.to(device)
+            pos = torch.arange(ids.shape[1], device=device)[None].expand_as(ids)
+            h = stack(ids, pos, capture=(n,))[n].to(torch.float16).cpu().numpy()
             for j, i in enumerate(batch):
                 out[seqs.offsets[i]:seqs.offsets[i + 1]] = h[j, : lengths[i]]
             bar.update(int(lengths[batch].sum()))
