@@ -75,7 +75,7 @@ def test_distill_refuses_other_settings_in_the_same_folder(distilled, smollm2):
 def test_train_exit_layer_writes_a_checkpoint_that_learned(distilled, smollm2):
     head = distilled["dir"] / "head"
     p = cli(["train", "exit-layer", "--model", smollm2, "--data", str(distilled["out"]), "-N", "2",
-             "--out", str(head), "--draft-vocab", "64", "--epochs", "3", "--batch-tokens", "2048", "--lr", "1e-3"],
+             "--out", str(head), "--draft-vocab", "64", "--epochs", "20", "--batch-tokens", "2048", "--lr", "1e-3"],
             distilled["dir"])
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(p.stdout[p.stdout.index("{"):])

@@ -155,7 +155,8 @@ class EarlyExitProposer:
         return cap
 
     def get_stats(self) -> dict:
-        return {**self.stats, "tracked_requests": len(self.states),
+        # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
+        return {**self.stats, "cap_steps": list(self.stats["cap_steps"]), "tracked_requests": len(self.states),
                 "config": {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head,
                            "exit_kv_layers": self.exit_kv_layers()}}
 
