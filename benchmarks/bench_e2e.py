@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -110,6 +111,8 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         v = rep["accepted"] / rep["draft_tokens"] if rep["draft_tokens"] else 0.0
         r_d = rep["accepted"] / max(1, rep["tokens"])
         rows[f"{ds}|{bs}"] = {
+            "seconds_total": rep["seconds"], "draft_seconds_total": rep["draft_seconds"],
+            "draft_passes_total": rep["draft_passes"],
             "agree1": rep["accepted_first"] / rep["drafts"] if rep["drafts"] else None,
             "accept_rate": v,
             "hm": 2 * v * r_d / (v + r_d) if v + r_d else 0.0,
@@ -214,6 +217,8 @@ def main(argv=None) -> int:
         tqdm.write(f"{name}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
 
     table = markdown(results, args)
+    if any(k.startswith("adaspec-ee") for k in results):
+        table += "\n\nBreak-even at batch 1 (first repeat):\n\n" + break_even(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for rows in results.values():
@@ -225,6 +230,37 @@ def main(argv=None) -> int:
         plot_k_sweep(results, out.with_suffix(".png"))
     print(table)
     return 0
+
+
+def break_even(results: dict) -> str:
+    """Batch-1 cost model from the measured times: a step costs v(K) plain steps to verify plus K draft passes of
+    c plain steps each; with a per-draft acceptance a it commits (1 - a^(K+1)) / (1 - a) tokens. Break-even a*
+    solves tokens = v + K c."""
+    lines = ["| dataset | method | v(K) verify cost | c draft pass | break-even acceptance a* | measured acceptance |"
+             " measured first-draft agreement |", "|---|---|---|---|---|---|---|"]
+    for key, plain in results["plain"].items():
+        ds, bs = key.split("|")
+        if bs != "1":
+            continue
+        t_plain = 1.0 / plain["tok_s"]
+        for name, rows in results.items():
+            row = rows[key]
+            m = re.match(r"adaspec-ee.* K=(\d+)$", name)
+            if not m or not row.get("draft_passes_total"):
+                continue
+            k = int(m.group(1))
+            forwards = max(1, row["tokens"] - row["accepted"])
+            v = (row["seconds_total"] - row["draft_seconds_total"]) / forwards / t_plain
+            c = row["draft_seconds_total"] / row["draft_passes_total"] / t_plain
+            need = v + k * c
+            lo, hi = 0.0, 1.0
+            for _ in range(60):  # tokens(a) is increasing in a
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if sum(mid ** j for j in range(k + 1)) < need else (lo, mid)
+            star = f"{lo:.1%}" if need <= k + 1 else "never (> K+1 tokens needed)"
+            agree = f"{row['agree1']:.1%}" if row.get("agree1") is not None else "-"
+            lines.append(f"| {ds} | {name} | {v:.2f} | {c:.2f} | {star} | {row['accept_rate']:.1%} | {agree} |")
+    return "\n".join(lines)
 
 
 def plot_k_sweep(results: dict, path: Path) -> None:
