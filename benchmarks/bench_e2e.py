@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--default-k", type=int, default=3,
                    help="also run the default settings (shipped head, speed guard on) with this K; 0 = skip")
     p.add_argument("--exit-head", default="auto", help="'auto', 'none', a checkpoint folder, or a pattern with {n}")
-    p.add_argument("--ks", type=int, nargs="+", default=[3])
+    p.add_argument("--ks", type=int, nargs="*", default=[3], help="fixed-K rows (guard off); none: only the default row")
     p.add_argument("--suffix-cached-requests", type=int, default=0,
                    help="suffix decoding's cross-request response cache; >0 lets repeats replay earlier outputs")
     p.add_argument("--dtype", default="float32", help="float32: this CPU has no native bf16 (AVX2), where bf16 is several times slower")

@@ -58,9 +58,12 @@ def test_shipped_head_in_compiled_mode(smollm2):
 
 
 def test_default_settings_are_lossless_and_the_guard_measures(smollm2, plain_greedy):
-    # Defaults: shipped head, speed guard on. The guard tries every cap 0..K on pure decode steps.
+    # Defaults: shipped head, speed guard on. The guard climbs from cap 0 (plain) on pure decode steps; requests it
+    # switches to plain stop feeding the exit layer's KV (holes in it) and must stay lossless.
     res = run_engine({"model": smollm2, "engine": head_engine(guard=True), "batches": [greedy_batch()]})
     run = res["batches"][0]["runs"][0]
     assert_identical(run, plain_greedy["mixed"])
     caps = run["adaspec"]["cap_steps"]
-    assert len(caps) == 4 and all(c > 0 for c in caps), caps
+    assert len(caps) == 4 and caps[0] > 0 and caps[1] > 0, caps
+    # Either drafting kept paying (the climb went on) or the guard settled on plain and switched requests over.
+    assert caps[2] > 0 or run["adaspec"]["plain_switches"] > 0, run["adaspec"]

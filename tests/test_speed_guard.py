@@ -18,10 +18,19 @@ def simulate(guard, batch, rate_of_k, steps, noise=0.1, seed=0):
     return picks
 
 
-def test_tries_every_cap_first_starting_from_k():
-    g = SpeedGuard(3, min_trials=2)
-    picks = simulate(g, 1, lambda k: 10.0, 8)
-    assert picks == [3, 3, 2, 2, 1, 1, 0, 0]
+def test_climbs_from_plain_while_drafting_gets_faster():
+    g = SpeedGuard(5, min_trials=2, explore=0.0)
+    picks = simulate(g, 1, {0: 10.0, 1: 12.0, 2: 13.0, 3: 12.5, 4: 9.0, 5: 8.0}.__getitem__, 12, noise=0.0)
+    # 0, 1, 2 each faster than the one below; 3 is slower than 2, so 4 and 5 are never tried.
+    assert picks == [0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 2, 2]
+    assert g.best(1) == 2 and g.exploiting
+
+
+def test_losing_drafter_costs_only_a_few_steps():
+    g = SpeedGuard(8, min_trials=3, explore=0.0)
+    picks = simulate(g, 8, lambda k: 100.0 - 10 * k, 50, noise=0.0)
+    assert picks[:6] == [0, 0, 0, 1, 1, 1] and set(picks[6:]) == {0}
+    assert g.best(8) == 0 and g.exploiting
 
 
 @pytest.mark.parametrize("batch,rates,best", [

@@ -97,6 +97,7 @@ class ResolvedConfig:
     policy: str
     exit_head: str | None = None  # checkpoint folder, or None for the untrained exit
     speed_guard: bool = True
+    exit_head_setting: str = "auto"  # what the user asked for: "auto", "none" or a folder
 
 
 def resolve_config(
@@ -148,4 +149,4 @@ def resolve_config(
             f"must satisfy 1 <= exit_layer < {num_layers} (the model has {num_layers} layers), got {exit_layer}",
         )
     return ResolvedConfig(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
-                          exit_head=head, speed_guard=cfg.speed_guard)
+                          exit_head=head, speed_guard=cfg.speed_guard, exit_head_setting=cfg.exit_head)

@@ -93,6 +93,7 @@ class TargetPrefix:
         with set_forward_context(attn_metadata, self.vllm_config, num_tokens=b, slot_mapping=slot_mapping):
             hidden = self.inner.embed_tokens(tokens)
             residual = None
+            feeding = self.exit.feeding if self.exit is not None else False
             if self.exit is not None:
                 self.exit.feeding = False  # the hook is for target forwards; here the exit runs explicitly
             try:
@@ -100,7 +101,7 @@ class TargetPrefix:
                     hidden, residual = layer(positions, hidden, residual)
             finally:
                 if self.exit is not None:
-                    self.exit.feeding = True
+                    self.exit.feeding = feeding
             if self.exit is not None:
                 hidden, residual = self.exit.run_layers(positions, hidden, residual)
         return hidden, residual

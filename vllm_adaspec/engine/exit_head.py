@@ -139,17 +139,12 @@ class TrainedExit:
         return F.linear(normed, self.head_rows)
 
 
-def parse_exit_setting(vllm_config) -> str:
-    from vllm_adaspec.config import parse_adaspec_config
-
-    return parse_adaspec_config(vllm_config.additional_config).exit_head
-
-
-def load_trained_exit(target_model, vllm_config, folder: str | None, exit_layer: int, explicit: bool):
-    """TrainedExit, or None for the untrained exit. A shipped head picked by "auto" that does not fit the loaded
-    weights falls back to the untrained exit with a warning; an explicitly named one fails start-up."""
+def load_trained_exit(target_model, vllm_config, folder: str | None, exit_layer: int, setting: str):
+    """TrainedExit, or None for the untrained exit. `setting` is the user's `exit_head` ("auto", "none" or a
+    folder). A shipped head picked by "auto" that does not fit the loaded weights falls back to the untrained exit
+    with a warning; an explicitly named one fails start-up."""
     if folder is None:
-        if not explicit and parse_exit_setting(vllm_config) == "auto":
+        if setting == "auto":
             logger.warning("vllm_adaspec: no exit head ships for this model%s; drafting with the untrained exit "
                            "(final norm + LM head on h_N), which drafts poorly. Train one: `adaspec distill` then "
                            "`adaspec train exit-layer`", f" with exit_layer={exit_layer}" if exit_layer else "")
@@ -157,7 +152,7 @@ def load_trained_exit(target_model, vllm_config, folder: str | None, exit_layer:
     try:
         return TrainedExit(target_model, vllm_config, folder, exit_layer)
     except AdaspecConfigError as e:
-        if explicit:
+        if setting not in ("auto", "none"):
             raise
         logger.warning("vllm_adaspec: not using the shipped exit head (%s); drafting with the untrained exit", e)
         return None

@@ -48,9 +48,16 @@ class EarlyExitProposer:
         self.guard = SpeedGuard(k, seed=base_seed) if self.cfg.speed_guard else None
         self._interval = None  # (start time, decoding batch size, cap) of the previous propose call
         self._pure_decode = False  # the step being verified carried no prefill tokens
+        # Where plain decoding wins, the guard also stops the exit layers' KV upkeep (a layer's worth of work on
+        # every target step). Requests decoded without it have holes in that KV and never draft again. Eager mode
+        # only: under torch.compile the hook is traced into the target's graph with its flag as a constant.
+        self._can_pause_feed = bool(vllm_config.model_config.enforce_eager)
+        self._feed_next = True
+        self._stale: set[str] = set()
         # Cost accounting, read through the worker's `adaspec_stats` RPC: draft passes through the first N layers,
         # drafts returned, wall time inside propose (CPU: synchronous, so this is the drafting cost).
         self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
+                      "plain_switches": 0,
                       "cap_steps": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1)}
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
@@ -58,8 +65,8 @@ class EarlyExitProposer:
         from vllm_adaspec.engine.drafting import TargetPrefix
         from vllm_adaspec.engine.exit_head import load_trained_exit
 
-        explicit = parse_adaspec_config(self.vllm_config.additional_config).exit_head not in ("auto", "none")
-        trained = load_trained_exit(target_model, self.vllm_config, self.cfg.exit_head, self.cfg.exit_layer, explicit)
+        trained = load_trained_exit(target_model, self.vllm_config, self.cfg.exit_head, self.cfg.exit_layer,
+                                    self.cfg.exit_head_setting)
         self.prefix = TargetPrefix(target_model, self.cfg.exit_layer, self.vllm_config, trained_exit=trained)
         self.exit_head = self.cfg.exit_head if trained is not None else None
 
@@ -68,12 +75,21 @@ class EarlyExitProposer:
 
     def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
         self.states.finish(finished)
+        self._stale.difference_update(finished)
         pure = bool(scheduled)
         for req_id, n in scheduled.items():
             drafts = len(spec_tokens.get(req_id, ()))
             self.states.scheduled(req_id, drafts)
             pure = pure and n == 1 + drafts
         self._pure_decode = pure
+        exit_ = self.prefix.exit if self.prefix is not None else None
+        if exit_ is not None and scheduled and self._can_pause_feed:
+            # Prompt chunks always feed the exit layers: a new request may draft.
+            exit_.feeding = not pure or self._feed_next
+            if not exit_.feeding:
+                new = scheduled.keys() - self._stale
+                self.stats["plain_switches"] += len(new)
+                self._stale.update(new)
 
     # --- the proposer interface ---
     @torch.inference_mode()
@@ -87,13 +103,16 @@ class EarlyExitProposer:
         req_ids = self.runner.input_batch.req_ids
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         decoding = sum(1 for s in sampled_token_ids if s)
-        cap = self._speed_cap(now, decoding, sum(map(len, sampled_token_ids)))
+        eligible = sum(1 for i, s in enumerate(sampled_token_ids) if s and req_ids[i] not in self._stale)
+        cap = self._speed_cap(now, decoding, sum(map(len, sampled_token_ids)), eligible)
         rows, budgets, policies = [], [], []
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:  # prefill chunk in flight or discarded step: no new token to draft from
                 continue
             req_id = req_ids[i]
             self.states.verified(req_id, len(sampled))
+            if req_id in self._stale:
+                continue
             policy = self.states.get(req_id).policy
             budget = min(policy.begin_round(), cap)
             if budget > 0:
@@ -140,16 +159,23 @@ class EarlyExitProposer:
         st["draft_seconds"] += time.perf_counter() - t0
         return drafts
 
-    def _speed_cap(self, now: float, decoding: int, committed: int) -> int:
+    def _speed_cap(self, now: float, decoding: int, committed: int, eligible: int) -> int:
         """Feed the guard the interval that just ended (drafts of the last cap + their verification), pick the
-        cap for the next step. Steps with prefill chunks are not observed: their time is not the decode cost."""
+        cap for the next step. Steps with prefill chunks are not observed: their time is not the decode cost.
+        With no request left that may draft, the step is plain decoding (cap 0)."""
         k = self.cfg.num_speculative_tokens
         if self.guard is None:
             return k
         last = self._interval
         if last is not None and self._pure_decode and last[1] == decoding:
             self.guard.observe(decoding, last[2], committed, now - last[0])
-        cap = self.guard.choose(decoding) if decoding else k
+        if not decoding:
+            cap = k
+        elif not eligible:
+            cap, self._feed_next = 0, False
+        else:
+            cap = self.guard.choose(decoding)
+            self._feed_next = cap > 0 or not self.guard.exploiting
         self._interval = (now, decoding, cap)
         self.stats["cap_steps"][cap] += 1
         return cap
@@ -157,6 +183,7 @@ class EarlyExitProposer:
     def get_stats(self) -> dict:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
         return {**self.stats, "cap_steps": list(self.stats["cap_steps"]), "tracked_requests": len(self.states),
+                "plain_requests": len(self._stale),
                 "config": {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head,
                            "exit_kv_layers": self.exit_kv_layers()}}
 
