@@ -135,7 +135,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
 
 def markdown(results: dict, args) -> str:
     lines = [
-        "| dataset | batch | method | tok/s (median) | speedup | tau | top-1 agreement | accepted / drafted | HM |"
+        "| dataset | batch | method | tok/s (median) | speedup (median, range over rounds) | tau | top-1 agreement | accepted / drafted | HM |"
         " drafting share of time | draft cost c | identical to plain |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -144,7 +144,9 @@ def markdown(results: dict, args) -> str:
         ds, bs = key.split("|")
         for name, rows in results.items():
             row = rows[key]
-            speed = row["tok_s"] / plain[key]["tok_s"]
+            speed = f"{row['speedup']:.2f}x"
+            if len(row["speedup_rounds"]) > 1:
+                speed += f" ({min(row['speedup_rounds']):.2f}-{max(row['speedup_rounds']):.2f})"
             acc = f"{row['accepted']} / {row['draft_tokens']}" if row["draft_tokens"] else "-"
             share = f"{row['draft_share']:.0%}" if row["draft_share"] else "-"
             c_cost = f"{row['draft_cost_c']:.2f}" if row["draft_cost_c"] else "-"
@@ -152,9 +154,41 @@ def markdown(results: dict, args) -> str:
                 c_cost += f" ({row['draft_cost_c'] / row['flop_share']:.1f}x FLOP share {row['flop_share']:.2f})"
             agree = f"{row['agree1']:.1%}" if row.get("agree1") is not None else "-"
             hm = f"{row['hm']:.1%}" if row["draft_tokens"] else "-"
-            lines.append(f"| {ds} | {bs} | {name} | {row['tok_s']:.1f} | {speed:.2f}x | {row['tau']:.2f} | {agree} | "
+            lines.append(f"| {ds} | {bs} | {name} | {row['tok_s']:.1f} | {speed} | {row['tau']:.2f} | {agree} | "
                          f"{acc} | {hm} | {share} | {c_cost} | {row['identical']}/{row['n']} |")
     return "\n".join(lines)
+
+
+def annotate_exit(rows: dict, runs: list[dict], model: str) -> None:
+    """Add the exit settings the drafter reported and the FLOP share of its draft step to each row."""
+    cfg_used = next((r.get("adaspec", {}).get("config") for r in runs if r.get("adaspec", {}).get("config")), None)
+    if not cfg_used:
+        return
+    with open(Path(model) / "config.json") as f:
+        hf = json.load(f)
+    n_exit, vocab = 0, hf["vocab_size"]
+    if cfg_used.get("exit_head"):
+        with open(Path(cfg_used["exit_head"]) / "exit_head.json") as f:
+            meta = json.load(f)
+        n_exit, vocab = meta["num_exit_layers"], meta["draft_vocab_size"]
+    share = flop_share(hf, cfg_used["exit_layer"], n_exit, vocab)
+    for v in rows.values():
+        v["flop_share"] = share
+        v["exit"] = cfg_used
+
+
+def merge_rounds(per_round: list[dict], todo: dict) -> dict:
+    """Round 1's rows (acceptance, tau, costs), with tok/s and speedup as medians over the rounds and identity
+    as the worst round's."""
+    results = {name: per_round[0][name] for name in todo}
+    for name, rows in results.items():
+        for key, row in rows.items():
+            rates = [r[name][key]["tok_s"] for r in per_round]
+            ratios = [r[name][key]["tok_s"] / r["plain"][key]["tok_s"] for r in per_round]
+            row["tok_s_rounds"], row["speedup_rounds"] = rates, ratios
+            row["tok_s"], row["speedup"] = statistics.median(rates), statistics.median(ratios)
+            row["identical"] = min(r[name][key]["identical"] for r in per_round)
+    return results
 
 
 def main(argv=None) -> int:
@@ -164,7 +198,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="generate() passes per engine (median)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="fresh engines per method, in alternating order; speedup = median of per-round ratios")
     p.add_argument("--methods", nargs="+", default=["plain", "ngram", "suffix", "adaspec"])
     p.add_argument("--exit-layers", type=int, nargs="+", default=None,
                    help="N values (default: the exit head's own N)")
@@ -188,33 +224,34 @@ def main(argv=None) -> int:
     engine = {"dtype": args.dtype, "max_model_len": 2048, "seed": 0, "enforce_eager": True}
     warmup = {"prompts": ["Hello"], "params": [{"temperature": 0.0, "max_tokens": 8}]}
 
-    results: dict[str, dict] = {}
-    plain_ids = None
+    # Rounds: every method once per round, in alternating order, each in a fresh engine. This machine's speed
+    # drifts by 10-20% over minutes (shared host), so speedups are per-round ratios against the same round's plain
+    # run, and the table reports their median; tok/s is the median over rounds of each round's median.
     todo = methods(args)
-    for name, spec in tqdm(todo.items(), desc="methods", file=sys.stderr):
-        t0 = time.perf_counter()
-        res = run_engine({"model": model, "engine": {**engine, **spec}, "batches": [warmup] + plan})
-        runs = [b["runs"][0] for b in res["batches"][1:]]
-        rows = summarize(runs, tags, plain_ids)
-        if name == "plain":
-            plain_ids = {k: v["ids"] for k, v in rows.items()}
-            for v in rows.values():
-                v["identical"] = v["n"]
-        cfg_used = next((r.get("adaspec", {}).get("config") for r in runs if r.get("adaspec", {}).get("config")), None)
-        if cfg_used:
-            with open(Path(model) / "config.json") as f:
-                hf = json.load(f)
-            n_exit, vocab = 0, hf["vocab_size"]
-            if cfg_used.get("exit_head"):
-                with open(Path(cfg_used["exit_head"]) / "exit_head.json") as f:
-                    meta = json.load(f)
-                n_exit, vocab = meta["num_exit_layers"], meta["draft_vocab_size"]
-            share = flop_share(hf, cfg_used["exit_layer"], n_exit, vocab)
-            for v in rows.values():
-                v["flop_share"] = share
-                v["exit"] = cfg_used
-        results[name] = rows
-        tqdm.write(f"{name}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    plain_ids = None
+    per_round: list[dict[str, dict]] = []
+    bar = tqdm(total=args.rounds * len(todo), desc="engines", file=sys.stderr)
+    for rnd in range(args.rounds):
+        order = list(todo) if rnd % 2 == 0 else [n for n in reversed(todo) if n != "plain"]
+        if rnd % 2:
+            order.insert(0, "plain")  # plain first: every round needs its ids for the identity check
+        results: dict[str, dict] = {}
+        for name in order:
+            t0 = time.perf_counter()
+            res = run_engine({"model": model, "engine": {**engine, **todo[name]}, "batches": [warmup] + plan})
+            runs = [b["runs"][0] for b in res["batches"][1:]]
+            rows = summarize(runs, tags, plain_ids)
+            if name == "plain" and plain_ids is None:  # later rounds' plain runs are checked against round 1
+                plain_ids = {k: v["ids"] for k, v in rows.items()}
+                for v in rows.values():
+                    v["identical"] = v["n"]
+            annotate_exit(rows, runs, model)
+            results[name] = rows
+            bar.update()
+            tqdm.write(f"round {rnd + 1}: {name}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        per_round.append(results)
+    bar.close()
+    results = merge_rounds(per_round, todo)
 
     table = markdown(results, args)
     if any(k.startswith("adaspec-ee") for k in results):
@@ -280,13 +317,13 @@ def plot_k_sweep(results: dict, path: Path) -> None:
         for name, rows in results.items():
             m = re.match(r"(adaspec-ee(?: N=\d+)?) K=(\d+)", name)
             if m:
-                series.setdefault(m.group(1), []).append((int(m.group(2)), rows[key]["tok_s"] / plain[key]["tok_s"]))
+                series.setdefault(m.group(1), []).append((int(m.group(2)), rows[key]["speedup"]))
         for label, pts in series.items():
             pts.sort()
             ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", label=label)
         for base in ("ngram", "suffix"):
             if base in results:
-                ax.axhline(results[base][key]["tok_s"] / plain[key]["tok_s"], ls="--", lw=1, label=base,
+                ax.axhline(results[base][key]["speedup"], ls="--", lw=1, label=base,
                            color="gray" if base == "ngram" else "black")
         ax.axhline(1.0, color="red", lw=0.8)
         ds, bs = key.split("|")

@@ -76,3 +76,30 @@ def plain_greedy(smollm2):
 def pytest_collection_modifyitems(config, items):
     # Engine tests are slow; run the fast unit tests first so failures show up early.
     items.sort(key=lambda it: 1 if it.get_closest_marker("engine") else 0)
+
+
+def load_interpreted(module: str):
+    """A private copy of a kernel module whose Triton kernels run in the interpreter (TRITON_INTERPRET=1 on CPU).
+
+    Triton reads TRITON_INTERPRET when a kernel is decorated (and again while launching), so the module is loaded
+    afresh with it set and the variable is restored at once: engine child processes must not inherit it. Tests
+    that launch kernels set it for their duration with the `triton_interpret` fixture."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(f"vllm_adaspec.kernels.{module}")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        mod = importlib.util.module_from_spec(importlib.util.spec_from_file_location(f"_interp_{module}", spec.origin))
+        mod.__spec__.loader.exec_module(mod)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return mod
+
+
+@pytest.fixture
+def triton_interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -14,6 +14,12 @@ def test_defaults_resolve_against_the_model():
     assert (r.exit_layer, r.num_layers, r.num_speculative_tokens, r.policy) == (7, 30, 5, "fixed")
 
 
+def test_policy_object_carries_parameters():
+    cfg = parse_adaspec_config({"adaspec": {"policy": {"name": "adaedl", "gamma": 0.3, "lambda0": 0.4}}})
+    r = resolve_config(cfg, **LLAMA)
+    assert (r.policy, r.policy_params) == ("adaedl", {"gamma": 0.3, "lambda0": 0.4})
+
+
 def test_explicit_values_are_kept():
     r = resolve_config(parse_adaspec_config({"adaspec": {"exit_layer": 6, "policy": "fixed"}, "other": 1}), **LLAMA)
     assert r.exit_layer == 6
@@ -27,7 +33,13 @@ def test_explicit_values_are_kept():
         ({"exit_layer": True}, ["['exit_layer']", "must be an integer", "bool"]),
         ({"exit_layer": 6.0}, ["['exit_layer']", "must be an integer", "float"]),
         ({"exit_layer": 0}, ["['exit_layer']", ">= 1", "got 0"]),
-        ({"policy": "greedy"}, ["['policy']", "must be one of fixed", "'greedy'"]),
+        ({"policy": "greedy"}, ["['policy']", "must be one of fixed, thompson-beta, adaedl, max-confidence",
+                                "'greedy'"]),
+        ({"policy": {"gamma": 0.2}}, ["['policy']", "needs a 'name'"]),
+        ({"policy": {"name": "adaedl", "gama": 0.2}}, ["['policy']", "no parameter(s) 'gama'", "takes: gamma,"]),
+        ({"policy": {"name": "adaedl", "beta2": 1.0}}, ["['policy']", "beta2 must be in [0, 1)", "got 1.0"]),
+        ({"policy": {"name": "thompson-beta", "alpha0": "1"}}, ["['policy']", "'alpha0' must be a number"]),
+        ({"policy": {"name": "fixed", "k": 3}}, ["['policy']", "takes: none"]),
         ({"speed_guard": "yes"}, ["['speed_guard']", "must be true or false", "str 'yes'"]),
         ({"exit_head": ""}, ["['exit_head']", "'auto', 'none' or a checkpoint folder"]),
     ],

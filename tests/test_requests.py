@@ -65,6 +65,6 @@ def test_accepted_is_clamped_to_what_was_drafted():
 
 def test_fixed_policy_and_seeds():
     p = make_policy("fixed", 5, seed=1)
-    assert p.begin_round() == 5 and p.keep_drafting(4) and not p.keep_drafting(5)
+    assert p.begin_round() == 5 and p.accept(1) and p.keep_drafting(4) and not p.keep_drafting(5)
     assert request_seed("req-1", 0) == request_seed("req-1", 0) != request_seed("req-2", 0)
     assert request_seed("req-1", 0) != request_seed("req-1", 1)

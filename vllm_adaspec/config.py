@@ -6,11 +6,10 @@ and unit-tested in milliseconds. Every error names the offending key and what is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 SECTION = "adaspec"
-POLICIES = ("fixed",)
 # Decoder-only models whose vLLM implementation exposes embed_tokens / layers / norm / lm_head and
 # whose decoder layers take (positions, hidden_states, residual).
 SUPPORTED_ARCHITECTURES = (
@@ -28,8 +27,10 @@ class AdaspecConfigError(ValueError):
 class AdaspecConfig:
     # N: how many of the target's layers the drafter runs before its exit head. None = a quarter of the layers.
     exit_layer: int | None = None
-    # Draft-length policy: one object per request decides how many tokens to draft each step.
+    # Draft-length policy: one object per request decides how many tokens to draft each step. In the config a
+    # name ("fixed", "thompson-beta", "adaedl", "max-confidence") or {"name": ..., <parameter>: value, ...}.
     policy: str = "fixed"
+    policy_params: dict = field(default_factory=dict)
     # Trained exit head: a checkpoint folder from `adaspec train exit-layer`; "auto" = the one shipped for this
     # model if there is one (else the untrained exit, with a warning); "none" = the untrained exit
     # (final norm + LM head on h_N).
@@ -40,7 +41,7 @@ class AdaspecConfig:
 
     @classmethod
     def keys(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        return [f.name for f in fields(cls) if f.name != "policy_params"]  # parameters live inside `policy`
 
 
 def _fail(key: str, msg: str) -> AdaspecConfigError:
@@ -75,16 +76,34 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None) -> Adaspec
         exit_layer = _check_int("exit_layer", exit_layer)
         if exit_layer < 1:
             raise _fail("exit_layer", f"must be >= 1 (the number of target layers the drafter runs), got {exit_layer}")
-    policy = section.get("policy", "fixed")
-    if not isinstance(policy, str) or policy not in POLICIES:
-        raise _fail("policy", f"must be one of {', '.join(POLICIES)}; got {policy!r}")
+    policy, policy_params = _parse_policy(section.get("policy", "fixed"))
     exit_head = section.get("exit_head", "auto")
     if not isinstance(exit_head, str) or not exit_head:
         raise _fail("exit_head", f"must be 'auto', 'none' or a checkpoint folder; got {exit_head!r}")
     speed_guard = section.get("speed_guard", True)
     if not isinstance(speed_guard, bool):
         raise _fail("speed_guard", f"must be true or false, got {type(speed_guard).__name__} {speed_guard!r}")
-    return AdaspecConfig(exit_layer=exit_layer, policy=policy, exit_head=exit_head, speed_guard=speed_guard)
+    return AdaspecConfig(exit_layer=exit_layer, policy=policy, policy_params=policy_params, exit_head=exit_head,
+                         speed_guard=speed_guard)
+
+
+def _parse_policy(value: Any) -> tuple[str, dict]:
+    from vllm_adaspec.policies import POLICIES, check_policy
+
+    if isinstance(value, Mapping):
+        params = dict(value)
+        name = params.pop("name", None)
+        if name is None:
+            raise _fail("policy", f"an object needs a 'name' (one of {', '.join(POLICIES)}); got {value!r}")
+    else:
+        name, params = value, {}
+    if not isinstance(name, str) or name not in POLICIES:
+        raise _fail("policy", f"must be one of {', '.join(POLICIES)} (or an object with 'name'); got {name!r}")
+    try:
+        check_policy(name, params)
+    except ValueError as e:
+        raise _fail("policy", str(e)) from None
+    return name, params
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,7 @@ class ResolvedConfig:
     num_speculative_tokens: int
     policy: str
     exit_head: str | None = None  # checkpoint folder, or None for the untrained exit
+    policy_params: dict = field(default_factory=dict)
     speed_guard: bool = True
     exit_head_setting: str = "auto"  # what the user asked for: "auto", "none" or a folder
 
@@ -149,4 +169,5 @@ def resolve_config(
             f"must satisfy 1 <= exit_layer < {num_layers} (the model has {num_layers} layers), got {exit_layer}",
         )
     return ResolvedConfig(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
+                          policy_params=cfg.policy_params,
                           exit_head=head, speed_guard=cfg.speed_guard, exit_head_setting=cfg.exit_head)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 @dataclass
 class FixedPolicy:
     k: int
+    seed: int = 0
 
     def __post_init__(self):
         if self.k < 1:
@@ -16,7 +17,10 @@ class FixedPolicy:
     def begin_round(self) -> int:
         return self.k
 
-    def keep_drafting(self, depth: int, top_prob: float | None = None, entropy: float | None = None) -> bool:
+    def accept(self, depth: int, top_prob: float | None = None, entropy: float | None = None) -> bool:
+        return True
+
+    def keep_drafting(self, depth: int) -> bool:
         return depth < self.k
 
     def observe(self, drafted: int, accepted: int) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from vllm_adaspec.config import parse_adaspec_config, resolve_config
+from vllm_adaspec.kernels.entropy_topk import entropy_topk
 from vllm_adaspec.policies import make_policy
 from vllm_adaspec.policies.speed_guard import SpeedGuard
 from vllm_adaspec.requests import RequestStates
@@ -39,7 +40,8 @@ class EarlyExitProposer:
         )
         base_seed = vllm_config.model_config.seed or 0
         self.states = RequestStates(
-            new_policy=lambda rid: make_policy(self.cfg.policy, self.cfg.num_speculative_tokens, request_seed(rid, base_seed))
+            new_policy=lambda rid: make_policy(self.cfg.policy, self.cfg.num_speculative_tokens,
+                                               request_seed(rid, base_seed), self.cfg.policy_params)
         )
         self.prefix = None
         self.runner = None
@@ -133,6 +135,8 @@ class EarlyExitProposer:
         positions = torch.from_numpy((n - 1).astype(np.int64)).to(device)  # [B]
         max_seq_len = int(n.max())  # host-side upper bound, grows by one per depth
         entries = list(range(len(rows)))  # index into rows/budgets/policies for each active request
+        confident = any(getattr(pol, "needs_confidence", False) for pol in policies)
+        temps = torch.from_numpy(self.runner.input_batch.temperature_cpu[rows_np]).to(device) if confident else None
         for depth in range(1, max(budgets) + 1):
             hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len)
             logits, vocab = self.prefix.head(hidden, residual)  # [B, V'], V' ids (None: all)
@@ -140,8 +144,14 @@ class EarlyExitProposer:
             if vocab is not None:
                 tokens = vocab[tokens]
             self.stats["draft_passes"] += 1
+            conf = [(None, None)] * len(entries)
+            if confident:  # top probability and entropy of each row's draft distribution, at its temperature
+                entropy, top_prob, _, _ = entropy_topk(logits, temps, k=1)
+                conf = torch.stack([top_prob, entropy], 1).tolist()
             keep = []
             for j, (e, tok) in enumerate(zip(entries, tokens.tolist())):
+                if not policies[e].accept(depth, *conf[j]):
+                    continue  # not proposed; the request's round ends here
                 drafts[rows[e]].append(tok)
                 if depth < budgets[e] and policies[e].keep_drafting(depth):
                     keep.append(j)
@@ -150,6 +160,8 @@ class EarlyExitProposer:
             if len(keep) < len(entries):
                 idx = torch.tensor(keep, device=device)
                 blocks, tokens, positions = blocks[idx], tokens[idx], positions[idx]
+                if temps is not None:
+                    temps = temps[idx]
                 entries = [entries[j] for j in keep]
             positions = positions + 1
             max_seq_len += 1
