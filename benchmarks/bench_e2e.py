@@ -51,6 +51,16 @@ def methods(args) -> dict[str, dict]:
                     "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": k},
                     "additional_config": {"adaspec": settings},
                 }
+        for pol in args.policies:
+            # A policy with K = --policy-k as its ceiling, guard off: the row measures the policy's own choices.
+            spec = json.loads(pol) if pol.startswith("{") else pol
+            name = spec if isinstance(spec, str) else spec["name"]
+            out[f"adaspec policy {name} (K={args.policy_k})"] = {
+                "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer",
+                                       "num_speculative_tokens": args.policy_k},
+                "additional_config": {"adaspec": {"exit_head": args.exit_head, "speed_guard": False,
+                                                  "policy": spec}},
+            }
         if args.default_k:
             out[f"adaspec default (guard, K={args.default_k})"] = {
                 "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer",
@@ -69,14 +79,17 @@ def flop_share(cfg: dict, n: int, exit_layers: int, draft_vocab: int) -> float:
     return ((n + exit_layers) * layer + draft_vocab * h) / (cfg["num_hidden_layers"] * layer + cfg["vocab_size"] * h)
 
 
-def calls(prompts: dict[str, list[str]], batch_sizes: list[int], repeats: int, max_tokens: int) -> list[dict]:
-    """One entry per generate() call, tagged with (repeat, dataset, batch size)."""
-    params = [{"temperature": 0.0, "max_tokens": max_tokens}]
+def calls(prompts: dict[str, list[str]], batch_sizes: list[int], repeats: int, max_tokens: int,
+          temperature: float = 0.0) -> list[dict]:
+    """One entry per generate() call, tagged with (repeat, dataset, batch size). Sampled runs seed each prompt
+    (seed = its index), the same in every method."""
     out = []
     for r in range(repeats):
         for ds, ps in prompts.items():
             for bs in batch_sizes:
                 for i in range(0, len(ps), bs):
+                    params = [{"temperature": temperature, "max_tokens": max_tokens,
+                               **({"seed": i + j} if temperature > 0 else {})} for j in range(len(ps[i:i + bs]))]
                     out.append({"prompts": ps[i:i + bs], "params": params, "tag": [r, ds, bs, i]})
     return out
 
@@ -97,6 +110,9 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         rep["accepted_first"] += (m.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [0])[0]
         rep["draft_seconds"] += run.get("adaspec", {}).get("draft_seconds", 0.0)
         rep["draft_passes"] += run.get("adaspec", {}).get("draft_passes", 0)
+        lengths = run.get("adaspec", {}).get("round_lengths")
+        if lengths:
+            rep["round_lengths"] = [a + b for a, b in zip(rep.get("round_lengths", [0] * len(lengths)), lengths)]
         if r == 0:
             for j, t in enumerate(run["token_ids"]):
                 c["ids"][i + j] = t
@@ -118,6 +134,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
             "hm": 2 * v * r_d / (v + r_d) if v + r_d else 0.0,
             "draft_share": rep["draft_seconds"] / rep["seconds"],
             "draft_cost_c": c_cost,
+            "round_lengths": rep.get("round_lengths"),
             "tok_s": statistics.median(x["tokens"] / x["seconds"] for x in reps),
             "tok_s_all": [x["tokens"] / x["seconds"] for x in reps],
             "tokens": rep["tokens"],
@@ -136,8 +153,8 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
 def markdown(results: dict, args) -> str:
     lines = [
         "| dataset | batch | method | tok/s (median) | speedup (median, range over rounds) | tau | top-1 agreement | accepted / drafted | HM |"
-        " drafting share of time | draft cost c | identical to plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " drafts / round | drafting share of time | draft cost c | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     plain = results["plain"]
     for key in plain:
@@ -154,8 +171,11 @@ def markdown(results: dict, args) -> str:
                 c_cost += f" ({row['draft_cost_c'] / row['flop_share']:.1f}x FLOP share {row['flop_share']:.2f})"
             agree = f"{row['agree1']:.1%}" if row.get("agree1") is not None else "-"
             hm = f"{row['hm']:.1%}" if row["draft_tokens"] else "-"
+            rl = row.get("round_lengths")
+            per_round = f"{sum(i * c for i, c in enumerate(rl)) / sum(rl):.2f}" if rl and sum(rl) else "-"
+            same = f"{row['identical']}/{row['n']}" if args.temperature == 0 else "n/a (sampled)"
             lines.append(f"| {ds} | {bs} | {name} | {row['tok_s']:.1f} | {speed} | {row['tau']:.2f} | {agree} | "
-                         f"{acc} | {hm} | {share} | {c_cost} | {row['identical']}/{row['n']} |")
+                         f"{acc} | {hm} | {per_round} | {share} | {c_cost} | {same} |")
     return "\n".join(lines)
 
 
@@ -210,6 +230,10 @@ def main(argv=None) -> int:
     p.add_argument("--ks", type=int, nargs="*", default=[3], help="fixed-K rows (guard off); none: only the default row")
     p.add_argument("--suffix-cached-requests", type=int, default=0,
                    help="suffix decoding's cross-request response cache; >0 lets repeats replay earlier outputs")
+    p.add_argument("--policies", nargs="*", default=[],
+                   help="adaptive policy rows (names or JSON objects), each with K = --policy-k and the guard off")
+    p.add_argument("--policy-k", type=int, default=10)
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seed = prompt index)")
     p.add_argument("--dtype", default="float32", help="float32: this CPU has no native bf16 (AVX2), where bf16 is several times slower")
     p.add_argument("--out", default="benchmarks/out/bench_e2e.json")
     args = p.parse_args(argv)
@@ -219,7 +243,7 @@ def main(argv=None) -> int:
 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = {ds: load_prompts(ds, args.num_prompts, tokenizer=tok) for ds in args.datasets}
-    plan = calls(prompts, args.batch_sizes, args.repeats, args.max_tokens)
+    plan = calls(prompts, args.batch_sizes, args.repeats, args.max_tokens, args.temperature)
     tags = [c.pop("tag") for c in plan]
     engine = {"dtype": args.dtype, "max_model_len": 2048, "seed": 0, "enforce_eager": True}
     warmup = {"prompts": ["Hello"], "params": [{"temperature": 0.0, "max_tokens": 8}]}
@@ -263,7 +287,7 @@ def main(argv=None) -> int:
             row.pop("ids")
     out.write_text(json.dumps({"args": vars(args), "command": " ".join(sys.argv), "results": results}, indent=1))
     out.with_suffix(".md").write_text(table + "\n")
-    if len(args.ks) > 1:
+    if len(args.ks) > 1 or args.policies:
         plot_k_sweep(results, out.with_suffix(".png"))
     print(table)
     return 0
@@ -325,6 +349,10 @@ def plot_k_sweep(results: dict, path: Path) -> None:
             if base in results:
                 ax.axhline(results[base][key]["speedup"], ls="--", lw=1, label=base,
                            color="gray" if base == "ngram" else "black")
+        for name, rows in results.items():  # adaptive policies: horizontal lines (EESD figure 3)
+            if name.startswith("adaspec policy"):
+                ax.axhline(rows[key]["speedup"], ls=":", lw=1.5, label=name.replace("adaspec policy ", ""),
+                           color=f"C{3 + list(results).index(name) % 6}")
         ax.axhline(1.0, color="red", lw=0.8)
         ds, bs = key.split("|")
         ax.set_title(f"{ds}, batch {bs}")

@@ -60,7 +60,10 @@ class EarlyExitProposer:
         # drafts returned, wall time inside propose (CPU: synchronous, so this is the drafting cost).
         self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
                       "plain_switches": 0,
-                      "cap_steps": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1)}
+                      "cap_steps": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
+                      # rounds by the number of drafts the policy proposed (0: it rejected the first one)
+                      "round_lengths": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
+                      "policy": self.cfg.policy}
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
@@ -169,6 +172,8 @@ class EarlyExitProposer:
         st["propose_calls"] += 1
         st["draft_tokens"] += sum(map(len, drafts))
         st["draft_seconds"] += time.perf_counter() - t0
+        for i in rows:
+            st["round_lengths"][len(drafts[i])] += 1
         return drafts
 
     def _speed_cap(self, now: float, decoding: int, committed: int, eligible: int) -> int:
@@ -194,7 +199,8 @@ class EarlyExitProposer:
 
     def get_stats(self) -> dict:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
-        return {**self.stats, "cap_steps": list(self.stats["cap_steps"]), "tracked_requests": len(self.states),
+        return {**self.stats, "cap_steps": list(self.stats["cap_steps"]),
+                "round_lengths": list(self.stats["round_lengths"]), "tracked_requests": len(self.states),
                 "plain_requests": len(self._stale),
                 "config": {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head,
                            "exit_kv_layers": self.exit_kv_layers()}}

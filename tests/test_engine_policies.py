@@ -1,0 +1,26 @@
+"""Adaptive draft-length policies inside vLLM with the shipped exit head: lossless, and actually adaptive."""
+
+import pytest
+
+from conftest import ENGINE, SPEC, greedy_batch
+from test_engine_greedy import assert_identical
+from vllm_adaspec.harness import run_engine
+
+pytestmark = pytest.mark.engine
+K = 5
+
+
+@pytest.mark.parametrize("policy", ["thompson-beta", {"name": "adaedl", "lambda0": 0.6}, "max-confidence"])
+def test_policy_is_lossless_and_varies_the_draft_length(smollm2, plain_greedy, policy):
+    engine = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": K},
+              "additional_config": {"adaspec": {"policy": policy, "speed_guard": False}}}
+    run = run_engine({"model": smollm2, "engine": engine, "batches": [greedy_batch()]})["batches"][0]["runs"][0]
+    assert_identical(run, plain_greedy["mixed"])
+    stats = run["adaspec"]
+    lengths = stats["round_lengths"]
+    name = policy if isinstance(policy, str) else policy["name"]
+    assert stats["policy"] == name and len(lengths) == K + 1
+    assert sum(lengths) > 20, lengths
+    # Fixed K would put (nearly) every round at K; these stop early on the drafter's own evidence.
+    assert sum(lengths[:K]) > 0.2 * sum(lengths), lengths
+    assert run["metrics"]["vllm:spec_decode_num_draft_tokens"] < K * sum(lengths), lengths
