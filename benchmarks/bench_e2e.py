@@ -32,6 +32,10 @@ from vllm_adaspec.models import resolve_model
 
 def methods(args) -> dict[str, dict]:
     out = {"plain": {}}
+    if "plain-sync" in args.methods:
+        # vLLM turns async scheduling on for plain decoding and off for custom, ngram and suffix drafters; this
+        # row separates that difference from drafting.
+        out["plain-sync"] = {"async_scheduling": False}
     if "ngram" in args.methods:
         out["ngram"] = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5,
                                                "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
@@ -256,9 +260,7 @@ def main(argv=None) -> int:
     per_round: list[dict[str, dict]] = []
     bar = tqdm(total=args.rounds * len(todo), desc="engines", file=sys.stderr)
     for rnd in range(args.rounds):
-        order = list(todo) if rnd % 2 == 0 else [n for n in reversed(todo) if n != "plain"]
-        if rnd % 2:
-            order.insert(0, "plain")  # plain first: every round needs its ids for the identity check
+        order = list(todo) if rnd % 2 == 0 else list(reversed(todo))  # round 1 runs plain first: reference ids
         results: dict[str, dict] = {}
         for name in order:
             t0 = time.perf_counter()
