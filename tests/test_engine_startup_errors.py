@@ -40,7 +40,7 @@ CASES = {
     "exit layer too deep": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_layer": 30}}, {},
                             ["['exit_layer']: must satisfy 1 <= exit_layer < 30 (the model has 30 layers), got 30"]),
     "unknown policy": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"policy": "thompson"}}, {},
-                       ["['policy']: must be one of fixed; got 'thompson'"]),
+                       ["['policy']: must be one of fixed, thompson-beta, adaedl, max-confidence", "got 'thompson'"]),
     "unknown proposer": ({"model": "vllm_adaspec.EarlyExit", "num_speculative_tokens": 3}, {}, {},
                          ["'vllm_adaspec.EarlyExit' is not an adaspec proposer; known: vllm_adaspec.EarlyExitProposer"]),
     "K below 1": ({"model": EE, "num_speculative_tokens": 0}, {}, {}, ["num_speculative_tokens"]),
