@@ -33,7 +33,7 @@ def test_explicit_values_are_kept():
         ({"exit_layer": True}, ["['exit_layer']", "must be an integer", "bool"]),
         ({"exit_layer": 6.0}, ["['exit_layer']", "must be an integer", "float"]),
         ({"exit_layer": 0}, ["['exit_layer']", ">= 1", "got 0"]),
-        ({"policy": "greedy"}, ["['policy']", "must be one of fixed, thompson-beta, adaedl, max-confidence",
+        ({"policy": "greedy"}, ["['policy']", "must be one of fixed, thompson-beta, thompson-cali, adaedl, max-confidence",
                                 "'greedy'"]),
         ({"policy": {"gamma": 0.2}}, ["['policy']", "needs a 'name'"]),
         ({"policy": {"name": "adaedl", "gama": 0.2}}, ["['policy']", "no parameter(s) 'gama'", "takes: gamma,"]),

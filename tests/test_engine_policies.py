@@ -10,7 +10,8 @@ pytestmark = pytest.mark.engine
 K = 5
 
 
-@pytest.mark.parametrize("policy", ["thompson-beta", {"name": "adaedl", "lambda0": 0.6}, "max-confidence"])
+@pytest.mark.parametrize("policy", ["thompson-beta", "thompson-cali", {"name": "adaedl", "lambda0": 0.6},
+                                    "max-confidence"])
 def test_policy_is_lossless_and_varies_the_draft_length(smollm2, plain_greedy, policy):
     engine = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": K},
               "additional_config": {"adaspec": {"policy": policy, "speed_guard": False}}}

@@ -40,7 +40,10 @@ CASES = {
     "exit layer too deep": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_layer": 30}}, {},
                             ["['exit_layer']: must satisfy 1 <= exit_layer < 30 (the model has 30 layers), got 30"]),
     "unknown policy": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"policy": "thompson"}}, {},
-                       ["['policy']: must be one of fixed, thompson-beta, adaedl, max-confidence", "got 'thompson'"]),
+                       ["['policy']: must be one of fixed, thompson-beta, thompson-cali, adaedl, max-confidence", "got 'thompson'"]),
+    "cali on the untrained exit": ({"model": EE, "num_speculative_tokens": 3},
+                                   {"adaspec": {"exit_head": "none", "policy": "thompson-cali"}}, {},
+                                   ["policy 'thompson-cali' needs a trained exit head"]),
     "unknown proposer": ({"model": "vllm_adaspec.EarlyExit", "num_speculative_tokens": 3}, {}, {},
                          ["'vllm_adaspec.EarlyExit' is not an adaspec proposer; known: vllm_adaspec.EarlyExitProposer"]),
     "K below 1": ({"model": EE, "num_speculative_tokens": 0}, {}, {}, ["num_speculative_tokens"]),
@@ -82,6 +85,12 @@ def head_cases(tmp_path_factory, smollm2):
         meta["base_model"][key] = "0123456789abcdef"
         (d / "exit_head.json").write_text(json.dumps(meta))
         out[name] = (spec, {"adaspec": {"exit_head": str(d)}}, {}, words)
+    d = tmp_path_factory.mktemp("no_calibration")
+    for f in ("exit_head.safetensors", "exit_head.json"):
+        shutil.copy(f"{shipped}/{f}", d)
+    out["cali without predictor"] = (spec, {"adaspec": {"exit_head": str(d), "policy": "thompson-cali"}}, {},
+                                     ["needs a calibration predictor in the exit head folder", "no calibration.json",
+                                      "adaspec train calibration"])
     return out
 
 

@@ -99,3 +99,35 @@ def test_metrics_show_speculation(server):
             values[name] = values.get(name, 0) + value
     assert values.get("vllm:spec_decode_num_drafts_total", 0) > 0, values
     assert values.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0, values
+
+
+def scrape(base, prefix):
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            values[name] = values.get(name, 0) + value
+    return values
+
+
+def test_metrics_show_adaspec_drafting(server):
+    base, model = server
+    # A request's own statistics land when the engine next steps (it learns of finished requests then), and the
+    # drafter's snapshot is at most 0.5 s old: step twice more after a pause.
+    for _ in range(2):
+        time.sleep(0.6)
+        post(base + "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0.0})
+    v = scrape(base, "vllm:adaspec_")
+    verified, accepted = v.get("vllm:adaspec_verified_drafts_total", 0), v.get("vllm:adaspec_accepted_drafts_total", 0)
+    assert verified > 0 and 0 < accepted <= verified, v
+    assert v.get("vllm:adaspec_draft_rounds_total", 0) > 0, v
+    assert v.get("vllm:adaspec_draft_seconds_total", 0) > 0, v
+    assert v.get("vllm:adaspec_speed_guard_steps_total", 0) > 0, v
+    # every request the earlier tests sent has finished; those that drafted are in the per-request histograms
+    assert v.get("vllm:adaspec_requests_finished_total", 0) >= 2 * N, v
+    assert v.get("vllm:adaspec_request_acceptance_rate_count", 0) >= 1, v
+    assert v.get("vllm:adaspec_request_drafts_per_round_count", 0) == v["vllm:adaspec_request_acceptance_rate_count"]
+    rate = v["vllm:adaspec_request_acceptance_rate_sum"] / v["vllm:adaspec_request_acceptance_rate_count"]
+    assert 0 < rate <= 1, v

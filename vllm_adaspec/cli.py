@@ -123,6 +123,16 @@ def add_train(sub) -> None:
     e.add_argument("--init", choices=("last", "next", "identity"), default="identity",
                    help="exit layer start: copy of the last layer (EESD), of layer N, or an identity")
     e.set_defaults(func=cmd_train_exit)
+    c = tsub.add_parser("calibration", help="acceptance predictor of the thompson-cali policy, for one exit head")
+    c.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
+    c.add_argument("--data", default=None, help="`adaspec distill` folder (default: its default for --model, seed 0)")
+    c.add_argument("--exit-head", default="auto", help="exit head folder ('auto': the one shipped for --model)")
+    c.add_argument("--out", default=None, help="where to write it (default: inside the exit head folder, where "
+                                               "thompson-cali looks for it)")
+    c.add_argument("--max-tokens", type=int, default=60_000, help="generated tokens to train on")
+    c.add_argument("--epochs", type=int, default=6)
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(func=cmd_train_calibration)
 
 
 def cmd_train_exit(args) -> int:
@@ -143,6 +153,42 @@ def cmd_train_exit(args) -> int:
                            seed=args.seed, init=args.init, name=os.path.basename(os.path.normpath(args.model)))
     try:
         report = train_exit_layer(st)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"adaspec train: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+def cmd_train_calibration(args) -> int:
+    import json
+
+    from vllm_adaspec.heads import find_shipped
+    from vllm_adaspec.models import resolve_model
+    from vllm_adaspec.training.calibration_trainer import CalibrationSettings, train_calibration
+
+    try:
+        model = resolve_model(args.model)
+    except ValueError as e:
+        print(f"adaspec train: {e}", file=sys.stderr)
+        return 2
+    head = args.exit_head
+    if head == "auto":
+        with open(os.path.join(model, "config.json")) as f:
+            head = find_shipped(json.load(f))
+        if head is None:
+            print(f"adaspec train: no exit head ships for {args.model}; pass --exit-head", file=sys.stderr)
+            return 2
+    if not os.path.isfile(os.path.join(head, "exit_head.json")):
+        print(f"adaspec train: {head} is not an exit head folder (no exit_head.json)", file=sys.stderr)
+        return 2
+    if args.max_tokens < 100 or args.epochs < 1:
+        print("adaspec train: --max-tokens must be >= 100 and --epochs >= 1", file=sys.stderr)
+        return 2
+    st = CalibrationSettings(model=model, data=args.data or default_distill_dir(args.model, 0), exit_head=head,
+                             out=args.out or head, max_tokens=args.max_tokens, epochs=args.epochs, seed=args.seed)
+    try:
+        report = train_calibration(st)
     except (ValueError, FileNotFoundError) as e:
         print(f"adaspec train: {e}", file=sys.stderr)
         return 2

@@ -161,6 +161,12 @@ def resolve_config(
             check_against_model(meta, head, hf_config, cfg.exit_layer)
         if head is not None:
             exit_layer = load_exit_head(head, tensors=False)[0]["exit_layer"]
+    from vllm_adaspec.policies import POLICIES
+
+    if hf_config is not None and getattr(POLICIES[cfg.policy], "needs_score", False):
+        from vllm_adaspec.heads import check_calibration
+
+        check_calibration(head, cfg.policy)
     if exit_layer is None:
         exit_layer = max(1, num_layers // 4)
     if not 1 <= exit_layer < num_layers:

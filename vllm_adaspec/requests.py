@@ -35,22 +35,24 @@ class RequestStates:
         """The scheduler put `num_drafts` of our drafts into this step for `req_id`."""
         self.get(req_id).drafted_last = num_drafts
 
-    def verified(self, req_id: str, num_sampled: int) -> None:
-        """Verification emitted `num_sampled` tokens (accepted drafts + 1) for `req_id`."""
+    def verified(self, req_id: str, num_sampled: int) -> tuple[int, int]:
+        """Verification emitted `num_sampled` tokens (accepted drafts + 1) for `req_id`.
+        Returns (drafts verified, drafts accepted) of that round; (0, 0) when it carried none."""
         st = self.get(req_id)
         drafted = st.drafted_last
         if drafted == 0:
-            return
+            return 0, 0
         accepted = max(0, min(drafted, num_sampled - 1))
         st.rounds += 1
         st.drafted += drafted
         st.accepted += accepted
         st.drafted_last = 0
         st.policy.observe(drafted, accepted)
+        return drafted, accepted
 
-    def finish(self, req_ids: Iterable[str]) -> None:
-        for r in req_ids:
-            self.states.pop(r, None)
+    def finish(self, req_ids: Iterable[str]) -> list[RequestState]:
+        """Drop finished requests; returns their final states (for per-request statistics)."""
+        return [st for st in (self.states.pop(r, None) for r in req_ids) if st is not None]
 
     def __len__(self) -> int:
         return len(self.states)

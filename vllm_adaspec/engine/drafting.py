@@ -9,6 +9,7 @@ these lookahead slots, see scheduler.py). So one draft step costs about N/L of a
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -106,12 +107,14 @@ class TargetPrefix:
                 hidden, residual = self.exit.run_layers(positions, hidden, residual)
         return hidden, residual
 
-    def head(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, H] -> (logits [B, V'], vocab [V'] full ids of the logit columns, or None when V' is the vocabulary).
+    def head(self, hidden: torch.Tensor, residual: torch.Tensor):
+        """[B, H] -> (logits [B, V'], vocab [V'] full ids of the logit columns or None when V' is the vocabulary,
+        normed [B, H] the hidden state the logits came from).
 
         Trained exit: its norm + the draft vocabulary's LM-head rows. Untrained: the target's final norm + LM head.
         """
         if self.exit is not None:
-            return self.exit.logits(hidden, residual), self.exit.vocab
+            normed, _ = self.exit.norm(hidden, residual)
+            return F.linear(normed, self.exit.head_rows), self.exit.vocab, normed
         normed, _ = self.inner.norm(hidden, residual)
-        return self.model.compute_logits(normed), None
+        return self.model.compute_logits(normed), None, normed

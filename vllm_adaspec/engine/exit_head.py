@@ -17,7 +17,6 @@ import copy
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from vllm_adaspec.config import AdaspecConfigError
 
@@ -133,11 +132,6 @@ class TrainedExit:
             hidden, residual = layer(positions, hidden, residual)
         return hidden, residual
 
-    def logits(self, hidden, residual) -> torch.Tensor:
-        """[B, H] -> draft logits over the draft vocabulary [B, V'] (map argmax through `self.vocab`)."""
-        normed, _ = self.norm(hidden, residual)
-        return F.linear(normed, self.head_rows)
-
 
 def load_trained_exit(target_model, vllm_config, folder: str | None, exit_layer: int, setting: str):
     """TrainedExit, or None for the untrained exit. `setting` is the user's `exit_head` ("auto", "none" or a
@@ -156,3 +150,12 @@ def load_trained_exit(target_model, vllm_config, folder: str | None, exit_layer:
             raise
         logger.warning("vllm_adaspec: not using the shipped exit head (%s); drafting with the untrained exit", e)
         return None
+
+
+def load_calibration(folder: str | None, policy: str, device):
+    """thompson-cali's acceptance predictor from the exit head folder (checked against that head), on `device`."""
+    from vllm_adaspec.heads import check_calibration
+    from vllm_adaspec.policies.calibration import CalibrationPredictor
+
+    check_calibration(folder, policy)
+    return CalibrationPredictor.load(folder).to(device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from vllm_adaspec.config import AdaspecConfigError, SECTION, parse_adaspec_config, resolve_config
+from vllm_adaspec.metrics import ensure_stats_dir
 
 logger = logging.getLogger("vllm_adaspec")
 
@@ -80,6 +81,7 @@ def configure(vllm_config) -> None:
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise AdaspecConfigError("vllm_adaspec: pipeline parallelism is not supported (the drafter runs the first layers)")
     _install(vllm_config)
+    ensure_stats_dir()  # where the engine's drafter leaves its statistics for this process (metrics.py)
 
 
 def _install(vllm_config) -> None:

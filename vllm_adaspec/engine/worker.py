@@ -9,13 +9,34 @@ from __future__ import annotations
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
+from vllm_adaspec.metrics import SnapshotWriter
+
 
 class _AdaspecWorkerMixin:
+    _adaspec_snapshots = None
+
     def init_device(self):
         super().init_device()
-        drafter = getattr(self.model_runner, "drafter", None)
+        runner = self.model_runner
+        drafter = getattr(runner, "drafter", None)
         if hasattr(drafter, "attach_runner"):
-            drafter.attach_runner(self.model_runner)
+            drafter.attach_runner(runner)
+        # One writer per engine: tensor-parallel rank 0 (every rank drafts the same).
+        self._adaspec_snapshots = (SnapshotWriter(f"dp{self.parallel_config.data_parallel_rank}")
+                                   if hasattr(drafter, "stats") and self.rank == 0 else None)
+        if getattr(drafter, "wants_target_hidden", False):
+            # vLLM hands a custom proposer no hidden states; pass the sampled rows' final hidden states through.
+            propose = runner.propose_draft_token_ids
+
+            def propose_with_hidden(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                    sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest, **kw):
+                drafter.set_target_output(
+                    sample_hidden_states,
+                    None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens))
+                return propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                               sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest, **kw)
+
+            runner.propose_draft_token_ids = propose_with_hidden
 
     def execute_model(self, scheduler_output):
         drafter = getattr(self.model_runner, "drafter", None)
@@ -25,6 +46,8 @@ class _AdaspecWorkerMixin:
                 spec_tokens=scheduler_output.scheduled_spec_decode_tokens,
                 finished=scheduler_output.finished_req_ids,
             )
+            if self._adaspec_snapshots is not None:  # for the server's /metrics (engine/metrics.py)
+                self._adaspec_snapshots.maybe_write(drafter.stats)
         return super().execute_model(scheduler_output)
 
     def adaspec_stats(self) -> dict:

@@ -21,7 +21,7 @@ import torch
 from vllm_adaspec.config import AdaspecConfigError
 
 __all__ = ["FORMAT", "config_hash", "weights_fingerprint", "fingerprint_names", "save_exit_head", "load_exit_head",
-           "check_against_model", "find_shipped", "SHIPPED_DIR"]
+           "check_against_model", "find_shipped", "SHIPPED_DIR", "exit_head_hash", "check_calibration"]
 
 FORMAT = "vllm-adaspec/exit-head/1"
 SHIPPED_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -128,3 +128,31 @@ def find_shipped(hf_config, exit_layer: int | None = None) -> str | None:
         if meta["base_model"]["config_hash"] == want and exit_layer in (None, meta["exit_layer"]):
             return folder
     return None
+
+
+def exit_head_hash(folder: str) -> str:
+    """sha256 of the exit head's weights file: ties a calibration predictor to the head it was trained with."""
+    with open(os.path.join(os.path.expanduser(folder), "exit_head.safetensors"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def check_calibration(folder: str | None, policy: str) -> None:
+    """Raise AdaspecConfigError unless `folder` (the exit head in use) holds a predictor trained for it."""
+    from vllm_adaspec.policies.calibration import META, read_meta
+
+    fix = "train one with `adaspec train calibration --exit-head <folder>` or pick another policy"
+    if folder is None:
+        raise AdaspecConfigError(f"policy {policy!r} needs a trained exit head with a calibration predictor; this "
+                                 "configuration drafts with the untrained exit (exit_head 'none' or none ships for "
+                                 "this model / exit_layer)")
+    try:
+        meta = read_meta(folder)
+    except FileNotFoundError:
+        raise AdaspecConfigError(f"policy {policy!r} needs a calibration predictor in the exit head folder {folder} "
+                                 f"(no {META}); {fix}") from None
+    except ValueError as e:
+        raise AdaspecConfigError(f"policy {policy!r}: {e}") from None
+    if meta.get("exit_head_hash") != exit_head_hash(folder):
+        raise AdaspecConfigError(f"policy {policy!r}: the calibration predictor in {folder} was trained for another "
+                                 f"exit head (hash {meta.get('exit_head_hash')}, this head {exit_head_hash(folder)}); "
+                                 f"{fix}")

@@ -2,11 +2,13 @@
 
 The interface every drafter relies on (kept narrow so adaptive policies plug in without drafter changes):
     begin_round() -> int                   most drafts this step (0 = do not draft)
-    accept(depth, top_prob, entropy) -> bool
+    accept(depth, top_prob, entropy, score) -> bool
                                            draft `depth` (1-based) was just computed: propose it? False ends
                                            the round without it. top_prob / entropy describe the drafter's
-                                           distribution there; computed only if the policy sets
-                                           `needs_confidence = True` (else None).
+                                           distribution there, computed only if the policy sets
+                                           `needs_confidence = True`; score is the drafter's predicted
+                                           acceptance (policies/calibration.py), only if `needs_score = True`
+                                           (else None).
     keep_drafting(depth) -> bool           after proposing draft `depth`: compute another?
     observe(drafted, accepted) -> None     verification feedback for the previous round
 Constructor: Policy(max_k, seed=..., **params); `seed` is per request and identical on every rank.
@@ -17,15 +19,16 @@ from __future__ import annotations
 import inspect
 
 from vllm_adaspec.policies.fixed import FixedPolicy
-from vllm_adaspec.policies.thompson import ThompsonBetaPolicy
+from vllm_adaspec.policies.thompson import ThompsonBetaPolicy, ThompsonCaliPolicy
 from vllm_adaspec.policies.threshold import AdaEDLPolicy, MaxConfidencePolicy
 
-__all__ = ["POLICIES", "FixedPolicy", "ThompsonBetaPolicy", "AdaEDLPolicy", "MaxConfidencePolicy", "make_policy",
+__all__ = ["POLICIES", "FixedPolicy", "ThompsonBetaPolicy", "ThompsonCaliPolicy", "AdaEDLPolicy", "MaxConfidencePolicy", "make_policy",
            "policy_params", "check_policy"]
 
 POLICIES = {
     "fixed": FixedPolicy,
     "thompson-beta": ThompsonBetaPolicy,
+    "thompson-cali": ThompsonCaliPolicy,
     "adaedl": AdaEDLPolicy,
     "max-confidence": MaxConfidencePolicy,
 }

@@ -17,7 +17,8 @@ class FixedPolicy:
     def begin_round(self) -> int:
         return self.k
 
-    def accept(self, depth: int, top_prob: float | None = None, entropy: float | None = None) -> bool:
+    def accept(self, depth: int, top_prob: float | None = None, entropy: float | None = None,
+               score: float | None = None) -> bool:
         return True
 
     def keep_drafting(self, depth: int) -> bool:

@@ -64,7 +64,8 @@ class AdaEDLPolicy:
     def begin_round(self) -> int:
         return self.max_k
 
-    def accept(self, depth: int, top_prob: float | None = None, entropy: float | None = None) -> bool:
+    def accept(self, depth: int, top_prob: float | None = None, entropy: float | None = None,
+               score: float | None = None) -> bool:
         return 1.0 - math.sqrt(self.gamma * max(0.0, entropy)) >= self.threshold.lam
 
     def keep_drafting(self, depth: int) -> bool:
@@ -86,7 +87,8 @@ class MaxConfidencePolicy:
     def begin_round(self) -> int:
         return self.max_k
 
-    def accept(self, depth: int, top_prob: float | None = None, entropy: float | None = None) -> bool:
+    def accept(self, depth: int, top_prob: float | None = None, entropy: float | None = None,
+               score: float | None = None) -> bool:
         return top_prob >= self.threshold.lam
 
     def keep_drafting(self, depth: int) -> bool:

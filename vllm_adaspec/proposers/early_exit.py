@@ -9,6 +9,7 @@ so its rejection sampler stays lossless (the draft distribution is a point mass)
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import time
 
@@ -17,7 +18,8 @@ import torch
 
 from vllm_adaspec.config import parse_adaspec_config, resolve_config
 from vllm_adaspec.kernels.entropy_topk import entropy_topk
-from vllm_adaspec.policies import make_policy
+from vllm_adaspec.metrics import ACCEPTANCE_BUCKETS, DRAFTS_PER_ROUND_BUCKETS, new_histogram, observe
+from vllm_adaspec.policies import POLICIES, make_policy
 from vllm_adaspec.policies.speed_guard import SpeedGuard
 from vllm_adaspec.requests import RequestStates
 
@@ -45,6 +47,12 @@ class EarlyExitProposer:
         )
         self.prefix = None
         self.runner = None
+        # thompson-cali's acceptance predictor (policies/calibration.py) and the target output it reads: the
+        # worker hands over the last forward's sampled rows of the final hidden state (normed) and, per batch row,
+        # how many drafts it verified (the rows a request took there).
+        self.calibration = None
+        self.wants_target_hidden = getattr(POLICIES[self.cfg.policy], "needs_score", False)
+        self._target_hidden, self._verified_drafts = None, None
         self.exit_head = None  # checkpoint folder in use, None = untrained exit
         k = self.cfg.num_speculative_tokens
         self.guard = SpeedGuard(k, seed=base_seed) if self.cfg.speed_guard else None
@@ -63,7 +71,11 @@ class EarlyExitProposer:
                       "cap_steps": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
                       # rounds by the number of drafts the policy proposed (0: it rejected the first one)
                       "round_lengths": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
-                      "policy": self.cfg.policy}
+                      "policy": self.cfg.policy,
+                      # what verification made of our drafts, and per finished request (metrics.py histograms)
+                      "verified_drafts": 0, "accepted_drafts": 0, "requests_finished": 0,
+                      "request_acceptance": new_histogram(ACCEPTANCE_BUCKETS),
+                      "request_drafts_per_round": new_histogram(DRAFTS_PER_ROUND_BUCKETS)}
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
@@ -74,12 +86,24 @@ class EarlyExitProposer:
                                     self.cfg.exit_head_setting)
         self.prefix = TargetPrefix(target_model, self.cfg.exit_layer, self.vllm_config, trained_exit=trained)
         self.exit_head = self.cfg.exit_head if trained is not None else None
+        if self.wants_target_hidden:
+            from vllm_adaspec.engine.exit_head import load_calibration
+
+            self.calibration = load_calibration(self.exit_head, self.cfg.policy, next(target_model.parameters()).device)
+
+    def set_target_output(self, sample_hidden_states: torch.Tensor, verified_drafts: list[int] | None) -> None:
+        """Called by the worker before each propose: the target's normed final hidden states at its sampled rows."""
+        self._target_hidden, self._verified_drafts = sample_hidden_states, verified_drafts
 
     def attach_runner(self, runner) -> None:
         self.runner = runner
 
     def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
-        self.states.finish(finished)
+        for st in self.states.finish(finished):
+            self.stats["requests_finished"] += 1
+            if st.rounds:
+                observe(self.stats["request_acceptance"], st.accepted / st.drafted)
+                observe(self.stats["request_drafts_per_round"], st.drafted / st.rounds)
         self._stale.difference_update(finished)
         pure = bool(scheduled)
         for req_id, n in scheduled.items():
@@ -115,7 +139,9 @@ class EarlyExitProposer:
             if not sampled:  # prefill chunk in flight or discarded step: no new token to draft from
                 continue
             req_id = req_ids[i]
-            self.states.verified(req_id, len(sampled))
+            drafted, accepted = self.states.verified(req_id, len(sampled))
+            self.stats["verified_drafts"] += drafted
+            self.stats["accepted_drafts"] += accepted
             if req_id in self._stale:
                 continue
             policy = self.states.get(req_id).policy
@@ -140,9 +166,10 @@ class EarlyExitProposer:
         entries = list(range(len(rows)))  # index into rows/budgets/policies for each active request
         confident = any(getattr(pol, "needs_confidence", False) for pol in policies)
         temps = torch.from_numpy(self.runner.input_batch.temperature_cpu[rows_np]).to(device) if confident else None
+        ht_proj = self._target_projection(rows, sampled_token_ids)  # [B, 10] or None
         for depth in range(1, max(budgets) + 1):
             hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len)
-            logits, vocab = self.prefix.head(hidden, residual)  # [B, V'], V' ids (None: all)
+            logits, vocab, normed = self.prefix.head(hidden, residual)  # [B, V'], V' ids (None: all), [B, H]
             tokens = logits.argmax(dim=-1)  # [B]
             if vocab is not None:
                 tokens = vocab[tokens]
@@ -151,9 +178,12 @@ class EarlyExitProposer:
             if confident:  # top probability and entropy of each row's draft distribution, at its temperature
                 entropy, top_prob, _, _ = entropy_topk(logits, temps, k=1)
                 conf = torch.stack([top_prob, entropy], 1).tolist()
+            scores = [None] * len(entries)
+            if ht_proj is not None:  # thompson-cali: predicted acceptance of this draft (EESD Eq. 5)
+                scores = self.calibration.score(ht_proj, normed, depth).tolist()
             keep = []
             for j, (e, tok) in enumerate(zip(entries, tokens.tolist())):
-                if not policies[e].accept(depth, *conf[j]):
+                if not policies[e].accept(depth, *conf[j], scores[j]):
                     continue  # not proposed; the request's round ends here
                 drafts[rows[e]].append(tok)
                 if depth < budgets[e] and policies[e].keep_drafting(depth):
@@ -165,6 +195,8 @@ class EarlyExitProposer:
                 blocks, tokens, positions = blocks[idx], tokens[idx], positions[idx]
                 if temps is not None:
                     temps = temps[idx]
+                if ht_proj is not None:
+                    ht_proj = ht_proj[idx]
                 entries = [entries[j] for j in keep]
             positions = positions + 1
             max_seq_len += 1
@@ -175,6 +207,23 @@ class EarlyExitProposer:
         for i in rows:
             st["round_lengths"][len(drafts[i])] += 1
         return drafts
+
+    def _target_projection(self, rows: list[int], sampled_token_ids) -> torch.Tensor | None:
+        """Target side of the predictor for the drafting rows [B, 10], from the row that produced each request's
+        last sampled token: a request takes 1 + (verified drafts) rows of the sampled hidden states, in batch order.
+        """
+        if self.calibration is None:
+            return None
+        if self._target_hidden is None:
+            raise RuntimeError("thompson-cali: the worker did not hand over the target's hidden states")
+        n = len(sampled_token_ids)
+        taken = np.ones(n, dtype=np.int64)
+        if self._verified_drafts is not None:
+            taken += np.asarray(self._verified_drafts[:n], dtype=np.int64)
+        start = np.concatenate([[0], np.cumsum(taken)[:-1]])
+        last = [int(start[i]) + len(sampled_token_ids[i]) - 1 for i in rows]
+        h = self._target_hidden[torch.tensor(last, device=self._target_hidden.device)]
+        return self.calibration.project_target(h)
 
     def _speed_cap(self, now: float, decoding: int, committed: int, eligible: int) -> int:
         """Feed the guard the interval that just ended (drafts of the last cap + their verification), pick the
@@ -199,8 +248,7 @@ class EarlyExitProposer:
 
     def get_stats(self) -> dict:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
-        return {**self.stats, "cap_steps": list(self.stats["cap_steps"]),
-                "round_lengths": list(self.stats["round_lengths"]), "tracked_requests": len(self.states),
+        return {**copy.deepcopy(self.stats), "tracked_requests": len(self.states),
                 "plain_requests": len(self._stale),
                 "config": {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head,
                            "exit_kv_layers": self.exit_kv_layers()}}

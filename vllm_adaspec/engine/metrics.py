@@ -1,0 +1,101 @@
+"""adaspec on the server's /metrics and in its periodic stats log (`vllm.stat_logger_plugins` entry point).
+
+vLLM builds this logger in the front-end process of `vllm serve` (AsyncLLM). When the engine uses an adaspec
+drafter it registers a Prometheus collector that, at every scrape, reads the drafters' latest snapshots
+(vllm_adaspec/metrics.py: written by our worker in the engine process) and reports them; `log()` adds one line
+per stats interval. Offline `LLM` users read the same numbers with `llm.collective_rpc("adaspec_stats")`.
+
+Metrics (labels: policy, engine):
+    vllm:adaspec_draft_rounds_total{drafts}      rounds by the number of drafts the policy proposed
+    vllm:adaspec_verified_drafts_total           drafts the target verified
+    vllm:adaspec_accepted_drafts_total           of those, accepted
+    vllm:adaspec_draft_seconds_total             time spent drafting
+    vllm:adaspec_requests_finished_total         requests finished
+    vllm:adaspec_speed_guard_steps_total{cap}    decode steps by the speed guard's draft cap (0 = plain)
+    vllm:adaspec_request_acceptance_rate         histogram over finished requests that drafted
+    vllm:adaspec_request_drafts_per_round        histogram over finished requests that drafted
+Numbers trail the engine by up to one step and 0.5 s (finished requests are noticed at the next step).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from vllm_adaspec.metrics import read_snapshots, summary_line
+
+logger = logging.getLogger("vllm_adaspec")
+_REGISTERED = []  # one collector per process, however many loggers vLLM builds
+
+
+def _histogram(family, labels, hist):
+    cum, buckets = 0, []
+    for bound, count in zip(hist["buckets"] + [float("inf")], hist["counts"]):
+        cum += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
+    family.add_metric(labels, buckets, hist["sum"])
+
+
+class AdaspecCollector:
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        snaps = read_snapshots()
+        names = ["policy", "engine"]
+        rounds = CounterMetricFamily("vllm:adaspec_draft_rounds", "Draft rounds by drafts proposed",
+                                     labels=names + ["drafts"])
+        verified = CounterMetricFamily("vllm:adaspec_verified_drafts", "Drafts verified by the target", labels=names)
+        accepted = CounterMetricFamily("vllm:adaspec_accepted_drafts", "Drafts accepted by the target", labels=names)
+        seconds = CounterMetricFamily("vllm:adaspec_draft_seconds", "Seconds spent drafting", labels=names)
+        finished = CounterMetricFamily("vllm:adaspec_requests_finished", "Requests finished", labels=names)
+        caps = CounterMetricFamily("vllm:adaspec_speed_guard_steps", "Decode steps by the speed guard's draft cap",
+                                   labels=names + ["cap"])
+        acc_h = HistogramMetricFamily("vllm:adaspec_request_acceptance_rate",
+                                      "Per finished request: accepted / verified drafts", labels=names)
+        len_h = HistogramMetricFamily("vllm:adaspec_request_drafts_per_round",
+                                      "Per finished request: drafts proposed per round", labels=names)
+        for i, st in enumerate(snaps):
+            labels = [str(st.get("policy")), str(i)]
+            for n, count in enumerate(st.get("round_lengths", [])):
+                rounds.add_metric(labels + [str(n)], count)
+            verified.add_metric(labels, st.get("verified_drafts", 0))
+            accepted.add_metric(labels, st.get("accepted_drafts", 0))
+            seconds.add_metric(labels, st.get("draft_seconds", 0.0))
+            finished.add_metric(labels, st.get("requests_finished", 0))
+            for cap, count in enumerate(st.get("cap_steps", [])):
+                caps.add_metric(labels + [str(cap)], count)
+            if "request_acceptance" in st:
+                _histogram(acc_h, labels, st["request_acceptance"])
+                _histogram(len_h, labels, st["request_drafts_per_round"])
+        yield from (rounds, verified, accepted, seconds, finished, caps, acc_h, len_h)
+
+
+class AdaspecStatLogger(StatLoggerBase):
+    def __init__(self, vllm_config, engine_index: int = 0):
+        from vllm_adaspec.engine.plugin import adaspec_proposer_name
+
+        self.enabled = adaspec_proposer_name(vllm_config) is not None
+        self.engine_index = engine_index
+        self._last = None
+        if self.enabled and not _REGISTERED:
+            from prometheus_client import REGISTRY
+
+            collector = AdaspecCollector()
+            REGISTRY.register(collector)
+            _REGISTERED.append(collector)
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+        pass  # the drafter's numbers arrive through snapshots, read when logged or scraped
+
+    def log(self):
+        if not self.enabled:
+            return
+        snaps = read_snapshots()
+        if len(snaps) > self.engine_index:
+            now = snaps[self.engine_index]
+            logger.info("%s", summary_line(now, self._last))
+            self._last = now
+
+    def log_engine_initialized(self):
+        pass
