@@ -104,7 +104,8 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
     for run, (r, ds, bs, i) in zip(runs, tags):
         c = cells.setdefault((ds, bs), {"reps": {}, "ids": {}})
         rep = c["reps"].setdefault(r, {"tokens": 0, "seconds": 0.0, "drafts": 0, "draft_tokens": 0, "accepted": 0,
-                                       "draft_seconds": 0.0, "draft_passes": 0, "accepted_first": 0})
+                                       "draft_seconds": 0.0, "draft_passes": 0, "accepted_first": 0,
+                                       "policy_seconds": 0.0})
         rep["tokens"] += sum(len(t) for t in run["token_ids"])
         rep["seconds"] += run["seconds"]
         m = run["metrics"]
@@ -114,6 +115,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         rep["accepted_first"] += (m.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [0])[0]
         rep["draft_seconds"] += run.get("adaspec", {}).get("draft_seconds", 0.0)
         rep["draft_passes"] += run.get("adaspec", {}).get("draft_passes", 0)
+        rep["policy_seconds"] += run.get("adaspec", {}).get("policy_seconds", 0.0)
         lengths = run.get("adaspec", {}).get("round_lengths")
         if lengths:
             rep["round_lengths"] = [a + b for a, b in zip(rep.get("round_lengths", [0] * len(lengths)), lengths)]
@@ -137,6 +139,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
             "accept_rate": v,
             "hm": 2 * v * r_d / (v + r_d) if v + r_d else 0.0,
             "draft_share": rep["draft_seconds"] / rep["seconds"],
+            "policy_share": rep["policy_seconds"] / rep["seconds"],
             "draft_cost_c": c_cost,
             "round_lengths": rep.get("round_lengths"),
             "tok_s": statistics.median(x["tokens"] / x["seconds"] for x in reps),
@@ -157,8 +160,8 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
 def markdown(results: dict, args) -> str:
     lines = [
         "| dataset | batch | method | tok/s (median) | speedup (median, range over rounds) | tau | top-1 agreement | accepted / drafted | HM |"
-        " drafts / round | drafting share of time | draft cost c | identical to plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " drafts / round | drafting share of time | policy share of time | draft cost c | identical to plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     plain = results["plain"]
     for key in plain:
@@ -170,6 +173,7 @@ def markdown(results: dict, args) -> str:
                 speed += f" ({min(row['speedup_rounds']):.2f}-{max(row['speedup_rounds']):.2f})"
             acc = f"{row['accepted']} / {row['draft_tokens']}" if row["draft_tokens"] else "-"
             share = f"{row['draft_share']:.0%}" if row["draft_share"] else "-"
+            pshare = f"{row['policy_share']:.1%}" if row.get("policy_share") else "-"
             c_cost = f"{row['draft_cost_c']:.2f}" if row["draft_cost_c"] else "-"
             if row.get("flop_share") and row["draft_cost_c"]:
                 c_cost += f" ({row['draft_cost_c'] / row['flop_share']:.1f}x FLOP share {row['flop_share']:.2f})"
@@ -179,7 +183,7 @@ def markdown(results: dict, args) -> str:
             per_round = f"{sum(i * c for i, c in enumerate(rl)) / sum(rl):.2f}" if rl and sum(rl) else "-"
             same = f"{row['identical']}/{row['n']}" if args.temperature == 0 else "n/a (sampled)"
             lines.append(f"| {ds} | {bs} | {name} | {row['tok_s']:.1f} | {speed} | {row['tau']:.2f} | {agree} | "
-                         f"{acc} | {hm} | {per_round} | {share} | {c_cost} | {same} |")
+                         f"{acc} | {hm} | {per_round} | {share} | {pshare} | {c_cost} | {same} |")
     return "\n".join(lines)
 
 

@@ -67,6 +67,7 @@ class EarlyExitProposer:
         # Cost accounting, read through the worker's `adaspec_stats` RPC: draft passes through the first N layers,
         # drafts returned, wall time inside propose (CPU: synchronous, so this is the drafting cost).
         self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
+                      "policy_seconds": 0.0,
                       "plain_switches": 0,
                       "cap_steps": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
                       # rounds by the number of drafts the policy proposed (0: it rejected the first one)
@@ -135,6 +136,7 @@ class EarlyExitProposer:
         eligible = sum(1 for i, s in enumerate(sampled_token_ids) if s and req_ids[i] not in self._stale)
         cap = self._speed_cap(now, decoding, sum(map(len, sampled_token_ids)), eligible)
         rows, budgets, policies = [], [], []
+        tp = time.perf_counter()  # policy time: its decisions, feedback and the statistics it asks for
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:  # prefill chunk in flight or discarded step: no new token to draft from
                 continue
@@ -150,7 +152,9 @@ class EarlyExitProposer:
                 rows.append(i)
                 budgets.append(budget)
                 policies.append(policy)
+        policy_s = time.perf_counter() - tp
         if not rows:
+            self.stats["policy_seconds"] += policy_s
             return drafts
         t0 = time.perf_counter()
         self.prefix.ensure_attached(self.runner)
@@ -164,9 +168,11 @@ class EarlyExitProposer:
         positions = torch.from_numpy((n - 1).astype(np.int64)).to(device)  # [B]
         max_seq_len = int(n.max())  # host-side upper bound, grows by one per depth
         entries = list(range(len(rows)))  # index into rows/budgets/policies for each active request
+        tp = time.perf_counter()
         confident = any(getattr(pol, "needs_confidence", False) for pol in policies)
         temps = torch.from_numpy(self.runner.input_batch.temperature_cpu[rows_np]).to(device) if confident else None
         ht_proj = self._target_projection(rows, sampled_token_ids)  # [B, 10] or None
+        policy_s += time.perf_counter() - tp
         for depth in range(1, max(budgets) + 1):
             hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len)
             logits, vocab, normed = self.prefix.head(hidden, residual)  # [B, V'], V' ids (None: all), [B, H]
@@ -174,6 +180,7 @@ class EarlyExitProposer:
             if vocab is not None:
                 tokens = vocab[tokens]
             self.stats["draft_passes"] += 1
+            tp = time.perf_counter()
             conf = [(None, None)] * len(entries)
             if confident:  # top probability and entropy of each row's draft distribution, at its temperature
                 entropy, top_prob, _, _ = entropy_topk(logits, temps, k=1)
@@ -188,6 +195,7 @@ class EarlyExitProposer:
                 drafts[rows[e]].append(tok)
                 if depth < budgets[e] and policies[e].keep_drafting(depth):
                     keep.append(j)
+            policy_s += time.perf_counter() - tp
             if not keep:
                 break
             if len(keep) < len(entries):
@@ -204,6 +212,7 @@ class EarlyExitProposer:
         st["propose_calls"] += 1
         st["draft_tokens"] += sum(map(len, drafts))
         st["draft_seconds"] += time.perf_counter() - t0
+        st["policy_seconds"] += policy_s
         for i in rows:
             st["round_lengths"][len(drafts[i])] += 1
         return drafts
