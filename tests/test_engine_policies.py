@@ -12,7 +12,10 @@ K = 5
 
 @pytest.mark.parametrize("policy", ["thompson-beta", "thompson-cali", {"name": "adaedl", "lambda0": 0.6},
                                     "max-confidence"])
-def test_policy_is_lossless_and_varies_the_draft_length(smollm2, plain_greedy, policy):
+def test_policy_is_lossless_and_varies_the_draft_length(smollm2, plain_greedy, policy, monkeypatch):
+    # thompson-cali reads the target's hidden state at the row that sampled each request's last token: with greedy
+    # decoding that row must give the same token again under the LM head (the drafter counts mismatches).
+    monkeypatch.setenv("VLLM_ADASPEC_CHECK_TARGET_ROWS", "1")
     engine = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": K},
               "additional_config": {"adaspec": {"policy": policy, "speed_guard": False}}}
     run = run_engine({"model": smollm2, "engine": engine, "batches": [greedy_batch()]})["batches"][0]["runs"][0]
@@ -25,3 +28,5 @@ def test_policy_is_lossless_and_varies_the_draft_length(smollm2, plain_greedy, p
     # Fixed K would put (nearly) every round at K; these stop early on the drafter's own evidence.
     assert sum(lengths[:K]) > 0.2 * sum(lengths), lengths
     assert run["metrics"]["vllm:spec_decode_num_draft_tokens"] < K * sum(lengths), lengths
+    if name == "thompson-cali":
+        assert stats["row_checks"] > 20 and stats["row_mismatches"] == 0, stats

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import time
 
 import numpy as np
@@ -53,6 +54,7 @@ class EarlyExitProposer:
         self.calibration = None
         self.wants_target_hidden = getattr(POLICIES[self.cfg.policy], "needs_score", False)
         self._target_hidden, self._verified_drafts = None, None
+        self._check_rows = os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1"
         self.exit_head = None  # checkpoint folder in use, None = untrained exit
         k = self.cfg.num_speculative_tokens
         self.guard = SpeedGuard(k, seed=base_seed) if self.cfg.speed_guard else None
@@ -180,6 +182,7 @@ class EarlyExitProposer:
             if vocab is not None:
                 tokens = vocab[tokens]
             self.stats["draft_passes"] += 1
+            token_list = tokens.tolist()  # (the device sync: drafting time, not policy time)
             tp = time.perf_counter()
             conf = [(None, None)] * len(entries)
             if confident:  # top probability and entropy of each row's draft distribution, at its temperature
@@ -189,7 +192,7 @@ class EarlyExitProposer:
             if ht_proj is not None:  # thompson-cali: predicted acceptance of this draft (EESD Eq. 5)
                 scores = self.calibration.score(ht_proj, normed, depth).tolist()
             keep = []
-            for j, (e, tok) in enumerate(zip(entries, tokens.tolist())):
+            for j, (e, tok) in enumerate(zip(entries, token_list)):
                 if not policies[e].accept(depth, *conf[j], scores[j]):
                     continue  # not proposed; the request's round ends here
                 drafts[rows[e]].append(tok)
@@ -232,6 +235,11 @@ class EarlyExitProposer:
         start = np.concatenate([[0], np.cumsum(taken)[:-1]])
         last = [int(start[i]) + len(sampled_token_ids[i]) - 1 for i in rows]
         h = self._target_hidden[torch.tensor(last, device=self._target_hidden.device)]
+        if self._check_rows:  # greedy runs: the row must re-produce the token it sampled (tests set this)
+            got = self.prefix.model.compute_logits(h).argmax(-1).tolist()
+            self.stats["row_checks"] = self.stats.get("row_checks", 0) + len(rows)
+            self.stats["row_mismatches"] = self.stats.get("row_mismatches", 0) + sum(
+                g != sampled_token_ids[i][-1] for g, i in zip(got, rows))
         return self.calibration.project_target(h)
 
     def _speed_cap(self, now: float, decoding: int, committed: int, eligible: int) -> int:
