@@ -1,0 +1,236 @@
+"""Tree core (no vLLM): structure, shapes, greedy verification, and that lossless modes keep the target's
+distribution (chi-square on a 4-token vocabulary; a biased verifier must fail the same test)."""
+
+import itertools
+
+import pytest
+import torch
+
+from vllm_adaspec.trees import (DraftTree, ancestor_bits, ancestor_mask, cartesian_choices, depth_positions,
+                                fill_tokens, grow_by_path_probability, paths, shape_from_choices, verify_greedy,
+                                verify_rrs, verify_sample_match, verify_typical)
+
+V = 4
+
+
+def tree_of(choices, tokens=None):
+    parents, ranks, _ = shape_from_choices(choices)
+    toks = torch.tensor(tokens if tokens is not None else ranks, dtype=torch.long)
+    return DraftTree(toks, torch.tensor(parents, dtype=torch.long))
+
+
+# --- structure ---
+
+def test_ancestor_mask_positions_and_paths():
+    t = tree_of([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    assert t.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+    assert t.depths.tolist() == [1, 1, 2, 2, 2, 3]
+    m = ancestor_mask(t)
+    for r in range(len(t) + 1):  # brute force: walk up from each row
+        want = {0, r}
+        q = r - 1
+        while q >= 0:
+            want.add(q + 1)
+            q = t.parents[q].item()
+        assert set(torch.nonzero(m[r]).flatten().tolist()) == want, r
+    bits = ancestor_bits(t)
+    assert all(bool(bits[r] >> c & 1) == bool(m[r, c]) for r in range(7) for c in range(7))
+    assert depth_positions(t, 10).tolist() == [10, 11, 11, 12, 12, 12, 13]
+    assert paths(t) == [[0, 3], [1, 4], [0, 2, 5]]
+
+
+def test_bad_trees_and_shapes_are_named():
+    with pytest.raises(ValueError, match="breadth-first"):
+        DraftTree(torch.tensor([1, 2]), torch.tensor([1, -1]))
+    with pytest.raises(ValueError, match="depths non-decreasing"):
+        DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, -1]))
+    with pytest.raises(ValueError, match=r"no parent \(1,\)"):
+        shape_from_choices([(0,), (1, 0)])
+    with pytest.raises(ValueError, match=">= 1"):
+        cartesian_choices(0, 2)
+
+
+def test_cartesian_and_fill_tokens():
+    ch = cartesian_choices(2, 3)
+    assert len(ch) == 2 + 4 + 8
+    parents, ranks, ordered = shape_from_choices(ch)
+    topk = torch.arange((len(ch) + 1) * 2).view(-1, 2)  # row r's top-2 are 2r, 2r + 1
+    toks = fill_tokens(parents, ranks, topk)
+    assert toks.tolist() == [2 * (q + 1) + r for q, r in zip(parents, ranks)]
+
+
+def test_growth_keeps_the_most_probable_nodes():
+    g = torch.Generator().manual_seed(3)
+    table = {}
+
+    def children_of(path):
+        if path not in table:
+            p = torch.rand(3, generator=g)
+            table[path] = ([7, 8, 9], (p / p.sum() * 0.9).tolist())
+        return table[path]
+
+    tree, probs = grow_by_path_probability(children_of, budget=9, top_k=3)
+    assert len(tree) == 9 and (tree.depths[1:] >= tree.depths[:-1]).all()
+    # brute force: every node of the full top-3 tree down to depth 4, by path probability
+    allp = []
+    for d in range(1, 5):
+        for path in itertools.product([7, 8, 9], repeat=d):
+            pr = 1.0
+            for i in range(d):
+                toks, ps = children_of(path[:i])
+                pr *= ps[toks.index(path[i])]
+            allp.append(pr)
+    assert sorted(probs.tolist(), reverse=True) == pytest.approx(sorted(allp, reverse=True)[:9])
+
+
+# --- greedy ---
+
+def test_greedy_follows_the_target_argmax_and_takes_the_bonus():
+    t = tree_of([(0,), (1,), (0, 0), (1, 0)], tokens=[5, 6, 7, 8])
+    # rows: root, n0(5), n1(6), n2(7), n3(8). Target argmax: root->6, n1->8, n3->2
+    acc, bonus = verify_greedy(t, torch.tensor([6, 0, 8, 0, 2]))
+    assert acc == [1, 3] and bonus == 2
+    acc, bonus = verify_greedy(t, torch.tensor([4, 0, 0, 0, 0]))
+    assert acc == [] and bonus == 4
+
+
+def test_greedy_matches_sequential_argmax_on_random_trees():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        ch = cartesian_choices(2, 3)
+        parents, ranks, _ = shape_from_choices(ch)
+        toks = torch.randint(0, 3, (len(ch),), generator=g)
+        tree = DraftTree(toks, torch.tensor(parents))
+        argmax = torch.randint(0, 3, (len(ch) + 1,), generator=g)
+        acc, bonus = verify_greedy(tree, argmax)
+        # brute force: the longest root path whose tokens equal the argmax at their parents
+        best = []
+        for path in paths(tree):
+            ok = []
+            for node in path:
+                par = parents[node]
+                if toks[node] != argmax[par + 1]:
+                    break
+                ok.append(node)
+            best = max(best, ok, key=len)
+        assert [toks[i].item() for i in acc] == [toks[i].item() for i in best]
+        assert bonus == argmax[(acc[-1] if acc else -1) + 1].item()
+
+
+# --- stochastic: the committed text must follow the target's distribution ---
+
+def _dist(seed_base: int, prefix: tuple, temp: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed_base * 1000 + hash(prefix) % 1000)
+    return torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 1.5 / temp, 0)
+
+
+def target(prefix):
+    return _dist(1, prefix)
+
+
+def drafter(prefix):
+    return _dist(2, prefix, temp=0.7)
+
+
+def _sample_text(verify, make_tree, n, length, g):
+    counts = torch.zeros(V ** length, dtype=torch.float64)
+    for _ in range(n):
+        text: tuple = ()
+        while len(text) < length:
+            tree, row_prefix = make_tree(text, g)
+            tp = torch.stack([target(text + p) for p in row_prefix])
+            acc, bonus = verify(tree, tp, torch.stack([drafter(text + p) for p in row_prefix]), g)
+            text = text + tuple(tree.tokens[i].item() for i in acc) + (bonus,)
+        idx = 0
+        for tok in text[:length]:
+            idx = idx * V + tok
+        counts[idx] += 1
+    return counts
+
+
+def _exact(length):
+    probs = torch.zeros(V ** length, dtype=torch.float64)
+    for seq in itertools.product(range(V), repeat=length):
+        pr = 1.0
+        for i in range(length):
+            pr *= float(target(seq[:i])[seq[i]])
+        idx = 0
+        for tok in seq:
+            idx = idx * V + tok
+        probs[idx] = pr
+    return probs
+
+
+def chi2_pvalue(counts, probs):
+    n = counts.sum()
+    expected = probs * n
+    stat = ((counts - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2.0), stat / 2))
+
+
+def _row_prefixes(tree):
+    rows = [()]
+    toks = tree.tokens.tolist()
+    for i, q in enumerate(tree.parents.tolist()):
+        rows.append(rows[q + 1] + (toks[i],))
+    return rows
+
+
+def iid_tree(text, g):
+    """Each node's children drawn i.i.d. from the drafter at that node: 2 at the root, 2 under each."""
+    parents, ranks, _ = shape_from_choices(cartesian_choices(2, 2))
+    toks: list[int] = []
+    rows = [()]
+    for q in parents:
+        t = int(torch.multinomial(drafter(text + rows[q + 1]), 1, generator=g))
+        toks.append(t)
+        rows.append(rows[q + 1] + (t,))
+    tree = DraftTree(torch.tensor(toks), torch.tensor(parents))
+    return tree, _row_prefixes(tree)
+
+
+def topk_tree(text, g):
+    """Deterministic: the drafter's top-2 at the root and top-2 under each (sample-and-match needs no q)."""
+    parents, ranks, _ = shape_from_choices(cartesian_choices(2, 2))
+    toks: list[int] = []
+    rows = [()]
+    for q, r in zip(parents, ranks):
+        t = int(torch.topk(drafter(text + rows[q + 1]), 2).indices[r])
+        toks.append(t)
+        rows.append(rows[q + 1] + (t,))
+    tree = DraftTree(torch.tensor(toks), torch.tensor(parents))
+    return tree, _row_prefixes(tree)
+
+
+N, LENGTH = 12000, 3
+
+
+@pytest.mark.parametrize("name", ["sample-match", "rrs"])
+def test_lossless_modes_reproduce_the_target_distribution(name):
+    g = torch.Generator().manual_seed(7)
+    if name == "rrs":
+        counts = _sample_text(lambda t, p, q, g: verify_rrs(t, p, q, g), iid_tree, N, LENGTH, g)
+    else:
+        counts = _sample_text(lambda t, p, q, g: verify_sample_match(t, p, g), topk_tree, N, LENGTH, g)
+    exact = _exact(LENGTH)
+    assert chi2_pvalue(counts, exact) > 1e-3
+    tv = 0.5 * (counts / counts.sum() - exact).abs().sum()
+    assert tv < 0.04, float(tv)
+
+
+def test_the_distribution_test_catches_biased_verifiers():
+    g = torch.Generator().manual_seed(7)
+    exact = _exact(LENGTH)
+
+    def accept_all(tree, p, q, g):  # take the first path whole: the drafter's text, not the target's
+        path = paths(tree)[0]
+        return path, int(torch.multinomial(p[path[-1] + 1], 1, generator=g))
+
+    def rrs_without_residual(tree, p, q, g):  # reject, then resample from p instead of the residual
+        acc, _ = verify_rrs(tree, p, q, g)
+        return acc, int(torch.multinomial(p[(acc[-1] if acc else -1) + 1], 1, generator=g))
+
+    for biased, make in ((accept_all, iid_tree), (rrs_without_residual, iid_tree),
+                         (lambda t, p, q, g: verify_typical(t, p, generator=g), topk_tree)):
+        counts = _sample_text(biased, make, N // 2, LENGTH, g)
+        assert chi2_pvalue(counts, exact) < 1e-6, biased

@@ -1,0 +1,93 @@
+"""A token tree of drafts, as the target verifies it in one forward pass.
+
+Nodes 0..n-1 are drafts in breadth-first order (a parent always comes before its children); parent -1 is the
+root, the last committed token, which the target also processes (row 0 of its verification rows). So the target
+runs n + 1 rows: row 0 = root, row 1 + i = node i. Everything here is plain torch on small tensors: no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # [n] long: draft token ids
+    parents: torch.Tensor  # [n] long: parent node index, -1 = the root
+
+    def __post_init__(self):
+        n = self.tokens.shape[0]
+        if self.parents.shape != (n,):
+            raise ValueError(f"parents {tuple(self.parents.shape)} must match tokens {tuple(self.tokens.shape)}")
+        p = self.parents.tolist()
+        bad = [i for i, q in enumerate(p) if not -1 <= q < i]
+        if bad:
+            raise ValueError(f"node {bad[0]} has parent {p[bad[0]]}: nodes must be breadth-first (-1 <= parent < "
+                             "node)")
+        d = depths_of(p)
+        if any(d[i] < d[i - 1] for i in range(1, n)):
+            raise ValueError("nodes must be in breadth-first order (depths non-decreasing)")
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def depths(self) -> torch.Tensor:
+        """[n] depth of each node; the root's children are depth 1."""
+        return torch.tensor(depths_of(self.parents.tolist()), dtype=torch.long)
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (-1 = the root), in node order."""
+        return [i for i, q in enumerate(self.parents.tolist()) if q == node]
+
+
+def depths_of(parents: list[int]) -> list[int]:
+    d: list[int] = []
+    for q in parents:
+        d.append(1 if q < 0 else d[q] + 1)
+    return d
+
+
+def ancestor_mask(tree: DraftTree) -> torch.Tensor:
+    """[n + 1, n + 1] bool over verification rows (0 = root): row r may attend to row c iff c is r or an ancestor
+    of r. The root is an ancestor of every node."""
+    n = len(tree)
+    mask = torch.eye(n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, q in enumerate(tree.parents.tolist()):
+        mask[i + 1] |= mask[q + 1]  # parents come first, so their rows are complete
+    return mask
+
+
+def ancestor_bits(tree: DraftTree) -> torch.Tensor:
+    """[n + 1] int64 bitmask form of ancestor_mask (bit c of row r), for trees of up to 63 nodes: what a kernel
+    reads per query instead of a dense mask."""
+    n = len(tree)
+    if n + 1 > 63:
+        raise ValueError(f"ancestor bitmasks hold up to 62 nodes, the tree has {n}")
+    mask = ancestor_mask(tree).long()
+    return (mask << torch.arange(n + 1)).sum(1)
+
+
+def depth_positions(tree: DraftTree, root_position: int) -> torch.Tensor:
+    """[n + 1] position of each verification row: the root's, then root + depth (RoPE sees each node at its depth,
+    not at its row)."""
+    return torch.cat([torch.tensor([root_position]), root_position + tree.depths])
+
+
+def paths(tree: DraftTree) -> list[list[int]]:
+    """Root-to-leaf node lists, leaves in node order."""
+    parents = tree.parents.tolist()
+    has_child = set(q for q in parents if q >= 0)
+    out = []
+    for leaf in range(len(parents)):
+        if leaf in has_child:
+            continue
+        path, q = [], leaf
+        while q >= 0:
+            path.append(q)
+            q = parents[q]
+        out.append(path[::-1])
+    return out
