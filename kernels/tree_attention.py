@@ -18,6 +18,8 @@ dtype; float64 in the tests).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -59,7 +61,8 @@ if triton is not None:
                                stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                                stride_vh, stride_ot, stride_oh, stride_bt, stride_mt,
                                BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                               BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                               BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                               DOT_F32: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         qb = tl.program_id(2)
@@ -76,6 +79,8 @@ if triton is not None:
             d_valid = offs_d < D
             q = tl.load(q_ptr + (row0 + qi)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                         mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+            if DOT_F32:
+                q = q.to(tl.float32)
             m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
             acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
@@ -89,6 +94,8 @@ if triton is not None:
                 kv_mask = valid[:, None] & d_valid[None, :]
                 k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
                 v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+                if DOT_F32:
+                    k, v = k.to(tl.float32), v.to(tl.float32)
                 s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [M, N]
                 j = pos - p_len  # tree row of a key position (>= 0 inside the tree)
                 in_tree = j >= 0
@@ -139,5 +146,7 @@ def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
         block_table.stride(0), mask.stride(0),
         BLOCK_SIZE=bs, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=d,
-        BLOCK_D=triton.next_power_of_2(d))
+        BLOCK_D=triton.next_power_of_2(d),
+        # Triton's interpreter multiplies bf16 tl.dot operands wrongly (as of 3.9); it gets fp32 operands there.
+        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16)
     return o
