@@ -135,24 +135,12 @@ def add_train(sub) -> None:
     c.set_defaults(func=cmd_train_calibration)
 
 
-def cmd_train_exit(args) -> int:
+def _run_trainer(train, settings) -> int:
+    """Run a trainer; its report goes to stdout, errors in the user's input to stderr with exit code 2."""
     import json
 
-    from vllm_adaspec.models import resolve_model
-    from vllm_adaspec.training.exit_trainer import ExitTrainSettings, train_exit_layer
-
     try:
-        model = resolve_model(args.model)
-    except ValueError as e:
-        print(f"adaspec train: {e}", file=sys.stderr)
-        return 2
-    data = args.data or default_distill_dir(args.model, 0)
-    st = ExitTrainSettings(model=model, data=data, exit_layer=args.exit_layer, out=args.out,
-                           num_exit_layers=args.num_exit_layers, loss=args.loss, draft_vocab=args.draft_vocab,
-                           train_head=args.train_head, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
-                           seed=args.seed, init=args.init, name=os.path.basename(os.path.normpath(args.model)))
-    try:
-        report = train_exit_layer(st)
+        report = train(settings)
     except (ValueError, FileNotFoundError) as e:
         print(f"adaspec train: {e}", file=sys.stderr)
         return 2
@@ -160,17 +148,38 @@ def cmd_train_exit(args) -> int:
     return 0
 
 
+def _train_model(name: str) -> str | None:
+    from vllm_adaspec.models import resolve_model
+
+    try:
+        return resolve_model(name)
+    except ValueError as e:
+        print(f"adaspec train: {e}", file=sys.stderr)
+        return None
+
+
+def cmd_train_exit(args) -> int:
+    from vllm_adaspec.training.exit_trainer import ExitTrainSettings, train_exit_layer
+
+    model = _train_model(args.model)
+    if model is None:
+        return 2
+    data = args.data or default_distill_dir(args.model, 0)
+    st = ExitTrainSettings(model=model, data=data, exit_layer=args.exit_layer, out=args.out,
+                           num_exit_layers=args.num_exit_layers, loss=args.loss, draft_vocab=args.draft_vocab,
+                           train_head=args.train_head, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                           seed=args.seed, init=args.init, name=os.path.basename(os.path.normpath(args.model)))
+    return _run_trainer(train_exit_layer, st)
+
+
 def cmd_train_calibration(args) -> int:
     import json
 
     from vllm_adaspec.heads import find_shipped
-    from vllm_adaspec.models import resolve_model
     from vllm_adaspec.training.calibration_trainer import CalibrationSettings, train_calibration
 
-    try:
-        model = resolve_model(args.model)
-    except ValueError as e:
-        print(f"adaspec train: {e}", file=sys.stderr)
+    model = _train_model(args.model)
+    if model is None:
         return 2
     head = args.exit_head
     if head == "auto":
@@ -187,13 +196,7 @@ def cmd_train_calibration(args) -> int:
         return 2
     st = CalibrationSettings(model=model, data=args.data or default_distill_dir(args.model, 0), exit_head=head,
                              out=args.out or head, max_tokens=args.max_tokens, epochs=args.epochs, seed=args.seed)
-    try:
-        report = train_calibration(st)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"adaspec train: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=1))
-    return 0
+    return _run_trainer(train_calibration, st)
 
 
 def build_parser() -> argparse.ArgumentParser:
