@@ -37,7 +37,7 @@ def test_writer_without_a_folder_is_a_no_op(monkeypatch):
 
 
 def test_ensure_stats_dir_is_created_once(monkeypatch):
-    monkeypatch.delenv(metrics.ENV, raising=False)
+    monkeypatch.setenv(metrics.ENV, "")  # unset for the test; monkeypatch restores the variable afterwards
     a = metrics.ensure_stats_dir()
     assert os.path.isdir(a) and metrics.ensure_stats_dir() == a
 
