@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+from stats import chi2_pvalue
 
 from vllm_adaspec.trees import (DraftTree, ancestor_bits, ancestor_mask, cartesian_choices, depth_positions,
                                 fill_tokens, grow_by_path_probability, paths, shape_from_choices, verify_greedy,
@@ -161,13 +162,6 @@ def _exact(length):
             idx = idx * V + tok
         probs[idx] = pr
     return probs
-
-
-def chi2_pvalue(counts, probs):
-    n = counts.sum()
-    expected = probs * n
-    stat = ((counts - expected) ** 2 / expected).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2.0), stat / 2))
 
 
 def _row_prefixes(tree):

