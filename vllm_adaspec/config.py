@@ -38,10 +38,48 @@ class AdaspecConfig:
     # Cap each step's drafts at the k in 0..K with the best measured throughput for the current batch size
     # (policies/speed_guard.py): drafting is switched off where it does not pay. false = always up to K.
     speed_guard: bool = True
+    # Token-tree drafting (engine/tree_verification.py): {"budget": nodes per tree, "top_k": children per chain
+    # node, "depth": chain depth (default ceil(budget / top_k))}. None = chains.
+    tree: "TreeSettings | None" = None
 
     @classmethod
     def keys(cls) -> list[str]:
         return [f.name for f in fields(cls) if f.name != "policy_params"]  # parameters live inside `policy`
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    budget: int  # nodes per tree (verified rows besides the root)
+    top_k: int = 2  # candidates per depth (the chain's token and top_k - 1 alternatives)
+    depth: int | None = None  # chain depth drafted; None = ceil(budget / top_k)
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth if self.depth is not None else -(-self.budget // self.top_k)
+
+
+def _parse_tree(value: Any) -> TreeSettings | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _fail("tree", f"must be an object like {{\"budget\": 16, \"top_k\": 2}}, got {value!r}")
+    unknown = sorted(set(value) - {"budget", "top_k", "depth"})
+    if unknown:
+        raise _fail("tree", f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: budget, top_k, depth")
+    if "budget" not in value:
+        raise _fail("tree", "needs 'budget' (tree nodes verified per step)")
+    budget = _check_int("tree.budget", value["budget"])
+    top_k = _check_int("tree.top_k", value.get("top_k", 2))
+    depth = value.get("depth")
+    if not 1 <= budget <= 128:
+        raise _fail("tree", f"budget must be in 1..128 (vLLM verifies at most 128 drafts), got {budget}")
+    if not 1 <= top_k <= 16:
+        raise _fail("tree", f"top_k must be in 1..16, got {top_k}")
+    if depth is not None:
+        depth = _check_int("tree.depth", depth)
+        if not 1 <= depth <= budget:
+            raise _fail("tree", f"depth must be in 1..budget ({budget}), got {depth}")
+    return TreeSettings(budget=budget, top_k=top_k, depth=depth)
 
 
 def _fail(key: str, msg: str) -> AdaspecConfigError:
@@ -84,7 +122,7 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None) -> Adaspec
     if not isinstance(speed_guard, bool):
         raise _fail("speed_guard", f"must be true or false, got {type(speed_guard).__name__} {speed_guard!r}")
     return AdaspecConfig(exit_layer=exit_layer, policy=policy, policy_params=policy_params, exit_head=exit_head,
-                         speed_guard=speed_guard)
+                         speed_guard=speed_guard, tree=_parse_tree(section.get("tree")))
 
 
 def _parse_policy(value: Any) -> tuple[str, dict]:
@@ -118,6 +156,7 @@ class ResolvedConfig:
     policy_params: dict = field(default_factory=dict)
     speed_guard: bool = True
     exit_head_setting: str = "auto"  # what the user asked for: "auto", "none" or a folder
+    tree: TreeSettings | None = None
 
 
 def resolve_config(
@@ -167,6 +206,11 @@ def resolve_config(
         from vllm_adaspec.heads import check_calibration
 
         check_calibration(head, cfg.policy)
+    if cfg.tree is not None and k < cfg.tree.budget:
+        raise AdaspecConfigError(
+            f"additional_config['{SECTION}']['tree']['budget'] = {cfg.tree.budget} needs "
+            f"speculative_config['num_speculative_tokens'] >= {cfg.tree.budget} (every tree node is a draft vLLM "
+            f"verifies), got {k}")
     if exit_layer is None:
         exit_layer = max(1, num_layers // 4)
     if not 1 <= exit_layer < num_layers:
@@ -176,4 +220,5 @@ def resolve_config(
         )
     return ResolvedConfig(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
                           policy_params=cfg.policy_params,
-                          exit_head=head, speed_guard=cfg.speed_guard, exit_head_setting=cfg.exit_head)
+                          exit_head=head, speed_guard=cfg.speed_guard, exit_head_setting=cfg.exit_head,
+                          tree=cfg.tree)

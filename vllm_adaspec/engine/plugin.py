@@ -78,13 +78,26 @@ def configure(vllm_config) -> None:
         return
     model_config = vllm_config.model_config
     hf = model_config.hf_text_config
-    resolve_config(
+    resolved = resolve_config(
         parse_adaspec_config(vllm_config.additional_config),
         architectures=getattr(model_config, "architectures", None) or getattr(hf, "architectures", None),
         num_layers=int(getattr(hf, "num_hidden_layers", 0) or 0),
         num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens,
         hf_config=hf,
     )
+    if resolved.tree is not None:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            raise AdaspecConfigError(
+                f"additional_config['{SECTION}']['tree']: tree verification is wired into vLLM's CPU attention only "
+                "so far (the GPU path, kernels/tree_attention.py, is not connected yet); remove 'tree' for chains")
+        if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
+            raise AdaspecConfigError(f"additional_config['{SECTION}']['tree']: sliding-window attention "
+                                     f"(sliding_window={hf.sliding_window}) is not supported by tree verification")
+        if vllm_config.cache_config.cache_dtype not in ("auto", None):
+            raise AdaspecConfigError(f"additional_config['{SECTION}']['tree']: needs an unquantized KV cache "
+                                     f"(kv_cache_dtype='auto'), got {vllm_config.cache_config.cache_dtype!r}")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise AdaspecConfigError("vllm_adaspec: pipeline parallelism is not supported (the drafter runs the first layers)")
     _install(vllm_config)

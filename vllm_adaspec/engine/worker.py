@@ -37,6 +37,8 @@ class _AdaspecWorkerMixin:
                                sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest, **kw)
 
             runner.propose_draft_token_ids = propose_with_hidden
+        if getattr(drafter, "tree", None) is not None:
+            _install_tree_verification(runner, drafter)
 
     def execute_model(self, scheduler_output):
         drafter = getattr(self.model_runner, "drafter", None)
@@ -54,6 +56,29 @@ class _AdaspecWorkerMixin:
         """Drafter counters (drafting time, passes, tokens); `LLM.collective_rpc("adaspec_stats")` reads them."""
         drafter = getattr(self.model_runner, "drafter", None)
         return drafter.get_stats() if hasattr(drafter, "get_stats") else {}
+
+
+def _install_tree_verification(runner, drafter) -> None:
+    """Tree mode: depth positions after `_prepare_inputs`, tree-mask attention, tree rejection sampling + KV
+    compaction (engine/tree_verification.py)."""
+    from vllm_adaspec.engine import tree_verification as tv
+
+    tv.install_cpu_attention_patch()
+    prepare = runner._prepare_inputs
+
+    def prepare_inputs(scheduler_output, *args, **kwargs):
+        result = prepare(scheduler_output, *args, **kwargs)
+        tv.set_step(None)
+        if drafter.pending_trees and scheduler_output.scheduled_spec_decode_tokens:
+            num_reqs = runner.input_batch.num_reqs
+            tv.set_step(tv.plan_step(
+                runner.input_batch.req_ids[:num_reqs], runner.query_start_loc.np[:num_reqs + 1], runner.positions,
+                scheduler_output.scheduled_spec_decode_tokens, drafter.pending_trees,
+                scheduler_output.total_num_scheduled_tokens))
+        return result
+
+    runner._prepare_inputs = prepare_inputs
+    runner.rejection_sampler = tv.TreeRejectionSampler(runner.rejection_sampler, drafter.on_tree_paths)
 
 
 class AdaspecCPUWorker(_AdaspecWorkerMixin, CPUWorker):

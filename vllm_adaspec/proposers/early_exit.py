@@ -23,6 +23,7 @@ from vllm_adaspec.metrics import ACCEPTANCE_BUCKETS, DRAFTS_PER_ROUND_BUCKETS, n
 from vllm_adaspec.policies import POLICIES, make_policy
 from vllm_adaspec.policies.speed_guard import SpeedGuard
 from vllm_adaspec.requests import RequestStates
+from vllm_adaspec.trees import grow_along_chain
 
 
 def request_seed(req_id: str, base_seed: int) -> int:
@@ -56,8 +57,14 @@ class EarlyExitProposer:
         self._target_hidden, self._verified_drafts = None, None
         self._check_rows = os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1"
         self.exit_head = None  # checkpoint folder in use, None = untrained exit
+        # Tree mode (config `tree`): per request, the chain's top-k candidates at each depth become a tree grown by
+        # path probability; the trees proposed in the last call, req_id -> (tokens, parents), for the runner glue
+        # (engine/tree_verification.py) to verify as trees.
+        self.tree = self.cfg.tree
+        self.pending_trees: dict[str, tuple[list[int], list[int]]] = {}
         k = self.cfg.num_speculative_tokens
-        self.guard = SpeedGuard(k, seed=base_seed) if self.cfg.speed_guard else None
+        # The guard models chains (k drafts -> throughput); tree mode runs without it.
+        self.guard = SpeedGuard(k, seed=base_seed) if self.cfg.speed_guard and self.cfg.tree is None else None
         self._interval = None  # (start time, decoding batch size, cap) of the previous propose call
         self._pure_decode = False  # the step being verified carried no prefill tokens
         # Where plain decoding wins, the guard also stops the exit layers' KV upkeep (a layer's worth of work on
@@ -70,6 +77,9 @@ class EarlyExitProposer:
         # drafts returned, wall time inside propose (CPU: synchronous, so this is the drafting cost).
         self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
                       "policy_seconds": 0.0,
+                      # tree mode: trees proposed, their nodes, trees verified as trees, accepted depth histogram
+                      "tree_rounds": 0, "tree_nodes": 0, "tree_verified": 0, "tree_kv_moves": 0,
+                      "tree_accepted_depth": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
                       "plain_switches": 0,
                       "cap_steps": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
                       # rounds by the number of drafts the policy proposed (0: it rejected the first one)
@@ -133,6 +143,7 @@ class EarlyExitProposer:
             )
         now = time.perf_counter()
         req_ids = self.runner.input_batch.req_ids
+        self.pending_trees = {}
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         decoding = sum(1 for s in sampled_token_ids if s)
         eligible = sum(1 for i, s in enumerate(sampled_token_ids) if s and req_ids[i] not in self._stale)
@@ -175,10 +186,23 @@ class EarlyExitProposer:
         temps = torch.from_numpy(self.runner.input_batch.temperature_cpu[rows_np]).to(device) if confident else None
         ht_proj = self._target_projection(rows, sampled_token_ids)  # [B, 10] or None
         policy_s += time.perf_counter() - tp
+        treeish = self._tree_rows(rows, req_ids) if self.tree is not None else [False] * len(rows)
+        candidates: list[list] = [[] for _ in rows]  # tree rows: per depth (top-k full ids, their probabilities)
+        for e, is_tree in enumerate(treeish):
+            if is_tree:
+                budgets[e] = min(budgets[e], self.tree.max_depth)
         for depth in range(1, max(budgets) + 1):
             hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len)
             logits, vocab, normed = self.prefix.head(hidden, residual)  # [B, V'], V' ids (None: all), [B, H]
-            tokens = logits.argmax(dim=-1)  # [B]
+            top = None
+            if any(treeish[e] for e in entries):  # the chain follows the top-1 candidate
+                _, _, top_ids, top_probs = entropy_topk(logits, 1.0, k=self.tree.top_k)  # [B, k] each
+                tokens = top_ids[:, 0]
+                if vocab is not None:
+                    top_ids = vocab[top_ids]
+                top = (top_ids.tolist(), top_probs.tolist())
+            else:
+                tokens = logits.argmax(dim=-1)  # [B]
             if vocab is not None:
                 tokens = vocab[tokens]
             self.stats["draft_passes"] += 1
@@ -196,6 +220,8 @@ class EarlyExitProposer:
                 if not policies[e].accept(depth, *conf[j], scores[j]):
                     continue  # not proposed; the request's round ends here
                 drafts[rows[e]].append(tok)
+                if top is not None and treeish[e]:
+                    candidates[e].append((top[0][j], top[1][j]))
                 if depth < budgets[e] and policies[e].keep_drafting(depth):
                     keep.append(j)
             policy_s += time.perf_counter() - tp
@@ -211,6 +237,14 @@ class EarlyExitProposer:
                 entries = [entries[j] for j in keep]
             positions = positions + 1
             max_seq_len += 1
+        for e, is_tree in enumerate(treeish):
+            if is_tree and candidates[e]:
+                tree = grow_along_chain(candidates[e], self.tree.budget)
+                tree_tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+                drafts[rows[e]] = tree_tokens
+                self.pending_trees[req_ids[rows[e]]] = (tree_tokens, parents)
+                self.stats["tree_rounds"] += 1
+                self.stats["tree_nodes"] += len(tree_tokens)
         st = self.stats
         st["propose_calls"] += 1
         st["draft_tokens"] += sum(map(len, drafts))
@@ -219,6 +253,21 @@ class EarlyExitProposer:
         for i in rows:
             st["round_lengths"][len(drafts[i])] += 1
         return drafts
+
+    def on_tree_paths(self, results: dict, kv_moves: int) -> None:
+        """Called by the tree sampler after each verification: {batch row: (accepted nodes, bonus)} and how many
+        KV slots compaction moved (nonzero: a path left the first-child spine)."""
+        self.stats["tree_verified"] += len(results)
+        self.stats["tree_kv_moves"] += kv_moves
+        for path, _ in results.values():
+            self.stats["tree_accepted_depth"][len(path)] += 1
+
+    def _tree_rows(self, rows: list[int], req_ids: list[str]) -> list[bool]:
+        """Which drafting rows may draft a tree: requests whose sampling needs only temperature / top-k / top-p."""
+        from vllm_adaspec.engine.tree_verification import tree_compatible
+
+        states = getattr(self.runner, "requests", {})
+        return [tree_compatible(getattr(states.get(req_ids[i]), "sampling_params", None)) for i in rows]
 
     def _target_projection(self, rows: list[int], sampled_token_ids) -> torch.Tensor | None:
         """Target side of the predictor for the drafting rows [B, 10], from the row that produced each request's

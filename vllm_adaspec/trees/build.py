@@ -75,3 +75,17 @@ def grow_by_path_probability(children_of: Callable[[tuple[int, ...]], tuple[list
     tokens = torch.tensor([nodes[i][1] for i in order], dtype=torch.long)
     probs = torch.tensor([nodes[i][2] for i in order], dtype=torch.float64)
     return DraftTree(tokens, torch.tensor(parents, dtype=torch.long)), probs
+
+
+def grow_along_chain(per_depth: Sequence[tuple[list[int], list[float]]], budget: int) -> DraftTree:
+    """A drafter that ran one chain (top-1 at each depth) and kept each depth's top-k candidates: the `budget`
+    most probable nodes, where only chain nodes have children (nothing was drafted past an alternative).
+    per_depth[d] = (candidate ids best first, their draft probabilities) at depth d + 1."""
+    chain = tuple(ids[0] for ids, _ in per_depth)
+    top_k = max(len(ids) for ids, _ in per_depth)
+
+    def children_of(path: tuple[int, ...]):
+        d = len(path)
+        return per_depth[d] if d < len(per_depth) and path == chain[:d] else ([], [])
+
+    return grow_by_path_probability(children_of, budget, top_k)[0]

@@ -1,0 +1,128 @@
+"""Tree verification glue on synthetic tensors (no engine): paged CPU-layout gathers, tree-mask attention
+against per-path causal attention, KV compaction, depth positions, tree growth along a drafted chain."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_adaspec.engine.tree_verification import (compact_kv_cpu, gather_cpu_kv, plan_step, tree_attention_rows,
+                                                   tree_compatible)
+from vllm_adaspec.trees import DraftTree, ancestor_mask, grow_along_chain, paths
+
+BS, HKV, HQ, D = 32, 2, 6, 64
+
+
+def _paged_cache(seq: int, g: torch.Generator, isa: str = "vec", bs: int = BS, d: int = D):
+    """A CPU cache holding K/V for positions 0..seq-1 in shuffled blocks, written by vLLM's own CPU op (its
+    ISA-specific layout). Returns cache, block row, K, V [seq, HKV, d]."""
+    from vllm import _custom_ops as ops
+
+    nblocks = seq // bs + 3
+    cache = torch.zeros(nblocks, HKV, bs, 2 * d)
+    block_row = torch.randperm(nblocks, generator=g)
+    k = torch.randn(seq, HKV, d, generator=g)
+    v = torch.randn(seq, HKV, d, generator=g)
+    pos = torch.arange(seq)
+    kc, vc = cache.view(nblocks, HKV, 2 * bs, d).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, block_row[pos // bs] * bs + pos % bs, isa, k_scale=1.0,
+                                   v_scale=1.0, kv_cache_dtype="auto")
+    return cache, block_row, k, v
+
+
+def _causal(q, k, v, scale):  # q [Hq, D] one query over k, v [L, Hkv, D]
+    kk = k.repeat_interleave(HQ // HKV, 1)
+    vv = v.repeat_interleave(HQ // HKV, 1)
+    w = torch.softmax(torch.einsum("hd,lhd->hl", q, kk) * scale, -1)
+    return torch.einsum("hl,lhd->hd", w, vv)
+
+
+@pytest.mark.parametrize("isa,bs,d", [("vec", 32, 64), ("vec", 128, 64), ("vec16", 16, 48)])
+def test_gather_reads_the_paged_cpu_layout(isa, bs, d):
+    g = torch.Generator().manual_seed(0)
+    cache, row, k, v = _paged_cache(77, g, isa, bs, d)
+    gk, gv = gather_cpu_kv(cache, row, 77, isa)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+
+
+@pytest.mark.parametrize("root_pos", [0, 5, 70])
+def test_tree_rows_equal_causal_attention_along_each_path(root_pos):
+    g = torch.Generator().manual_seed(root_pos)
+    tree = DraftTree(torch.arange(7), torch.tensor([-1, -1, 0, 0, 1, 2, 4]))
+    n1 = len(tree) + 1
+    k = torch.randn(root_pos + n1, HKV, D, generator=g, dtype=torch.float64)
+    v = torch.randn(root_pos + n1, HKV, D, generator=g, dtype=torch.float64)
+    q = torch.randn(n1, HQ, D, generator=g, dtype=torch.float64)
+    scale = 1 / math.sqrt(D)
+    out = tree_attention_rows(q, k, v, root_pos, ancestor_mask(tree), scale)
+    rows_of = {-1: [root_pos]}
+    for path in paths(tree):
+        for i, node in enumerate(path):
+            rows_of[node] = [root_pos] + [root_pos + 1 + p for p in path[:i + 1]]
+    for node, rows in rows_of.items():
+        keys = list(range(root_pos)) + rows
+        want = _causal(q[node + 1], k[keys], v[keys], scale)
+        assert torch.allclose(out[node + 1], want, atol=1e-12), node
+    # A chain is plain causal attention.
+    chain = DraftTree(torch.arange(3), torch.tensor([-1, 0, 1]))
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    assert torch.equal(ancestor_mask(chain), causal)
+
+
+def test_compaction_moves_accepted_nodes_to_consecutive_slots():
+    g = torch.Generator().manual_seed(1)
+    cache, row, k, v = _paged_cache(100, g)
+    before = cache.clone()
+    # Root at position 40 with slots = positions (block row mapping applied); accepted path nodes 1 then 4.
+    slot = lambda p: int(row[p // BS]) * BS + p % BS  # noqa: E731
+    root = 40
+    src = [slot(root + 1 + 1), slot(root + 1 + 4)]
+    dst = [slot(root + 1), slot(root + 2)]
+    compact_kv_cpu([(cache, "vec")], src, dst)
+    gk, gv = gather_cpu_kv(cache, row, 100, "vec")
+    assert torch.equal(gk[root + 1], k[root + 2]) and torch.equal(gk[root + 2], k[root + 5])
+    assert torch.equal(gv[root + 1], v[root + 2]) and torch.equal(gv[root + 2], v[root + 5])
+    untouched = [p for p in range(100) if p not in (root + 1, root + 2)]
+    assert torch.equal(gk[untouched], k[untouched]) and torch.equal(gv[untouched], v[untouched])
+    assert not torch.equal(cache, before)
+
+
+def test_plan_step_writes_depth_positions_and_skips_chains_and_changed_drafts():
+    # Batch: req a (tree of 4 nodes, root at 10), b (chain), c (tree whose scheduled drafts differ), d no drafts.
+    req_ids = ["a", "b", "c", "d"]
+    sched = {"a": [5, 6, 7, 8], "b": [1, 2], "c": [3, 4]}
+    pending = {"a": ([5, 6, 7, 8], [-1, -1, 0, 0]), "b": ([1, 2], [-1, 0]), "c": ([3, 9], [-1, -1])}
+    qs = np.array([0, 5, 8, 11, 12])
+    positions = torch.cat([torch.arange(10, 15), torch.arange(20, 23), torch.arange(30, 33), torch.tensor([40])])
+    step = plan_step(req_ids, qs, positions, sched, pending, num_tokens=12)
+    assert [r.row for r in step.requests] == [0]
+    assert positions[:5].tolist() == [10, 11, 11, 12, 12]
+    assert positions[5:].tolist() == [20, 21, 22, 30, 31, 32, 40]
+    # The scheduler may trim drafts: the first nodes of a breadth-first tree are still a tree.
+    positions = torch.arange(10, 13)
+    step = plan_step(["a"], np.array([0, 3]), positions, {"a": [5, 6]}, pending, num_tokens=3)
+    assert positions.tolist() == [10, 11, 11] and len(step.requests[0].tree) == 2
+    assert plan_step(["b"], np.array([0, 3]), torch.arange(3), {"b": [1, 2]}, pending, 3) is None
+
+
+def test_only_plain_sampling_requests_draft_trees():
+    from vllm import SamplingParams
+
+    assert tree_compatible(SamplingParams(temperature=0.0))
+    assert tree_compatible(SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3))
+    for bad in ({"repetition_penalty": 1.1}, {"presence_penalty": 0.5}, {"logprobs": 2}, {"min_tokens": 4},
+                {"min_p": 0.1}, {"logit_bias": {3: 1.0}}, {"allowed_token_ids": [1, 2]}):
+        assert not tree_compatible(SamplingParams(**bad)), bad
+    assert not tree_compatible(None)
+
+
+def test_growth_along_a_chain_keeps_the_most_probable_nodes():
+    # Depth 1: chain 10 (0.6), alt 11 (0.3); depth 2: chain 20 (0.9), alt 21 (0.05); depth 3: chain 30 (0.5), ...
+    per_depth = [([10, 11], [0.6, 0.3]), ([20, 21], [0.9, 0.05]), ([30, 31], [0.5, 0.4])]
+    tree = grow_along_chain(per_depth, budget=4)
+    # path probabilities: 10 .6, 11 .3, 20 .54, 21 .03, 30 .27, 31 .216 -> 10, 20, 11, 30
+    assert tree.tokens.tolist() == [10, 11, 20, 30]
+    assert tree.parents.tolist() == [-1, -1, 0, 2]
+    six = grow_along_chain(per_depth, budget=6)
+    assert six.tokens.tolist() == [10, 11, 20, 21, 30, 31] and six.parents.tolist() == [-1, -1, 0, 0, 2, 2]

@@ -1,0 +1,292 @@
+"""Token-tree verification inside vLLM's V1 runner: depth positions, tree-mask attention, tree sampling, KV
+compaction. The tree algorithms live in `vllm_adaspec.trees`; this module is the glue, installed by
+engine/worker.py when the `adaspec` config has a `tree` section.
+
+A tree request hands vLLM its n nodes as ordinary draft tokens (breadth-first), so the scheduler allocates
+n + 1 contiguous slots (root + nodes) and verifies n + 1 rows. Per step:
+
+1. `plan_step` (after the runner's `_prepare_inputs`): for each request whose scheduled drafts are the tree the
+   drafter proposed, rewrite its node rows' positions to root + depth (RoPE at depth; slots stay contiguous,
+   they were computed before) and publish the step's tree plan.
+2. `tree_attention_rows` (inside CPU attention, every layer, exit layers included): vLLM's kernel ran the rows
+   causally; the rows of tree requests are recomputed with the prefix fully visible and, among the nodes, only
+   ancestors-or-self.
+3. `TreeRejectionSampler` (the runner's rejection sampler, wrapped): vLLM's output stands for chain requests;
+   tree requests are verified node by node against their parent's row (trees/verify.py: greedy, or lossless
+   sample-and-match), and get the accepted path + the bonus token from the last accepted node's row.
+4. `compact_kv_cpu`: the accepted nodes' KV moves to the slots root + 1 .. root + a in every attention layer,
+   so the next step sees a plain sequence. vLLM's own rollback (num_computed_tokens -= rejected) is then right.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_adaspec.trees import DraftTree, ancestor_mask, verify_greedy, verify_sample_match
+
+
+@dataclass
+class TreeRequest:
+    row: int  # batch row (input_batch order)
+    start: int  # flattened index of the root's row; nodes follow at start + 1 + i
+    root_pos: int
+    tree: DraftTree
+    mask: torch.Tensor  # [n + 1, n + 1] bool ancestor-or-self over verification rows
+
+
+@dataclass
+class TreeStep:
+    num_tokens: int  # flattened tokens of the target forward (what attention metadata must show)
+    requests: list[TreeRequest]
+    slot_mapping: torch.Tensor | None = None  # the forward's slots, seen by attention (for compaction)
+    kv_caches: list = field(default_factory=list)  # (cache, isa) of every attention layer in the forward
+
+
+_STEP: TreeStep | None = None
+
+
+def active_step() -> TreeStep | None:
+    return _STEP
+
+
+def set_step(step: TreeStep | None) -> None:
+    global _STEP
+    _STEP = step
+
+
+def tree_compatible(sp) -> bool:
+    """Trees are verified from raw logits with temperature / top-k / top-p only. Anything vLLM's sampler applies
+    on top (penalties, logits processors, grammars, logprobs) is chain-only: such requests draft chains."""
+    if sp is None:
+        return False
+    return (sp.presence_penalty == 0 and sp.frequency_penalty == 0 and sp.repetition_penalty == 1
+            and sp.min_p == 0 and sp.min_tokens == 0 and sp.logprobs is None and sp.prompt_logprobs is None
+            and not sp.logit_bias and not sp.allowed_token_ids and not sp.bad_words
+            and sp.structured_outputs is None and not getattr(sp, "watermarking", None)
+            and getattr(sp, "thinking_token_budget", None) is None and not getattr(sp, "logprob_token_ids", None))
+
+
+def is_chain(parents: list[int]) -> bool:
+    return all(q == i - 1 for i, q in enumerate(parents))
+
+
+def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tensor, spec_tokens: dict,
+              pending: dict[str, tuple[list[int], list[int]]], num_tokens: int) -> TreeStep | None:
+    """Match the scheduled drafts against the proposed trees and write depth positions in place.
+
+    req_ids: batch order; query_start [num_reqs + 1] flattened row starts; positions [num_tokens] (rewritten);
+    spec_tokens: the scheduler's req_id -> scheduled draft ids; pending: req_id -> (tokens, parents) proposed.
+    A tree whose drafts the scheduler trimmed keeps its first nodes (breadth-first order keeps it a tree).
+    """
+    requests = []
+    for row, req_id in enumerate(req_ids):
+        spec = spec_tokens.get(req_id)
+        proposed = pending.get(req_id)
+        if not spec or proposed is None:
+            continue
+        tokens, parents = proposed
+        n = len(spec)
+        if list(spec) != tokens[:n] or is_chain(parents[:n]):
+            continue
+        tree = DraftTree(torch.tensor(tokens[:n]), torch.tensor(parents[:n]))
+        start = int(query_start[row])
+        root_pos = int(positions[start])
+        positions[start + 1:start + 1 + n] = root_pos + tree.depths.to(positions.dtype)
+        requests.append(TreeRequest(row, start, root_pos, tree, ancestor_mask(tree)))
+    return TreeStep(num_tokens, requests) if requests else None
+
+
+# --- attention -------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def cpu_kv_index(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where vLLM's CPU attention stores token t, dim d of a block, per ISA: (k_idx, v_idx), each [block_size, D],
+    offsets into one (block, kv head) slab of 2 * block_size * D elements ("vec" stores K transposed, V row-major).
+    Found by writing known values through vLLM's own `cpu_attn_reshape_and_cache`, three base-64 digits at a time
+    so that every value is exact in bf16 too."""
+    from vllm import _custom_ops as ops
+
+    bs, d = block_size, head_size
+    ids = torch.arange(bs * d).view(bs, 1, d)  # token t, dim d -> t * D + d
+    found = [torch.zeros(2 * bs * d, dtype=torch.long) for _ in range(2)]
+    for digit in range(3):
+        cache = torch.zeros(1, 1, bs, 2 * d, dtype=dtype)
+        kc, vc = cache.view(1, 1, 2 * bs, d).chunk(2, dim=2)
+        x = ((ids // 64 ** digit) % 64 + 1).to(dtype)
+        ops.cpu_attn_reshape_and_cache(x, -x, kc, vc, torch.arange(bs), isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+        flat = cache.view(-1).float()
+        found[0] += (flat.clamp(min=0).long() - (flat > 0).long()) * 64 ** digit
+        found[1] += ((-flat).clamp(min=0).long() - (flat < 0).long()) * 64 ** digit
+    k_pos, v_pos = found[0], found[1]  # per slab offset: the t * D + d stored there (garbage where unused)
+    k_idx = torch.full((bs * d,), -1, dtype=torch.long)
+    v_idx = torch.full((bs * d,), -1, dtype=torch.long)
+    slab = torch.arange(2 * bs * d)
+    cache_probe = torch.zeros(1, 1, bs, 2 * d, dtype=dtype)  # which offsets hold K and which V
+    kc, vc = cache_probe.view(1, 1, 2 * bs, d).chunk(2, dim=2)
+    one = torch.ones(bs, 1, d, dtype=dtype)
+    ops.cpu_attn_reshape_and_cache(one, -one, kc, vc, torch.arange(bs), isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    sign = cache_probe.view(-1)
+    k_idx[k_pos[sign > 0]] = slab[sign > 0]
+    v_idx[v_pos[sign < 0]] = slab[sign < 0]
+    if (k_idx < 0).any() or (v_idx < 0).any():
+        raise RuntimeError(f"vllm_adaspec: could not map vLLM's CPU KV layout (isa={isa}, block={bs}, head={d})")
+    return k_idx.view(bs, d), v_idx.view(bs, d)
+
+
+def _slab_view(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, kv_heads, block_size, 2 * D] -> [num_blocks, 2 * block_size * D, kv_heads] (a view)."""
+    nb, h, bs, d2 = cache.shape
+    return cache.view(nb, h, bs * d2).permute(0, 2, 1)
+
+
+def gather_cpu_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int,
+                  isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions 0..length-1 from vLLM's CPU paged cache [num_blocks, kv_heads, block_size,
+    2 * D] (layout per `isa`, see cpu_kv_index); block_row [max_blocks] of the request. K, V [length, H, D]."""
+    _, _, bs, d2 = cache.shape
+    k_idx, v_idx = cpu_kv_index(isa, bs, d2 // 2, cache.dtype)
+    slabs = _slab_view(cache)
+    pos = torch.arange(length)
+    blocks = block_row[pos // bs].long()[:, None]  # [L, 1]
+    k = slabs[blocks, k_idx[pos % bs]]  # [L, D, H]
+    v = slabs[blocks, v_idx[pos % bs]]
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def tree_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, root_pos: int, mask: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """q [n + 1, Hq, D] rows root..nodes; k, v [root_pos + n + 1, Hkv, D] the whole sequence in slot order.
+    Prefix keys are visible to every row; key root_pos + c is visible to row r iff mask[r, c]. Returns
+    [n + 1, Hq, D] in q's dtype (accumulated in at least float32)."""
+    rows, hq, _ = q.shape
+    hkv = k.shape[1]
+    visible = torch.cat([torch.ones(rows, root_pos, dtype=torch.bool), mask], dim=1)  # [rows, seq]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    kf = k.to(acc).repeat_interleave(hq // hkv, dim=1)  # [seq, Hq, D]
+    vf = v.to(acc).repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("rhd,shd->hrs", q.to(acc), kf) * scale
+    scores = scores.masked_fill(~visible, -math.inf)
+    out = torch.einsum("hrs,shd->rhd", torch.softmax(scores, dim=-1), vf)
+    return out.to(q.dtype)
+
+
+def install_cpu_attention_patch() -> None:
+    """Wrap vLLM's CPU attention so tree rows get the tree mask (idempotent)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    original = CPUAttentionBackendImpl.forward
+    if getattr(original, "_adaspec_tree", False):
+        return
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        out = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        step = _STEP
+        if step is None or attn_metadata is None or attn_metadata.num_actual_tokens != step.num_tokens:
+            return out  # not the target's verification forward (warm-up, profiling, draft steps)
+        if step.slot_mapping is None:
+            step.slot_mapping = attn_metadata.slot_mapping[:step.num_tokens].clone()
+        step.kv_caches.append((kv_cache, layer.isa))
+        for r in step.requests:
+            n1 = len(r.tree) + 1
+            k, v = gather_cpu_kv(kv_cache, attn_metadata.block_table[r.row], r.root_pos + n1, layer.isa)
+            new = tree_attention_rows(query[r.start:r.start + n1], k, v, r.root_pos, r.mask, self.scale)
+            output[r.start:r.start + n1] = new.to(output.dtype)
+        return out
+
+    forward._adaspec_tree = True  # type: ignore[attr-defined]
+    CPUAttentionBackendImpl.forward = forward
+
+
+# --- KV compaction -----------------------------------------------------------------------------------------
+
+def compact_kv_cpu(caches: list[tuple[torch.Tensor, str]], src_slots: list[int], dst_slots: list[int]) -> None:
+    """Copy each src slot's K and V to its dst slot in every (CPU cache, isa); all sources are read first."""
+    if not src_slots:
+        return
+    src, dst = torch.tensor(src_slots), torch.tensor(dst_slots)
+    for cache, isa in caches:
+        _, _, bs, d2 = cache.shape
+        k_idx, v_idx = cpu_kv_index(isa, bs, d2 // 2, cache.dtype)
+        slabs = _slab_view(cache)
+        sb, db = (src // bs)[:, None], (dst // bs)[:, None]
+        for idx in (k_idx, v_idx):
+            rows = slabs[sb, idx[src % bs]].clone()  # [M, D, H]
+            slabs[db, idx[dst % bs]] = rows
+
+
+def compaction_slots(step: TreeStep, paths: dict[int, list[int]]) -> tuple[list[int], list[int]]:
+    """For each tree request's accepted path (node indices, root to deepest): node at depth d moves from its
+    verification slot (root + 1 + node) to root + d. Returns (src, dst) slot lists, only moves that change."""
+    src, dst = [], []
+    slots = step.slot_mapping.tolist()
+    for r in step.requests:
+        for d, node in enumerate(paths.get(r.row, ()), start=1):
+            if node + 1 != d:
+                src.append(slots[r.start + 1 + node])
+                dst.append(slots[r.start + d])
+    return src, dst
+
+
+# --- sampling ----------------------------------------------------------------------------------------------
+
+def verify_tree_request(tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int | None,
+                        top_p: float | None, generator: torch.Generator | None) -> tuple[list[int], int]:
+    """logits [n + 1, V] at the request's verification rows -> (accepted nodes, bonus token)."""
+    if temperature <= 0:  # vLLM's greedy marker
+        return verify_greedy(tree, logits.argmax(dim=-1))
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    x = logits.float() / temperature
+    rows = x.shape[0]
+    k = None if top_k is None else torch.full((rows,), top_k, dtype=torch.int32)
+    p = None if top_p is None else torch.full((rows,), top_p, dtype=torch.float32)
+    if k is not None or p is not None:
+        x = apply_top_k_top_p(x, k, p)
+    return verify_sample_match(tree, torch.softmax(x, dim=-1), generator)
+
+
+class TreeRejectionSampler:
+    """Stands in for the runner's rejection sampler: vLLM's for chain rows, tree verification for tree rows."""
+
+    def __init__(self, stock, on_paths=None):
+        self.stock = stock
+        self.on_paths = on_paths  # callback({row: (path, bonus)}, kv slot moves) for statistics
+
+    def __getattr__(self, name):  # everything else (warm-up hooks, logprobs helpers) is vLLM's
+        return getattr(self.stock, name)
+
+    def __call__(self, metadata, draft_probs, logits, sampling_metadata):
+        out = self.stock(metadata, draft_probs, logits, sampling_metadata)
+        step = _STEP
+        if step is None:
+            return out
+        set_step(None)
+        tokens = out.sampled_token_ids  # [B, max_spec_len + 1] int32, -1 padded
+        cu = metadata.cu_num_draft_tokens.tolist()
+        target_idx, bonus_idx = metadata.target_logits_indices, metadata.bonus_logits_indices
+        temps = sampling_metadata.temperature
+        results, paths = {}, {}
+        for r in step.requests:
+            i = r.row
+            first = cu[i - 1] if i else 0
+            rows = torch.cat([target_idx[first:cu[i]], bonus_idx[i:i + 1]])
+            t = 0.0 if sampling_metadata.all_greedy or temps is None else float(temps[i])
+            k = None if sampling_metadata.top_k is None else int(sampling_metadata.top_k[i])
+            p = None if sampling_metadata.top_p is None else float(sampling_metadata.top_p[i])
+            path, bonus = verify_tree_request(r.tree, logits[rows], t, k, p, sampling_metadata.generators.get(i))
+            node_tokens = r.tree.tokens[path].tolist()
+            tokens[i].fill_(-1)
+            tokens[i, :len(path) + 1] = torch.tensor(node_tokens + [bonus], dtype=tokens.dtype)
+            paths[i], results[i] = path, (path, bonus)
+        src, dst = compaction_slots(step, paths)
+        compact_kv_cpu(step.kv_caches, src, dst)
+        if self.on_paths is not None:
+            self.on_paths(results, len(src))
+        return out
