@@ -65,6 +65,16 @@ def methods(args) -> dict[str, dict]:
                 "additional_config": {"adaspec": {"exit_head": args.exit_head, "speed_guard": False,
                                                   "policy": spec}},
             }
+        for spec in args.trees:
+            # Tree mode at a node budget B (K = B drafts verified), guard off; compare with the chain row K = B.
+            tree = json.loads(spec)
+            label = f"adaspec tree B={tree['budget']} top-k={tree.get('top_k', 2)}" + (
+                f" depth={tree['depth']}" if "depth" in tree else "")
+            out[label] = {
+                "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer",
+                                       "num_speculative_tokens": tree["budget"]},
+                "additional_config": {"adaspec": {"exit_head": args.exit_head, "speed_guard": False, "tree": tree}},
+            }
         if args.default_k:
             out[f"adaspec default (guard, K={args.default_k})"] = {
                 "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer",
@@ -241,6 +251,8 @@ def main(argv=None) -> int:
     p.add_argument("--policies", nargs="*", default=[],
                    help="adaptive policy rows (names or JSON objects), each with K = --policy-k and the guard off")
     p.add_argument("--policy-k", type=int, default=10)
+    p.add_argument("--trees", nargs="*", default=[],
+                   help='tree-mode rows, JSON each: \'{"budget": 8, "top_k": 2}\' (K = budget, guard off)')
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seed = prompt index)")
     p.add_argument("--dtype", default="float32", help="float32: this CPU has no native bf16 (AVX2), where bf16 is several times slower")
     p.add_argument("--out", default="benchmarks/out/bench_e2e.json")

@@ -75,3 +75,33 @@ def test_k_is_required():
 def test_unsupported_architecture_is_named():
     with pytest.raises(AdaspecConfigError, match=r"\['GPT2LMHeadModel'\] is not supported.*LlamaForCausalLM"):
         resolve_config(AdaspecConfig(), **{**LLAMA, "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_tree_settings_parse_and_default_depth():
+    cfg = parse_adaspec_config({"adaspec": {"tree": {"budget": 7, "top_k": 3}}})
+    assert (cfg.tree.budget, cfg.tree.top_k, cfg.tree.max_depth) == (7, 3, 3)
+    assert parse_adaspec_config({"adaspec": {"tree": {"budget": 8, "depth": 6}}}).tree.max_depth == 6
+    assert parse_adaspec_config({}).tree is None
+    r = resolve_config(cfg, **{**LLAMA, "num_speculative_tokens": 7})
+    assert r.tree == cfg.tree
+
+
+@pytest.mark.parametrize("tree, words", [
+    (4, ["tree", "object"]),
+    ({"top_k": 2}, ["tree", "budget"]),
+    ({"budget": 0}, ["budget", "1..128"]),
+    ({"budget": 4, "top_k": 0}, ["top_k", "1..16"]),
+    ({"budget": 4, "depth": 5}, ["depth", "1..budget"]),
+    ({"budget": 4, "width": 2}, ["unknown", "width"]),
+    ({"budget": True}, ["tree.budget", "integer"]),
+])
+def test_bad_tree_settings_are_named(tree, words):
+    with pytest.raises(AdaspecConfigError) as e:
+        parse_adaspec_config({"adaspec": {"tree": tree}})
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_tree_budget_needs_that_many_speculative_tokens():
+    cfg = parse_adaspec_config({"adaspec": {"tree": {"budget": 16}}})
+    with pytest.raises(AdaspecConfigError, match=r"budget.*= 16.*num_speculative_tokens.*>= 16.*got 5"):
+        resolve_config(cfg, **LLAMA)

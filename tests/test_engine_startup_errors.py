@@ -46,6 +46,8 @@ CASES = {
                                    ["policy 'thompson-cali' needs a trained exit head"]),
     "unknown proposer": ({"model": "vllm_adaspec.EarlyExit", "num_speculative_tokens": 3}, {}, {},
                          ["'vllm_adaspec.EarlyExit' is not an adaspec proposer; known: vllm_adaspec.EarlyExitProposer"]),
+    "tree budget over K": ({"model": EE, "num_speculative_tokens": 4}, {"adaspec": {"tree": {"budget": 8}}}, {},
+                           ["['tree']['budget'] = 8 needs speculative_config['num_speculative_tokens'] >= 8", "got 4"]),
     "K below 1": ({"model": EE, "num_speculative_tokens": 0}, {}, {}, ["num_speculative_tokens"]),
     "foreign worker": ({"model": EE, "num_speculative_tokens": 3}, {}, {"worker_cls": "my.Worker"},
                        ["installs its own worker", "worker_cls='my.Worker'", "Remove --worker-cls"]),

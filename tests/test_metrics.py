@@ -60,7 +60,8 @@ def test_collector_reports_counters_and_cumulative_histograms(tmp_path, monkeypa
     observe(h, 0.75)
     stats = {"policy": "thompson-beta", "round_lengths": [0, 2, 3], "verified_drafts": 8, "accepted_drafts": 5,
              "draft_seconds": 0.5, "requests_finished": 2, "cap_steps": [1, 4],
-             "request_acceptance": h, "request_drafts_per_round": h}
+             "request_acceptance": h, "request_drafts_per_round": h,
+             "tree_nodes": 40, "tree_accepted_depth": [3, 2, 1], "tree_kv_moves": 4}
     SnapshotWriter("dp0").maybe_write(stats, force=True)
     fams = {f.name: f for f in AdaspecCollector().collect()}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
@@ -70,3 +71,6 @@ def test_collector_reports_counters_and_cumulative_histograms(tmp_path, monkeypa
     assert samples[("vllm:adaspec_request_acceptance_rate_bucket", tuple(sorted(lab + (("le", "0.5"),))))] == 1
     assert samples[("vllm:adaspec_request_acceptance_rate_bucket", tuple(sorted(lab + (("le", "+Inf"),))))] == 2
     assert samples[("vllm:adaspec_request_acceptance_rate_count", lab)] == 2
+    assert samples[("vllm:adaspec_tree_nodes_total", lab)] == 40
+    assert samples[("vllm:adaspec_tree_rounds_total", tuple(sorted(lab + (("depth", "2"),))))] == 1
+    assert samples[("vllm:adaspec_tree_kv_moves_total", lab)] == 4

@@ -121,6 +121,10 @@ def _child(job: dict) -> dict:
                 }
             )
         results.append({"runs": runs})
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+        # The engine-core processes inherited our stdout: without a shutdown they outlive os._exit below and the
+        # parent never sees EOF.
+        llm.llm_engine.engine_core.shutdown()
     return {"batches": results}
 
 

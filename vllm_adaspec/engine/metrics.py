@@ -14,6 +14,9 @@ Metrics (labels: policy, engine):
     vllm:adaspec_speed_guard_steps_total{cap}    decode steps by the speed guard's draft cap (0 = plain)
     vllm:adaspec_request_acceptance_rate         histogram over finished requests that drafted
     vllm:adaspec_request_drafts_per_round        histogram over finished requests that drafted
+    vllm:adaspec_tree_nodes_total                tree mode: tree nodes drafted
+    vllm:adaspec_tree_rounds_total{depth}        tree mode: trees verified, by accepted depth (tokens accepted)
+    vllm:adaspec_tree_kv_moves_total             tree mode: KV slots moved by compaction
 Numbers trail the engine by up to one step and 0.5 s (finished requests are noticed at the next step).
 """
 
@@ -55,6 +58,10 @@ class AdaspecCollector:
                                       "Per finished request: accepted / verified drafts", labels=names)
         len_h = HistogramMetricFamily("vllm:adaspec_request_drafts_per_round",
                                       "Per finished request: drafts proposed per round", labels=names)
+        nodes = CounterMetricFamily("vllm:adaspec_tree_nodes", "Tree nodes drafted", labels=names)
+        depth = CounterMetricFamily("vllm:adaspec_tree_rounds", "Trees verified, by accepted depth",
+                                    labels=names + ["depth"])
+        moves = CounterMetricFamily("vllm:adaspec_tree_kv_moves", "KV slots moved by tree compaction", labels=names)
         for i, st in enumerate(snaps):
             labels = [str(st.get("policy")), str(i)]
             for n, count in enumerate(st.get("round_lengths", [])):
@@ -65,10 +72,14 @@ class AdaspecCollector:
             finished.add_metric(labels, st.get("requests_finished", 0))
             for cap, count in enumerate(st.get("cap_steps", [])):
                 caps.add_metric(labels + [str(cap)], count)
+            nodes.add_metric(labels, st.get("tree_nodes", 0))
+            moves.add_metric(labels, st.get("tree_kv_moves", 0))
+            for d, count in enumerate(st.get("tree_accepted_depth", [])):
+                depth.add_metric(labels + [str(d)], count)
             if "request_acceptance" in st:
                 _histogram(acc_h, labels, st["request_acceptance"])
                 _histogram(len_h, labels, st["request_drafts_per_round"])
-        yield from (rounds, verified, accepted, seconds, finished, caps, acc_h, len_h)
+        yield from (rounds, verified, accepted, seconds, finished, caps, acc_h, len_h, nodes, depth, moves)
 
 
 class AdaspecStatLogger(StatLoggerBase):
