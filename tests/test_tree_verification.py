@@ -1,5 +1,5 @@
 """Tree verification glue on synthetic tensors (no engine): paged CPU-layout gathers, tree-mask attention
-against per-path causal attention, KV compaction, depth positions, tree growth along a drafted chain."""
+against per-path causal attention, KV compaction, depth positions, the tree mask of tree drafting."""
 
 import math
 
@@ -9,7 +9,7 @@ import torch
 
 from vllm_adaspec.engine.tree_verification import (compact_kv_cpu, gather_cpu_kv, plan_step, tree_attention_rows,
                                                    tree_compatible)
-from vllm_adaspec.trees import DraftTree, ancestor_mask, grow_along_chain, paths
+from vllm_adaspec.trees import DraftTree, ancestor_mask, paths
 
 BS, HKV, HQ, D = 32, 2, 6, 64
 
@@ -117,12 +117,35 @@ def test_only_plain_sampling_requests_draft_trees():
     assert not tree_compatible(None)
 
 
-def test_growth_along_a_chain_keeps_the_most_probable_nodes():
-    # Depth 1: chain 10 (0.6), alt 11 (0.3); depth 2: chain 20 (0.9), alt 21 (0.05); depth 3: chain 30 (0.5), ...
-    per_depth = [([10, 11], [0.6, 0.3]), ([20, 21], [0.9, 0.05]), ([30, 31], [0.5, 0.4])]
-    tree = grow_along_chain(per_depth, budget=4)
-    # path probabilities: 10 .6, 11 .3, 20 .54, 21 .03, 30 .27, 31 .216 -> 10, 20, 11, 30
-    assert tree.tokens.tolist() == [10, 11, 20, 30]
-    assert tree.parents.tolist() == [-1, -1, 0, 2]
-    six = grow_along_chain(per_depth, budget=6)
-    assert six.tokens.tolist() == [10, 11, 20, 21, 30, 31] and six.parents.tolist() == [-1, -1, 0, 0, 2, 2]
+
+
+def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():
+    from vllm_adaspec.engine.tree_verification import masked_attention
+    from vllm_adaspec.proposers.early_exit import EarlyExitProposer
+    from vllm_adaspec.trees import GrowingTree, add_children
+
+    g = torch.Generator().manual_seed(4)
+    r = 40  # root position; nodes that ran take slots r + 1, r + 2, ... in the order they ran
+    t = GrowingTree()
+    add_children(t, -1, [5, 6], [0.6, 0.3])  # A = 0, B = 1 (both ran: slots r + 1, r + 2)
+    add_children(t, 0, [7, 8], [0.5, 0.4])  # C = 2, D = 3 under A
+    add_children(t, 1, [9, 10], [0.9, 0.1])  # E = 4, F = 5 under B
+    slot_of = [{0: 1, 1: 2, 2: 3, 4: 4}]  # C and E run now
+    feed = [(0, 2), (0, 4)]
+    cache, block_row, k, v = _paged_cache(r + 5, g)
+    mask = EarlyExitProposer._draft_mask(feed, [t], slot_of, np.array([r]), block_row[None])
+    assert mask.num_tokens == 2 and len(mask.groups) == 1
+    rows, brow, length, visible = mask.groups[0]
+    assert rows.tolist() == [0, 1] and length == r + 5 and torch.equal(brow, block_row)
+    want = torch.zeros(2, r + 5, dtype=torch.bool)
+    want[:, :r + 1] = True
+    want[0, [r + 1, r + 3]] = True  # C: A, itself
+    want[1, [r + 2, r + 4]] = True  # E: B, itself
+    assert torch.equal(visible, want)
+    # Through the paged cache, each row equals causal attention over its own path.
+    kk, vv = gather_cpu_kv(cache, brow, length, "vec")
+    q = torch.randn(2, HQ, D, generator=g)
+    got = masked_attention(q, kk, vv, visible, 0.125)
+    for i, path in enumerate(([r + 1, r + 3], [r + 2, r + 4])):
+        keep = list(range(r + 1)) + path
+        torch.testing.assert_close(got[i], _causal(q[i], k[keep], v[keep], 0.125), rtol=1e-5, atol=1e-5)

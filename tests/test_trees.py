@@ -7,9 +7,10 @@ import pytest
 import torch
 from stats import chi2_pvalue
 
-from vllm_adaspec.trees import (DraftTree, ancestor_bits, ancestor_mask, cartesian_choices, depth_positions,
-                                fill_tokens, grow_by_path_probability, paths, shape_from_choices, verify_greedy,
-                                verify_rrs, verify_sample_match, verify_typical)
+from vllm_adaspec.trees import (DraftTree, GrowingTree, add_children, ancestor_bits, ancestor_mask, best_subtree,
+                                cartesian_choices, depth_positions, fill_tokens, grow_by_path_probability, paths,
+                                shape_from_choices, to_expand, verify_greedy, verify_rrs, verify_sample_match,
+                                verify_typical)
 
 V = 4
 
@@ -82,6 +83,69 @@ def test_growth_keeps_the_most_probable_nodes():
                 pr *= ps[toks.index(path[i])]
             allp.append(pr)
     assert sorted(probs.tolist(), reverse=True) == pytest.approx(sorted(allp, reverse=True)[:9])
+
+
+def _random_children(seed, k):
+    g = torch.Generator().manual_seed(seed)
+    table = {}
+
+    def children_of(path):  # (top-k tokens best first, their draft probabilities)
+        if path not in table:
+            p = torch.rand(k + 1, generator=g)
+            p = (p / p.sum()).sort(descending=True).values[:k]
+            table[path] = (list(range(10 * len(path) + 1, 10 * len(path) + 1 + k)), p.tolist())
+        return table[path]
+    return children_of
+
+
+def _grow_depth_by_depth(children_of, budget, top_k, depth, width):
+    t, frontier = GrowingTree(), [-1]
+    paths_of = {-1: ()}
+    for d in range(1, depth + 1):
+        for node in frontier:
+            start = len(t.tokens)
+            add_children(t, node, *children_of(paths_of[node]))
+            for i in range(start, len(t.tokens)):
+                paths_of[i] = paths_of[node] + (t.tokens[i],)
+        frontier = to_expand(t, d, width, budget)
+    return t
+
+
+@pytest.mark.parametrize("seed,budget,top_k,depth", [(0, 6, 2, 3), (1, 9, 3, 4), (2, 16, 2, 8), (3, 4, 4, 1)])
+def test_depth_by_depth_growth_keeps_the_most_probable_nodes(seed, budget, top_k, depth):
+    children_of = _random_children(seed, top_k)
+    # Width = budget: nothing that could rank in the top `budget` is left unexpanded, so the result must equal
+    # the brute-force top `budget` of the full top-k tree down to `depth`.
+    t = _grow_depth_by_depth(children_of, budget, top_k, depth, width=budget)
+    tree, picked = best_subtree(t, budget, depth)
+    allp = []
+    for d in range(1, depth + 1):
+        for path in itertools.product(range(top_k), repeat=d):
+            pr, prefix = 1.0, ()
+            for r in path:
+                toks, ps = children_of(prefix)
+                pr, prefix = pr * ps[r], prefix + (toks[r],)
+            allp.append(pr)
+    want = sorted(allp, reverse=True)[:budget]
+    assert sorted((t.probs[i] for i in picked), reverse=True) == pytest.approx(want)
+    # breadth-first, closed under parents, tokens and parents carried over
+    assert (tree.depths[1:] >= tree.depths[:-1]).all() if len(tree) > 1 else True
+    for j, i in enumerate(picked):
+        q = tree.parents[j].item()
+        assert t.tokens[i] == tree.tokens[j].item()
+        assert (q == -1 and t.parents[i] == -1) or picked[q] == t.parents[i]
+
+
+def test_narrow_growth_and_depth_limits():
+    children_of = _random_children(5, 2)
+    t = _grow_depth_by_depth(children_of, budget=8, top_k=2, depth=4, width=2)
+    # at most `width` nodes expanded per depth: 2 roots' children + 2 x 2 per deeper level
+    assert len(t.tokens) == 2 + 4 * 3
+    tree, picked = best_subtree(t, 8, max_depth=2)
+    assert len(tree) == 6 and tree.depths.max().item() == 2
+    assert to_expand(t, 4, 2, budget=1) == []  # nothing at depth 4 ranks first overall
+    with pytest.raises(ValueError):  # a tree needs parents first
+        DraftTree(torch.tensor([1, 2]), torch.tensor([1, -1]))
 
 
 # --- greedy ---

@@ -14,6 +14,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_adaspec.config import AdaspecConfigError
+from vllm_adaspec.engine.tree_verification import draft_mask
 
 
 class TargetPrefix:
@@ -61,17 +62,21 @@ class TargetPrefix:
         table = self.runner.input_batch.block_table[self.gid].get_device_tensor(self.runner.input_batch.num_reqs)
         return table[rows]
 
-    def forward(self, blocks: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, max_seq_len: int):
+    def forward(self, blocks: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, max_seq_len: int,
+                slot_positions: torch.Tensor | None = None, tree_mask=None):
         """One draft step through the first N layers.
 
-        blocks [B, max_blocks] (from block_rows), tokens [B], positions [B]; max_seq_len: an upper bound on
-        positions + 1, passed in so no device->host sync is needed. Returns (hidden, residual), each [B, H].
+        blocks [B, max_blocks] (from block_rows), tokens [B], positions [B] (RoPE); max_seq_len: an upper bound
+        on the rows' slot positions + 1, passed in so no device->host sync is needed. Tree drafting: the rows'
+        KV go to `slot_positions` [B] (default: positions) and attention follows `tree_mask`
+        (tree_verification.DraftMask). Returns (hidden, residual), each [B, H].
         """
         b = tokens.shape[0]
-        slots = blocks.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1).long() * self.block_size + (
-            positions % self.block_size
+        at = positions if slot_positions is None else slot_positions
+        slots = blocks.gather(1, (at // self.block_size).unsqueeze(1)).squeeze(1).long() * self.block_size + (
+            at % self.block_size
         )
-        seq_lens = (positions + 1).to(torch.int32)
+        seq_lens = (at + 1).to(torch.int32)
         qsl_cpu = torch.arange(b + 1, dtype=torch.int32)
         common = CommonAttentionMetadata(
             query_start_loc=qsl_cpu.to(tokens.device),
@@ -91,7 +96,8 @@ class TargetPrefix:
             md = builder.build(common_prefix_len=0, common_attn_metadata=common)
             attn_metadata.update({n: md for n in names})
         slot_mapping = {n: slots for n in self.layer_names}
-        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=b, slot_mapping=slot_mapping):
+        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=b, slot_mapping=slot_mapping), \
+                draft_mask(tree_mask):
             hidden = self.inner.embed_tokens(tokens)
             residual = None
             feeding = self.exit.feeding if self.exit is not None else False

@@ -20,6 +20,7 @@ n + 1 contiguous slots (root + nodes) and verifies n + 1 rows. Per step:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass, field
@@ -48,6 +49,28 @@ class TreeStep:
 
 
 _STEP: TreeStep | None = None
+
+
+@dataclass
+class DraftMask:
+    """A draft step of tree drafting: rows of one request share its block row; row i sees key slot position c
+    (0 .. length - 1) iff visible[i, c] (the prefix, the root and its own ancestors-or-self among drafted nodes)."""
+    num_tokens: int
+    groups: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]  # (rows, block_row, length, visible)
+
+
+_DRAFT: DraftMask | None = None
+
+
+@contextlib.contextmanager
+def draft_mask(mask: DraftMask | None):
+    """Active while the drafter runs one step over tree nodes (engine/drafting.py)."""
+    global _DRAFT
+    _DRAFT = mask
+    try:
+        yield
+    finally:
+        _DRAFT = None
 
 
 def active_step() -> TreeStep | None:
@@ -165,9 +188,14 @@ def tree_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, root_
     """q [n + 1, Hq, D] rows root..nodes; k, v [root_pos + n + 1, Hkv, D] the whole sequence in slot order.
     Prefix keys are visible to every row; key root_pos + c is visible to row r iff mask[r, c]. Returns
     [n + 1, Hq, D] in q's dtype (accumulated in at least float32)."""
-    rows, hq, _ = q.shape
-    hkv = k.shape[1]
-    visible = torch.cat([torch.ones(rows, root_pos, dtype=torch.bool), mask], dim=1)  # [rows, seq]
+    visible = torch.cat([torch.ones(q.shape[0], root_pos, dtype=torch.bool), mask], dim=1)  # [rows, seq]
+    return masked_attention(q, k, v, visible, scale)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [rows, Hq, D], k, v [seq, Hkv, D], visible [rows, seq] bool -> [rows, Hq, D] in q's dtype."""
+    hq, hkv = q.shape[1], k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     kf = k.to(acc).repeat_interleave(hq // hkv, dim=1)  # [seq, Hq, D]
     vf = v.to(acc).repeat_interleave(hq // hkv, dim=1)
@@ -187,6 +215,12 @@ def install_cpu_attention_patch() -> None:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         out = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        draft = _DRAFT
+        if draft is not None and attn_metadata is not None and attn_metadata.num_actual_tokens == draft.num_tokens:
+            for rows, block_row, length, visible in draft.groups:
+                k, v = gather_cpu_kv(kv_cache, block_row, length, layer.isa)
+                output[rows] = masked_attention(query[rows], k, v, visible, self.scale).to(output.dtype)
+            return out
         step = _STEP
         if step is None or attn_metadata is None or attn_metadata.num_actual_tokens != step.num_tokens:
             return out  # not the target's verification forward (warm-up, profiling, draft steps)

@@ -23,7 +23,7 @@ from vllm_adaspec.metrics import ACCEPTANCE_BUCKETS, DRAFTS_PER_ROUND_BUCKETS, n
 from vllm_adaspec.policies import POLICIES, make_policy
 from vllm_adaspec.policies.speed_guard import SpeedGuard
 from vllm_adaspec.requests import RequestStates
-from vllm_adaspec.trees import grow_along_chain
+from vllm_adaspec.trees import GrowingTree, add_children, best_subtree, to_expand
 
 
 def request_seed(req_id: str, base_seed: int) -> int:
@@ -171,12 +171,30 @@ class EarlyExitProposer:
             return drafts
         t0 = time.perf_counter()
         self.prefix.ensure_attached(self.runner)
+        treeish = self._tree_rows(rows, req_ids) if self.tree is not None else [False] * len(rows)
+        chain = [e for e, t in enumerate(treeish) if not t]
+        trees = [e for e, t in enumerate(treeish) if t]
+        for part, draft in ((chain, self._draft_chains), (trees, self._draft_trees)):
+            if part:
+                policy_s += draft([rows[e] for e in part], [budgets[e] for e in part], [policies[e] for e in part],
+                                  num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts)
+        st = self.stats
+        st["propose_calls"] += 1
+        st["draft_tokens"] += sum(map(len, drafts))
+        st["draft_seconds"] += time.perf_counter() - t0
+        st["policy_seconds"] += policy_s
+        for i in rows:
+            st["round_lengths"][len(drafts[i])] += 1
+        return drafts
 
+    def _draft_chains(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids,
+                      drafts) -> float:
+        """Draft chains for `rows` (batch rows) into `drafts`, one batched step per depth: the exit head's argmax,
+        while each row's policy accepts. Returns the seconds spent in policy work."""
         rows_np = np.asarray(rows)
         n = num_tokens_no_spec[rows_np]
         device = self.runner.device
-        active = torch.tensor(rows, device=device)  # [B] batch rows still drafting
-        blocks = self.prefix.block_rows(active)  # [B, max_blocks]
+        blocks = self.prefix.block_rows(torch.tensor(rows, device=device))  # [B, max_blocks]
         tokens = torch.from_numpy(token_ids_cpu[rows_np, n - 1].astype(np.int64)).to(device)  # [B] last committed
         positions = torch.from_numpy((n - 1).astype(np.int64)).to(device)  # [B]
         max_seq_len = int(n.max())  # host-side upper bound, grows by one per depth
@@ -185,33 +203,17 @@ class EarlyExitProposer:
         confident = any(getattr(pol, "needs_confidence", False) for pol in policies)
         temps = torch.from_numpy(self.runner.input_batch.temperature_cpu[rows_np]).to(device) if confident else None
         ht_proj = self._target_projection(rows, sampled_token_ids)  # [B, 10] or None
-        policy_s += time.perf_counter() - tp
-        treeish = self._tree_rows(rows, req_ids) if self.tree is not None else [False] * len(rows)
-        candidates: list[list] = [[] for _ in rows]  # tree rows: per depth (top-k full ids, their probabilities)
-        for e, is_tree in enumerate(treeish):
-            if is_tree:
-                budgets[e] = min(budgets[e], self.tree.max_depth)
+        policy_s = time.perf_counter() - tp
         for depth in range(1, max(budgets) + 1):
             hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len)
             logits, vocab, normed = self.prefix.head(hidden, residual)  # [B, V'], V' ids (None: all), [B, H]
-            top = None
-            if any(treeish[e] for e in entries):  # the chain follows the top-1 candidate
-                _, _, top_ids, top_probs = entropy_topk(logits, 1.0, k=self.tree.top_k)  # [B, k] each
-                tokens = top_ids[:, 0]
-                if vocab is not None:
-                    top_ids = vocab[top_ids]
-                top = (top_ids.tolist(), top_probs.tolist())
-            else:
-                tokens = logits.argmax(dim=-1)  # [B]
+            tokens = logits.argmax(dim=-1)  # [B]
             if vocab is not None:
                 tokens = vocab[tokens]
             self.stats["draft_passes"] += 1
             token_list = tokens.tolist()  # (the device sync: drafting time, not policy time)
             tp = time.perf_counter()
-            conf = [(None, None)] * len(entries)
-            if confident:  # top probability and entropy of each row's draft distribution, at its temperature
-                entropy, top_prob, _, _ = entropy_topk(logits, temps, k=1)
-                conf = torch.stack([top_prob, entropy], 1).tolist()
+            conf = self._confidence(logits, temps, len(entries))
             scores = [None] * len(entries)
             if ht_proj is not None:  # thompson-cali: predicted acceptance of this draft (EESD Eq. 5)
                 scores = self.calibration.score(ht_proj, normed, depth).tolist()
@@ -220,8 +222,6 @@ class EarlyExitProposer:
                 if not policies[e].accept(depth, *conf[j], scores[j]):
                     continue  # not proposed; the request's round ends here
                 drafts[rows[e]].append(tok)
-                if top is not None and treeish[e]:
-                    candidates[e].append((top[0][j], top[1][j]))
                 if depth < budgets[e] and policies[e].keep_drafting(depth):
                     keep.append(j)
             policy_s += time.perf_counter() - tp
@@ -237,22 +237,121 @@ class EarlyExitProposer:
                 entries = [entries[j] for j in keep]
             positions = positions + 1
             max_seq_len += 1
-        for e, is_tree in enumerate(treeish):
-            if is_tree and candidates[e]:
-                tree = grow_along_chain(candidates[e], self.tree.budget)
-                tree_tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-                drafts[rows[e]] = tree_tokens
-                self.pending_trees[req_ids[rows[e]]] = (tree_tokens, parents)
-                self.stats["tree_rounds"] += 1
-                self.stats["tree_nodes"] += len(tree_tokens)
-        st = self.stats
-        st["propose_calls"] += 1
-        st["draft_tokens"] += sum(map(len, drafts))
-        st["draft_seconds"] += time.perf_counter() - t0
-        st["policy_seconds"] += policy_s
-        for i in rows:
-            st["round_lengths"][len(drafts[i])] += 1
-        return drafts
+        return policy_s
+
+    def _draft_trees(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids,
+                     drafts) -> float:
+        """Draft a token tree per row, depth by depth. Depth 1 runs each root (the last committed token); at
+        depth d the `top_k` most probable depth d - 1 nodes of each tree (among its `budget` most probable so
+        far) run together in one batched step, each attending to the prefix and its own ancestors only (a tree
+        mask over draft nodes, engine/tree_verification.DraftMask), and their top-k candidates join the tree.
+        The proposal is the tree's `budget` most probable nodes (trees.best_subtree).
+
+        Draft KV: a node run at depth >= 2 writes its KV to the root's slot + (1 + how many nodes of its tree ran
+        before it), inside the slots the scheduler reserved for verifying the tree, which verification rewrites.
+        The policy sees one draft per depth, the most probable new node, and may stop the tree's growth there.
+        """
+        ts = self.tree
+        rows_np = np.asarray(rows)
+        n = num_tokens_no_spec[rows_np]
+        root = (n - 1).astype(np.int64)  # [R] position (and slot position) of each tree's root
+        device = self.runner.device
+        block_rows = self.prefix.block_rows(torch.tensor(rows, device=device))  # [R, max_blocks]
+        tp = time.perf_counter()
+        confident = any(getattr(pol, "needs_confidence", False) for pol in policies)
+        temps = torch.from_numpy(self.runner.input_batch.temperature_cpu[rows_np]).to(device) if confident else None
+        ht_proj = self._target_projection(rows, sampled_token_ids)  # [R, 10] or None
+        policy_s = time.perf_counter() - tp
+        grown = [GrowingTree() for _ in rows]
+        limit = [min(b, ts.max_depth) for b in budgets]  # deepest depth each tree may keep
+        slot_of: list[dict[int, int]] = [{} for _ in rows]  # node -> slot offset from the root (1, 2, ...)
+        feed = [(e, -1) for e in range(len(rows))]  # (tree, node; -1 = root) run in the next step
+        # Slots the scheduler reserved past the root: K - 1 (engine/scheduler.py), so at most K - 1 nodes run.
+        room = self.cfg.num_speculative_tokens - 1
+        max_seq_len = int(n.max()) + room  # bound on slot positions + 1
+        for depth in range(1, max(limit) + 1):
+            req = [e for e, _ in feed]
+            tokens = [int(token_ids_cpu[rows[e], n[e] - 1]) if node < 0 else grown[e].tokens[node] for e, node in feed]
+            slot_pos = [int(root[e]) + (slot_of[e][node] if node >= 0 else 0) for e, node in feed]
+            idx = torch.tensor(req, device=device)
+            mask = None if depth == 1 else self._draft_mask(feed, grown, slot_of, root, block_rows)
+            hidden, residual = self.prefix.forward(
+                block_rows[idx], torch.tensor(tokens, device=device),
+                torch.from_numpy(root[req] + depth - 1).to(device), max_seq_len,
+                slot_positions=torch.tensor(slot_pos, device=device), tree_mask=mask)
+            logits, vocab, normed = self.prefix.head(hidden, residual)  # [F, V'], ..., [F, H]
+            _, _, top_ids, top_probs = entropy_topk(logits, 1.0, k=ts.top_k)  # [F, k] each
+            if vocab is not None:
+                top_ids = vocab[top_ids]
+            ids, probs = top_ids.tolist(), top_probs.tolist()
+            self.stats["draft_passes"] += 1
+            tp = time.perf_counter()
+            conf = self._confidence(logits, None if temps is None else temps[idx], len(feed))
+            scores = [None] * len(feed)
+            if ht_proj is not None:
+                scores = self.calibration.score(ht_proj[idx], normed, depth).tolist()
+            best: dict[int, tuple[float, int]] = {}  # tree -> (path probability of its best new node, feed row)
+            for f, (e, node) in enumerate(feed):
+                add_children(grown[e], node, ids[f], probs[f])
+                p = grown[e].probs[-len(ids[f])]  # candidates come best first
+                if e not in best or p > best[e][0]:
+                    best[e] = (p, f)
+            feed = []
+            for e, (_, f) in best.items():
+                if not policies[e].accept(depth, *conf[f], scores[f]):
+                    limit[e] = depth - 1  # this depth is dropped; the tree stops growing
+                    continue
+                if depth >= limit[e] or not policies[e].keep_drafting(depth):
+                    limit[e] = depth
+                    continue
+                for node in to_expand(grown[e], depth, ts.top_k, ts.budget)[:room - len(slot_of[e])]:
+                    slot_of[e][node] = len(slot_of[e]) + 1
+                    feed.append((e, node))
+            policy_s += time.perf_counter() - tp
+            if not feed:
+                break
+        req_ids = self.runner.input_batch.req_ids
+        for e, row in enumerate(rows):
+            if limit[e] < 1:
+                continue
+            tree, _ = best_subtree(grown[e], ts.budget, limit[e])
+            tree_tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+            drafts[row] = tree_tokens
+            self.pending_trees[req_ids[row]] = (tree_tokens, parents)
+            self.stats["tree_rounds"] += 1
+            self.stats["tree_nodes"] += len(tree_tokens)
+        return policy_s
+
+    @staticmethod
+    def _draft_mask(feed, grown, slot_of, root, block_rows):
+        """DraftMask for a step running `feed` [(tree, node)]: each row sees its tree's prefix and root and the
+        slots of its own ancestors-or-self (every ancestor ran in an earlier step, so it has a slot)."""
+        from vllm_adaspec.engine.tree_verification import DraftMask
+
+        by_tree: dict[int, list[int]] = {}
+        for f, (e, _) in enumerate(feed):
+            by_tree.setdefault(e, []).append(f)
+        groups = []
+        for e, fs in by_tree.items():
+            r = int(root[e])
+            length = r + 1 + len(slot_of[e])
+            visible = torch.zeros(len(fs), length, dtype=torch.bool)
+            visible[:, :r + 1] = True
+            for i, f in enumerate(fs):
+                node = feed[f][1]
+                while node >= 0:
+                    visible[i, r + slot_of[e][node]] = True
+                    node = grown[e].parents[node]
+            groups.append((torch.tensor(fs), block_rows[e].cpu(), length, visible))
+        return DraftMask(len(feed), groups)
+
+    def _confidence(self, logits, temps, rows: int) -> list:
+        """[(top probability, entropy)] of each row's draft distribution at its temperature, for policies that
+        ask (needs_confidence); (None, None) otherwise."""
+        if temps is None:
+            return [(None, None)] * rows
+        entropy, top_prob, _, _ = entropy_topk(logits, temps, k=1)
+        return torch.stack([top_prob, entropy], 1).tolist()
 
     def on_tree_paths(self, results: dict, kv_moves: int) -> None:
         """Called by the tree sampler after each verification: {batch row: (accepted nodes, bonus)} and how many

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -77,15 +78,45 @@ def grow_by_path_probability(children_of: Callable[[tuple[int, ...]], tuple[list
     return DraftTree(tokens, torch.tensor(parents, dtype=torch.long)), probs
 
 
-def grow_along_chain(per_depth: Sequence[tuple[list[int], list[float]]], budget: int) -> DraftTree:
-    """A drafter that ran one chain (top-1 at each depth) and kept each depth's top-k candidates: the `budget`
-    most probable nodes, where only chain nodes have children (nothing was drafted past an alternative).
-    per_depth[d] = (candidate ids best first, their draft probabilities) at depth d + 1."""
-    chain = tuple(ids[0] for ids, _ in per_depth)
-    top_k = max(len(ids) for ids, _ in per_depth)
+# --- growing a tree depth by depth (a drafter that runs every chosen node's children in one batched step) ---
 
-    def children_of(path: tuple[int, ...]):
-        d = len(path)
-        return per_depth[d] if d < len(per_depth) and path == chain[:d] else ([], [])
+@dataclass
+class GrowingTree:
+    """Nodes drafted so far, in the order they were added: parent (-1 = root), token, path probability, depth."""
+    parents: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
 
-    return grow_by_path_probability(children_of, budget, top_k)[0]
+
+def add_children(t: GrowingTree, parent: int, ids: Sequence[int], probs: Sequence[float]) -> None:
+    """The draft distribution at `parent` (-1 = root) gave these candidates: they become nodes one level down."""
+    base, depth = (1.0, 1) if parent < 0 else (t.probs[parent], t.depths[parent] + 1)
+    for tok, p in zip(ids, probs):
+        t.parents.append(parent)
+        t.tokens.append(int(tok))
+        t.probs.append(base * float(p))
+        t.depths.append(depth)
+
+
+def _ranked(t: GrowingTree, max_depth: int | None = None) -> list[int]:
+    """Nodes by path probability, best first. A child is never more probable than its parent and ties go to
+    the shallower node, so every prefix of this order is closed under parents."""
+    idx = [i for i in range(len(t.probs)) if max_depth is None or t.depths[i] <= max_depth]
+    return sorted(idx, key=lambda i: (-t.probs[i], t.depths[i], i))
+
+
+def to_expand(t: GrowingTree, depth: int, width: int, budget: int) -> list[int]:
+    """Nodes at `depth` worth drafting children for: the `width` most probable of them that rank among the
+    `budget` most probable nodes overall (a node outside those cannot be in the final tree, nor its children)."""
+    return [i for i in _ranked(t)[:budget] if t.depths[i] == depth][:width]
+
+
+def best_subtree(t: GrowingTree, budget: int, max_depth: int | None = None) -> tuple[DraftTree, list[int]]:
+    """The `budget` most probable nodes no deeper than `max_depth`, as a breadth-first DraftTree, and for each
+    of its nodes the index in t it came from."""
+    order = sorted(_ranked(t, max_depth)[:budget], key=lambda i: (t.depths[i], i))
+    new = {old: j for j, old in enumerate(order)}
+    parents = [new[t.parents[i]] if t.parents[i] >= 0 else -1 for i in order]
+    tokens = torch.tensor([t.tokens[i] for i in order], dtype=torch.long)
+    return DraftTree(tokens, torch.tensor(parents, dtype=torch.long)), order
