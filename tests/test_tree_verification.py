@@ -135,7 +135,8 @@ def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():
     cache, block_row, k, v = _paged_cache(r + 5, g)
     mask = EarlyExitProposer._draft_mask(feed, [t], slot_of, np.array([r]), block_row[None])
     assert mask.num_tokens == 2 and len(mask.groups) == 1
-    rows, brow, length, visible = mask.groups[0]
+    tree_id, rows, brow, length, visible = mask.groups[0]
+    assert tree_id == 0 and mask.prefix_len == {0: r + 1}
     assert rows.tolist() == [0, 1] and length == r + 5 and torch.equal(brow, block_row)
     want = torch.zeros(2, r + 5, dtype=torch.bool)
     want[:, :r + 1] = True
@@ -143,7 +144,9 @@ def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():
     want[1, [r + 2, r + 4]] = True  # E: B, itself
     assert torch.equal(visible, want)
     # Through the paged cache, each row equals causal attention over its own path.
-    kk, vv = gather_cpu_kv(cache, brow, length, "vec")
+    pk, pv = gather_cpu_kv(cache, brow, r + 1, "vec")  # the prefix once, then the node slots (as the patch does)
+    nk, nv = gather_cpu_kv(cache, brow, length, "vec", start=r + 1)
+    kk, vv = torch.cat([pk, nk]), torch.cat([pv, nv])
     q = torch.randn(2, HQ, D, generator=g)
     got = masked_attention(q, kk, vv, visible, 0.125)
     for i, path in enumerate(([r + 1, r + 3], [r + 2, r + 4])):

@@ -56,7 +56,11 @@ class DraftMask:
     """A draft step of tree drafting: rows of one request share its block row; row i sees key slot position c
     (0 .. length - 1) iff visible[i, c] (the prefix, the root and its own ancestors-or-self among drafted nodes)."""
     num_tokens: int
-    groups: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]  # (rows, block_row, length, visible)
+    groups: list[tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]]  # (tree, rows, block_row, length, visible)
+    # The prefix (through the root) does not change while a tree is drafted: its K, V per (layer cache, tree) are
+    # gathered once per propose call; later steps gather only the node slots.
+    prefix_len: dict[int, int] = field(default_factory=dict)  # tree -> root position + 1
+    prefix_kv: dict = field(default_factory=dict)  # (cache address, tree) -> (K, V)
 
 
 _DRAFT: DraftMask | None = None
@@ -170,13 +174,13 @@ def _slab_view(cache: torch.Tensor) -> torch.Tensor:
 
 
 def gather_cpu_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int,
-                  isa: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of positions 0..length-1 from vLLM's CPU paged cache [num_blocks, kv_heads, block_size,
-    2 * D] (layout per `isa`, see cpu_kv_index); block_row [max_blocks] of the request. K, V [length, H, D]."""
+                  isa: str, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions start..length-1 from vLLM's CPU paged cache [num_blocks, kv_heads, block_size,
+    2 * D] (layout per `isa`, see cpu_kv_index); block_row [max_blocks] of the request. K, V [length - start, H, D]."""
     _, _, bs, d2 = cache.shape
     k_idx, v_idx = cpu_kv_index(isa, bs, d2 // 2, cache.dtype)
     slabs = _slab_view(cache)
-    pos = torch.arange(length)
+    pos = torch.arange(start, length)
     blocks = block_row[pos // bs].long()[:, None]  # [L, 1]
     k = slabs[blocks, k_idx[pos % bs]]  # [L, D, H]
     v = slabs[blocks, v_idx[pos % bs]]
@@ -217,8 +221,14 @@ def install_cpu_attention_patch() -> None:
         out = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         draft = _DRAFT
         if draft is not None and attn_metadata is not None and attn_metadata.num_actual_tokens == draft.num_tokens:
-            for rows, block_row, length, visible in draft.groups:
-                k, v = gather_cpu_kv(kv_cache, block_row, length, layer.isa)
+            for tree, rows, block_row, length, visible in draft.groups:
+                cut = draft.prefix_len[tree]
+                key = (kv_cache.data_ptr(), tree)
+                if key not in draft.prefix_kv:
+                    draft.prefix_kv[key] = gather_cpu_kv(kv_cache, block_row, cut, layer.isa)
+                pk, pv = draft.prefix_kv[key]
+                nk, nv = gather_cpu_kv(kv_cache, block_row, length, layer.isa, start=cut)
+                k, v = torch.cat([pk, nk]), torch.cat([pv, nv])
                 output[rows] = masked_attention(query[rows], k, v, visible, self.scale).to(output.dtype)
             return out
         step = _STEP

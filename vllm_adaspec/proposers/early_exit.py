@@ -266,6 +266,7 @@ class EarlyExitProposer:
         limit = [min(b, ts.max_depth) for b in budgets]  # deepest depth each tree may keep
         slot_of: list[dict[int, int]] = [{} for _ in rows]  # node -> slot offset from the root (1, 2, ...)
         feed = [(e, -1) for e in range(len(rows))]  # (tree, node; -1 = root) run in the next step
+        prefix_kv: dict = {}  # the trees' prefix K, V per attention layer, gathered once (DraftMask)
         # Slots the scheduler reserved past the root: K - 1 (engine/scheduler.py), so at most K - 1 nodes run.
         room = self.cfg.num_speculative_tokens - 1
         max_seq_len = int(n.max()) + room  # bound on slot positions + 1
@@ -274,7 +275,7 @@ class EarlyExitProposer:
             tokens = [int(token_ids_cpu[rows[e], n[e] - 1]) if node < 0 else grown[e].tokens[node] for e, node in feed]
             slot_pos = [int(root[e]) + (slot_of[e][node] if node >= 0 else 0) for e, node in feed]
             idx = torch.tensor(req, device=device)
-            mask = None if depth == 1 else self._draft_mask(feed, grown, slot_of, root, block_rows)
+            mask = None if depth == 1 else self._draft_mask(feed, grown, slot_of, root, block_rows, prefix_kv)
             hidden, residual = self.prefix.forward(
                 block_rows[idx], torch.tensor(tokens, device=device),
                 torch.from_numpy(root[req] + depth - 1).to(device), max_seq_len,
@@ -323,7 +324,7 @@ class EarlyExitProposer:
         return policy_s
 
     @staticmethod
-    def _draft_mask(feed, grown, slot_of, root, block_rows):
+    def _draft_mask(feed, grown, slot_of, root, block_rows, prefix_kv=None):
         """DraftMask for a step running `feed` [(tree, node)]: each row sees its tree's prefix and root and the
         slots of its own ancestors-or-self (every ancestor ran in an earlier step, so it has a slot)."""
         from vllm_adaspec.engine.tree_verification import DraftMask
@@ -342,8 +343,9 @@ class EarlyExitProposer:
                 while node >= 0:
                     visible[i, r + slot_of[e][node]] = True
                     node = grown[e].parents[node]
-            groups.append((torch.tensor(fs), block_rows[e].cpu(), length, visible))
-        return DraftMask(len(feed), groups)
+            groups.append((e, torch.tensor(fs), block_rows[e].cpu(), length, visible))
+        return DraftMask(len(feed), groups, {e: int(root[e]) + 1 for e in by_tree},
+                         prefix_kv if prefix_kv is not None else {})
 
     def _confidence(self, logits, temps, rows: int) -> list:
         """[(top probability, entropy)] of each row's draft distribution at its temperature, for policies that
