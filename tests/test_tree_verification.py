@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_adaspec.engine.tree_verification import (compact_kv_cpu, gather_cpu_kv, plan_step, tree_attention_rows,
-                                                   tree_compatible)
+from vllm_adaspec.engine.tree_verification import (TreeRequest, batch_layout, compact_kv_cpu, gather_cpu_kv,
+                                                   gather_cpu_kv_at, masked_attention_batch, plan_step,
+                                                   tree_attention_rows, tree_compatible)
 from vllm_adaspec.trees import DraftTree, ancestor_mask, paths
 
 BS, HKV, HQ, D = 32, 2, 6, 64
@@ -70,6 +71,50 @@ def test_tree_rows_equal_causal_attention_along_each_path(root_pos):
     assert torch.equal(ancestor_mask(chain), causal)
 
 
+def test_batched_tree_rows_of_several_requests_equal_causal_attention_along_each_path():
+    """What the CPU attention patch runs per layer: every tree request of the forward in one gather and one
+    masked attention, requests of different lengths and tree sizes, packed between other rows."""
+    from vllm import _custom_ops as ops
+
+    g = torch.Generator().manual_seed(11)
+    trees = [DraftTree(torch.arange(7), torch.tensor([-1, -1, 0, 0, 1, 2, 4])),
+             DraftTree(torch.arange(2), torch.tensor([-1, -1])),
+             DraftTree(torch.arange(4), torch.tensor([-1, 0, 0, 1]))]
+    root_pos, batch_rows, starts = [70, 3, 33], [0, 2, 3], [0, 12, 15]  # row 1 is a chain request (rows 8..11)
+    nblocks, width = 16, 4
+    cache = torch.full((nblocks, HKV, BS, 2 * D), float("nan"))  # unwritten slots must never leak into results
+    table = torch.randperm(nblocks, generator=g)[:width * 4].view(4, width)
+    kv = []
+    for b, (tree, rp) in enumerate(zip(trees, root_pos)):
+        n = rp + len(tree) + 1
+        k, v = torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
+        kc, vc = cache.view(nblocks, HKV, 2 * BS, D).chunk(2, dim=2)
+        pos = torch.arange(n)
+        row = table[batch_rows[b]]
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, row[pos // BS] * BS + pos % BS, "vec", k_scale=1.0,
+                                       v_scale=1.0, kv_cache_dtype="auto")
+        kv.append((k, v))
+    reqs = [TreeRequest(row, start, rp, tree, ancestor_mask(tree))
+            for row, start, rp, tree in zip(batch_rows, starts, root_pos, trees)]
+    layout = batch_layout(reqs, table, BS)
+    query = torch.randn(20, HQ, D, generator=g)
+    k, v = gather_cpu_kv_at(cache, layout.blocks, layout.offsets, "vec")
+    out = masked_attention_batch(query[layout.rows], k, v, layout.visible, 0.125)
+    assert not out.isnan().any()
+    output = torch.zeros_like(query)
+    output[layout.rows[layout.valid]] = out[layout.valid]
+    for req, (kk, vv) in zip(reqs, kv):
+        rows_of = {-1: [req.root_pos]}
+        for path in paths(req.tree):
+            for i, node in enumerate(path):
+                rows_of[node] = [req.root_pos] + [req.root_pos + 1 + p for p in path[:i + 1]]
+        for node, rows in rows_of.items():
+            keys = list(range(req.root_pos)) + rows
+            want = _causal(query[req.start + 1 + node], kk[keys], vv[keys], 0.125)
+            torch.testing.assert_close(output[req.start + 1 + node], want, rtol=1e-5, atol=1e-5)
+    assert output[8:12].abs().sum() == 0  # the chain request's rows are not touched
+
+
 def test_compaction_moves_accepted_nodes_to_consecutive_slots():
     g = torch.Generator().manual_seed(1)
     cache, row, k, v = _paged_cache(100, g)
@@ -120,35 +165,52 @@ def test_only_plain_sampling_requests_draft_trees():
 
 
 def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():
-    from vllm_adaspec.engine.tree_verification import masked_attention
     from vllm_adaspec.proposers.early_exit import EarlyExitProposer
     from vllm_adaspec.trees import GrowingTree, add_children
 
     g = torch.Generator().manual_seed(4)
-    r = 40  # root position; nodes that ran take slots r + 1, r + 2, ... in the order they ran
+    r, r2 = 40, 9  # root positions; nodes that ran take slots root + 1, root + 2, ... in the order they ran
     t = GrowingTree()
     add_children(t, -1, [5, 6], [0.6, 0.3])  # A = 0, B = 1 (both ran: slots r + 1, r + 2)
     add_children(t, 0, [7, 8], [0.5, 0.4])  # C = 2, D = 3 under A
     add_children(t, 1, [9, 10], [0.9, 0.1])  # E = 4, F = 5 under B
-    slot_of = [{0: 1, 1: 2, 2: 3, 4: 4}]  # C and E run now
-    feed = [(0, 2), (0, 4)]
+    t2 = GrowingTree()  # a second tree: only its first child X = 0 (slot r2 + 1) runs now
+    add_children(t2, -1, [3, 4], [0.7, 0.2])
+    slot_of = [{0: 1, 1: 2, 2: 3, 4: 4}, {0: 1}]  # tree 0: C and E run now
+    feed = [(0, 2), (1, 0), (0, 4)]
     cache, block_row, k, v = _paged_cache(r + 5, g)
-    mask = EarlyExitProposer._draft_mask(feed, [t], slot_of, np.array([r]), block_row[None])
-    assert mask.num_tokens == 2 and len(mask.groups) == 1
-    tree_id, rows, brow, length, visible = mask.groups[0]
-    assert tree_id == 0 and mask.prefix_len == {0: r + 1}
-    assert rows.tolist() == [0, 1] and length == r + 5 and torch.equal(brow, block_row)
-    want = torch.zeros(2, r + 5, dtype=torch.bool)
-    want[:, :r + 1] = True
-    want[0, [r + 1, r + 3]] = True  # C: A, itself
-    want[1, [r + 2, r + 4]] = True  # E: B, itself
-    assert torch.equal(visible, want)
-    # Through the paged cache, each row equals causal attention over its own path.
-    pk, pv = gather_cpu_kv(cache, brow, r + 1, "vec")  # the prefix once, then the node slots (as the patch does)
-    nk, nv = gather_cpu_kv(cache, brow, length, "vec", start=r + 1)
-    kk, vv = torch.cat([pk, nk]), torch.cat([pv, nv])
-    q = torch.randn(2, HQ, D, generator=g)
-    got = masked_attention(q, kk, vv, visible, 0.125)
-    for i, path in enumerate(([r + 1, r + 3], [r + 2, r + 4])):
-        keep = list(range(r + 1)) + path
-        torch.testing.assert_close(got[i], _causal(q[i], k[keep], v[keep], 0.125), rtol=1e-5, atol=1e-5)
+    nblocks = cache.shape[0]
+    block_rows = torch.stack([block_row, block_row.roll(1)])  # tree 1 lives in other blocks of the same cache
+    k2, v2 = torch.randn(r2 + 2, HKV, D, generator=g), torch.randn(r2 + 2, HKV, D, generator=g)
+    from vllm import _custom_ops as ops
+    kc, vc = cache.view(nblocks, HKV, 2 * BS, D).chunk(2, dim=2)
+    pos2 = torch.arange(r2 + 2)
+    ops.cpu_attn_reshape_and_cache(k2, v2, kc, vc, block_rows[1][pos2 // BS] * BS + pos2 % BS, "vec",
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    k, v = gather_cpu_kv(cache, block_row, r + 5, "vec")  # tree 0 as the cache holds it now
+    prefix = EarlyExitProposer._draft_prefix(np.array([r, r2]), block_rows)
+    assert prefix.positions.shape == (2, r + 1) and prefix.positions[1, r2 + 1:].eq(0).all()
+    mask = EarlyExitProposer._draft_mask(feed, [t, t2], slot_of, np.array([r, r2]), prefix)
+    assert mask.num_tokens == 3 and mask.trees.tolist() == [0, 1]
+    assert mask.rows.tolist() == [[0, 2], [1, 1]] and mask.valid.tolist() == [[True, True], [True, False]]
+    assert mask.node_pos.tolist() == [[r + 1, r + 2, r + 3, r + 4], [r2 + 1, r2, r2, r2]]
+    p = r + 1
+    want = torch.zeros(2, 2, p + 4, dtype=torch.bool)
+    want[0, :, :r + 1] = True
+    want[0, 0, [p + 0, p + 2]] = True  # C: A, itself
+    want[0, 1, [p + 1, p + 3]] = True  # E: B, itself
+    want[1, :, :r2 + 1] = True
+    want[1, 0, p] = True  # X: itself (row 1 of tree 1 is padding: prefix only)
+    assert torch.equal(mask.visible, want)
+    # Through the paged cache (as the attention patch runs it), each row equals causal attention over its path.
+    from vllm_adaspec.engine.tree_verification import paged_index
+    pk, pv = gather_cpu_kv_at(cache, *paged_index(prefix.block_rows, prefix.positions, BS), "vec")
+    nk, nv = gather_cpu_kv_at(cache, *paged_index(prefix.block_rows[mask.trees], mask.node_pos, BS), "vec")
+    kk, vv = torch.cat([pk[mask.trees], nk], 1), torch.cat([pv[mask.trees], nv], 1)
+    q = torch.randn(3, HQ, D, generator=g)
+    got = masked_attention_batch(q[mask.rows], kk, vv, mask.visible, 0.125)
+    for (tr, i), keys, (kx, vx) in [((0, 0), list(range(r + 1)) + [r + 1, r + 3], (k, v)),
+                                    ((0, 1), list(range(r + 1)) + [r + 2, r + 4], (k, v)),
+                                    ((1, 0), list(range(r2 + 2)), (k2, v2))]:
+        f = int(mask.rows[tr, i])
+        torch.testing.assert_close(got[tr, i], _causal(q[f], kx[keys], vx[keys], 0.125), rtol=1e-5, atol=1e-5)

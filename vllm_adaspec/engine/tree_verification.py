@@ -8,9 +8,9 @@ n + 1 contiguous slots (root + nodes) and verifies n + 1 rows. Per step:
 1. `plan_step` (after the runner's `_prepare_inputs`): for each request whose scheduled drafts are the tree the
    drafter proposed, rewrite its node rows' positions to root + depth (RoPE at depth; slots stay contiguous,
    they were computed before) and publish the step's tree plan.
-2. `tree_attention_rows` (inside CPU attention, every layer, exit layers included): vLLM's kernel ran the rows
-   causally; the rows of tree requests are recomputed with the prefix fully visible and, among the nodes, only
-   ancestors-or-self.
+2. inside CPU attention (every layer, exit layers included): vLLM's kernel ran the rows causally; the rows of all
+   tree requests are recomputed together (`batch_layout`, `masked_attention_batch`) with the prefix fully visible
+   and, among the nodes, only ancestors-or-self.
 3. `TreeRejectionSampler` (the runner's rejection sampler, wrapped): vLLM's output stands for chain requests;
    tree requests are verified node by node against their parent's row (trees/verify.py: greedy, or lossless
    sample-and-match), and get the accepted path + the bonus token from the last accepted node's row.
@@ -46,21 +46,33 @@ class TreeStep:
     requests: list[TreeRequest]
     slot_mapping: torch.Tensor | None = None  # the forward's slots, seen by attention (for compaction)
     kv_caches: list = field(default_factory=list)  # (cache, isa) of every attention layer in the forward
+    layouts: dict = field(default_factory=dict)  # (block table address, block size) -> BatchLayout
 
 
 _STEP: TreeStep | None = None
 
 
 @dataclass
+class DraftPrefix:
+    """The prefixes (through the root) of the trees of one propose call. They do not change while the trees are
+    drafted, so their K, V are gathered once per attention layer and reused by every depth."""
+    block_rows: torch.Tensor  # [T, max_blocks] each tree's block row
+    positions: torch.Tensor  # [T, P] key positions 0..root (padding: position 0, masked off)
+    kv: dict = field(default_factory=dict)  # cache address -> (K, V) [T, P, H, D]
+
+
+@dataclass
 class DraftMask:
-    """A draft step of tree drafting: rows of one request share its block row; row i sees key slot position c
-    (0 .. length - 1) iff visible[i, c] (the prefix, the root and its own ancestors-or-self among drafted nodes)."""
+    """A draft step of tree drafting over R of the call's trees: row m of tree r is the flattened row rows[r, m]
+    (valid[r, m]); its keys are the tree's prefix (P columns) then its node slots root + 1 .. (node_pos), and it
+    sees key c iff visible[r, m, c] (the prefix, the root and its own ancestors-or-self among drafted nodes)."""
     num_tokens: int
-    groups: list[tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]]  # (tree, rows, block_row, length, visible)
-    # The prefix (through the root) does not change while a tree is drafted: its K, V per (layer cache, tree) are
-    # gathered once per propose call; later steps gather only the node slots.
-    prefix_len: dict[int, int] = field(default_factory=dict)  # tree -> root position + 1
-    prefix_kv: dict = field(default_factory=dict)  # (cache address, tree) -> (K, V)
+    prefix: DraftPrefix
+    trees: torch.Tensor  # [R] index into prefix's trees
+    rows: torch.Tensor  # [R, M] (padding repeats the tree's first row)
+    valid: torch.Tensor  # [R, M] bool
+    node_pos: torch.Tensor  # [R, N] slot positions of the tree's drafted nodes (padding: the root, masked off)
+    visible: torch.Tensor  # [R, M, P + N] bool
 
 
 _DRAFT: DraftMask | None = None
@@ -177,14 +189,26 @@ def gather_cpu_kv(cache: torch.Tensor, block_row: torch.Tensor, length: int,
                   isa: str, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of positions start..length-1 from vLLM's CPU paged cache [num_blocks, kv_heads, block_size,
     2 * D] (layout per `isa`, see cpu_kv_index); block_row [max_blocks] of the request. K, V [length - start, H, D]."""
+    bs = cache.shape[2]
+    pos = torch.arange(start, length)
+    return gather_cpu_kv_at(cache, block_row[pos // bs].long(), pos % bs, isa)
+
+
+def paged_index(block_rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_rows [R, max_blocks], positions [R, S] -> (block id, offset inside the block), each [R, S]."""
+    return torch.gather(block_rows, 1, positions // block_size).long(), positions % block_size
+
+
+def gather_cpu_kv_at(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+                     isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [*shape, H, D] of the tokens at (blocks, offsets) [*shape] (block id, position inside the block)."""
     _, _, bs, d2 = cache.shape
     k_idx, v_idx = cpu_kv_index(isa, bs, d2 // 2, cache.dtype)
     slabs = _slab_view(cache)
-    pos = torch.arange(start, length)
-    blocks = block_row[pos // bs].long()[:, None]  # [L, 1]
-    k = slabs[blocks, k_idx[pos % bs]]  # [L, D, H]
-    v = slabs[blocks, v_idx[pos % bs]]
-    return k.transpose(1, 2), v.transpose(1, 2)
+    b = blocks.unsqueeze(-1)  # [*shape, 1]
+    k = slabs[b, k_idx[offsets]]  # [*shape, D, H]
+    v = slabs[b, v_idx[offsets]]
+    return k.transpose(-1, -2), v.transpose(-1, -2)
 
 
 def tree_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, root_pos: int, mask: torch.Tensor,
@@ -199,14 +223,52 @@ def tree_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, root_
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """q [rows, Hq, D], k, v [seq, Hkv, D], visible [rows, seq] bool -> [rows, Hq, D] in q's dtype."""
-    hq, hkv = q.shape[1], k.shape[1]
+    return masked_attention_batch(q[None], k[None], v[None], visible[None], scale)[0]
+
+
+def masked_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q [R, rows, Hq, D], k, v [R, seq, Hkv, D], visible [R, rows, seq] bool -> [R, rows, Hq, D] in q's dtype.
+    Query head h reads kv head h // (Hq / Hkv); every row must see at least one key."""
+    r, rows, hq, d = q.shape
+    hkv = k.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
-    kf = k.to(acc).repeat_interleave(hq // hkv, dim=1)  # [seq, Hq, D]
-    vf = v.to(acc).repeat_interleave(hq // hkv, dim=1)
-    scores = torch.einsum("rhd,shd->hrs", q.to(acc), kf) * scale
-    scores = scores.masked_fill(~visible, -math.inf)
-    out = torch.einsum("hrs,shd->rhd", torch.softmax(scores, dim=-1), vf)
-    return out.to(q.dtype)
+    qg = q.to(acc).view(r, rows, hkv, hq // hkv, d)
+    scores = torch.einsum("bnkgd,bskd->bkgns", qg, k.to(acc)) * scale  # [R, Hkv, G, rows, seq]
+    scores = scores.masked_fill(~visible[:, None, None], -math.inf)
+    out = torch.einsum("bkgns,bskd->bnkgd", torch.softmax(scores, dim=-1), v.to(acc))
+    return out.reshape(r, rows, hq, d).to(q.dtype)
+
+
+@dataclass
+class BatchLayout:
+    """Where the tree requests of one verification forward read their keys and queries, shared by every layer of
+    the KV group (built once per step): R requests padded to S keys and M rows."""
+    blocks: torch.Tensor  # [R, S] block id of key s of request r (padding: the request's position 0)
+    offsets: torch.Tensor  # [R, S] position inside that block
+    rows: torch.Tensor  # [R, M] flattened query row (padding repeats the request's root row)
+    valid: torch.Tensor  # [R, M] bool, the real rows
+    visible: torch.Tensor  # [R, M, S] bool: prefix + ancestors-or-self; padding rows see what the root sees
+
+
+def batch_layout(requests: list[TreeRequest], block_table: torch.Tensor, block_size: int) -> BatchLayout:
+    lengths = [r.root_pos + len(r.tree) + 1 for r in requests]
+    s, m = max(lengths), max(len(r.tree) + 1 for r in requests)
+    # Padding keys read the request's own position 0 (written, so never NaN) and are masked off.
+    pos = torch.arange(s).expand(len(requests), s)
+    pos = torch.where(pos < torch.tensor(lengths)[:, None], pos, 0)
+    blocks, offsets = paged_index(block_table[torch.tensor([r.row for r in requests])], pos, block_size)
+    rows = torch.zeros(len(requests), m, dtype=torch.long)
+    valid = torch.zeros(len(requests), m, dtype=torch.bool)
+    visible = torch.zeros(len(requests), m, s, dtype=torch.bool)
+    for i, (r, length) in enumerate(zip(requests, lengths)):
+        n1 = len(r.tree) + 1
+        rows[i] = r.start
+        rows[i, :n1] = torch.arange(r.start, r.start + n1)
+        valid[i, :n1] = True
+        visible[i, :, :r.root_pos + 1] = True  # the prefix, and the root (padding rows = root's view)
+        visible[i, :n1, r.root_pos:length] = r.mask
+    return BatchLayout(blocks, offsets, rows, valid, visible)
 
 
 def install_cpu_attention_patch() -> None:
@@ -221,15 +283,16 @@ def install_cpu_attention_patch() -> None:
         out = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         draft = _DRAFT
         if draft is not None and attn_metadata is not None and attn_metadata.num_actual_tokens == draft.num_tokens:
-            for tree, rows, block_row, length, visible in draft.groups:
-                cut = draft.prefix_len[tree]
-                key = (kv_cache.data_ptr(), tree)
-                if key not in draft.prefix_kv:
-                    draft.prefix_kv[key] = gather_cpu_kv(kv_cache, block_row, cut, layer.isa)
-                pk, pv = draft.prefix_kv[key]
-                nk, nv = gather_cpu_kv(kv_cache, block_row, length, layer.isa, start=cut)
-                k, v = torch.cat([pk, nk]), torch.cat([pv, nv])
-                output[rows] = masked_attention(query[rows], k, v, visible, self.scale).to(output.dtype)
+            bs, pre = kv_cache.shape[2], draft.prefix
+            if kv_cache.data_ptr() not in pre.kv:
+                pre.kv[kv_cache.data_ptr()] = gather_cpu_kv_at(
+                    kv_cache, *paged_index(pre.block_rows, pre.positions, bs), layer.isa)
+            pk, pv = pre.kv[kv_cache.data_ptr()]
+            nk, nv = gather_cpu_kv_at(kv_cache, *paged_index(pre.block_rows[draft.trees], draft.node_pos, bs),
+                                      layer.isa)
+            k, v = torch.cat([pk[draft.trees], nk], dim=1), torch.cat([pv[draft.trees], nv], dim=1)
+            new = masked_attention_batch(query[draft.rows], k, v, draft.visible, self.scale)
+            output[draft.rows[draft.valid]] = new[draft.valid].to(output.dtype)
             return out
         step = _STEP
         if step is None or attn_metadata is None or attn_metadata.num_actual_tokens != step.num_tokens:
@@ -237,11 +300,14 @@ def install_cpu_attention_patch() -> None:
         if step.slot_mapping is None:
             step.slot_mapping = attn_metadata.slot_mapping[:step.num_tokens].clone()
         step.kv_caches.append((kv_cache, layer.isa))
-        for r in step.requests:
-            n1 = len(r.tree) + 1
-            k, v = gather_cpu_kv(kv_cache, attn_metadata.block_table[r.row], r.root_pos + n1, layer.isa)
-            new = tree_attention_rows(query[r.start:r.start + n1], k, v, r.root_pos, r.mask, self.scale)
-            output[r.start:r.start + n1] = new.to(output.dtype)
+        # All tree requests at once: one gather and one masked attention per layer, whatever the batch.
+        table, bs = attn_metadata.block_table, kv_cache.shape[2]
+        layout = step.layouts.get((table.data_ptr(), bs))
+        if layout is None:
+            layout = step.layouts[(table.data_ptr(), bs)] = batch_layout(step.requests, table, bs)
+        k, v = gather_cpu_kv_at(kv_cache, layout.blocks, layout.offsets, layer.isa)
+        new = masked_attention_batch(query[layout.rows], k, v, layout.visible, self.scale)
+        output[layout.rows[layout.valid]] = new[layout.valid].to(output.dtype)
         return out
 
     forward._adaspec_tree = True  # type: ignore[attr-defined]

@@ -266,7 +266,7 @@ class EarlyExitProposer:
         limit = [min(b, ts.max_depth) for b in budgets]  # deepest depth each tree may keep
         slot_of: list[dict[int, int]] = [{} for _ in rows]  # node -> slot offset from the root (1, 2, ...)
         feed = [(e, -1) for e in range(len(rows))]  # (tree, node; -1 = root) run in the next step
-        prefix_kv: dict = {}  # the trees' prefix K, V per attention layer, gathered once (DraftMask)
+        prefix = self._draft_prefix(root, block_rows)  # the trees' prefix K, V, gathered once per layer
         # Slots the scheduler reserved past the root: K - 1 (engine/scheduler.py), so at most K - 1 nodes run.
         room = self.cfg.num_speculative_tokens - 1
         max_seq_len = int(n.max()) + room  # bound on slot positions + 1
@@ -275,7 +275,7 @@ class EarlyExitProposer:
             tokens = [int(token_ids_cpu[rows[e], n[e] - 1]) if node < 0 else grown[e].tokens[node] for e, node in feed]
             slot_pos = [int(root[e]) + (slot_of[e][node] if node >= 0 else 0) for e, node in feed]
             idx = torch.tensor(req, device=device)
-            mask = None if depth == 1 else self._draft_mask(feed, grown, slot_of, root, block_rows, prefix_kv)
+            mask = None if depth == 1 else self._draft_mask(feed, grown, slot_of, root, prefix)
             hidden, residual = self.prefix.forward(
                 block_rows[idx], torch.tensor(tokens, device=device),
                 torch.from_numpy(root[req] + depth - 1).to(device), max_seq_len,
@@ -324,7 +324,16 @@ class EarlyExitProposer:
         return policy_s
 
     @staticmethod
-    def _draft_mask(feed, grown, slot_of, root, block_rows, prefix_kv=None):
+    def _draft_prefix(root, block_rows):
+        """DraftPrefix of the call's trees: key positions 0..root of each (root [T], block_rows [T, max_blocks])."""
+        from vllm_adaspec.engine.tree_verification import DraftPrefix
+
+        root = torch.as_tensor(root, dtype=torch.long)
+        pos = torch.arange(int(root.max()) + 1).expand(len(root), -1)
+        return DraftPrefix(block_rows.cpu(), torch.where(pos <= root[:, None], pos, 0))
+
+    @staticmethod
+    def _draft_mask(feed, grown, slot_of, root, prefix):
         """DraftMask for a step running `feed` [(tree, node)]: each row sees its tree's prefix and root and the
         slots of its own ancestors-or-self (every ancestor ran in an earlier step, so it has a slot)."""
         from vllm_adaspec.engine.tree_verification import DraftMask
@@ -332,20 +341,28 @@ class EarlyExitProposer:
         by_tree: dict[int, list[int]] = {}
         for f, (e, _) in enumerate(feed):
             by_tree.setdefault(e, []).append(f)
-        groups = []
-        for e, fs in by_tree.items():
-            r = int(root[e])
-            length = r + 1 + len(slot_of[e])
-            visible = torch.zeros(len(fs), length, dtype=torch.bool)
-            visible[:, :r + 1] = True
+        trees = list(by_tree)
+        p = prefix.positions.shape[1]
+        m = max(len(fs) for fs in by_tree.values())
+        n = max(len(slot_of[e]) for e in trees)
+        rows = torch.zeros(len(trees), m, dtype=torch.long)
+        valid = torch.zeros(len(trees), m, dtype=torch.bool)
+        node_pos = torch.zeros(len(trees), n, dtype=torch.long)
+        visible = torch.zeros(len(trees), m, p + n, dtype=torch.bool)
+        for t, e in enumerate(trees):
+            r, fs = int(root[e]), by_tree[e]
+            rows[t] = fs[0]
+            rows[t, :len(fs)] = torch.tensor(fs)
+            valid[t, :len(fs)] = True
+            node_pos[t] = r  # padding: the root (masked off)
+            node_pos[t, :len(slot_of[e])] = torch.arange(r + 1, r + 1 + len(slot_of[e]))
+            visible[t, :, :r + 1] = True
             for i, f in enumerate(fs):
                 node = feed[f][1]
                 while node >= 0:
-                    visible[i, r + slot_of[e][node]] = True
+                    visible[t, i, p + slot_of[e][node] - 1] = True
                     node = grown[e].parents[node]
-            groups.append((e, torch.tensor(fs), block_rows[e].cpu(), length, visible))
-        return DraftMask(len(feed), groups, {e: int(root[e]) + 1 for e in by_tree},
-                         prefix_kv if prefix_kv is not None else {})
+        return DraftMask(len(feed), prefix, torch.tensor(trees), rows, valid, node_pos, visible)
 
     def _confidence(self, logits, temps, rows: int) -> list:
         """[(top probability, entropy)] of each row's draft distribution at its temperature, for policies that
