@@ -348,7 +348,12 @@ def compaction_slots(step: TreeStep, paths: dict[int, list[int]]) -> tuple[list[
 
 def verify_tree_request(tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int | None,
                         top_p: float | None, generator: torch.Generator | None) -> tuple[list[int], int]:
-    """logits [n + 1, V] at the request's verification rows -> (accepted nodes, bonus token)."""
+    """logits [n + 1, V] at the request's verification rows -> (accepted nodes, bonus token).
+
+    Sampling uses sample-and-match, not recursive rejection sampling: the drafters pick a node's children
+    deterministically (top-k), and for a fixed set S of distinct children no lossless rule can move on with
+    probability above p(S), which sample-and-match reaches. RRS (trees.verify_rrs) pays only for children drawn
+    i.i.d. from the draft distribution."""
     if temperature <= 0:  # vLLM's greedy marker
         return verify_greedy(tree, logits.argmax(dim=-1))
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p

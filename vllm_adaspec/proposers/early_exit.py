@@ -187,23 +187,30 @@ class EarlyExitProposer:
             st["round_lengths"][len(drafts[i])] += 1
         return drafts
 
+    def _round_inputs(self, rows, policies, num_tokens_no_spec, sampled_token_ids):
+        """What chain and tree drafting both start from: n [R] committed tokens per row, block rows [R, max_blocks],
+        temperatures [R] (only when a policy reads confidence), thompson-cali's target projection [R, 10] (or None),
+        and the seconds the policy-only parts took."""
+        rows_np = np.asarray(rows)
+        device = self.runner.device
+        blocks = self.prefix.block_rows(torch.tensor(rows, device=device))
+        tp = time.perf_counter()
+        confident = any(getattr(pol, "needs_confidence", False) for pol in policies)
+        temps = torch.from_numpy(self.runner.input_batch.temperature_cpu[rows_np]).to(device) if confident else None
+        ht_proj = self._target_projection(rows, sampled_token_ids)
+        return num_tokens_no_spec[rows_np], blocks, temps, ht_proj, time.perf_counter() - tp
+
     def _draft_chains(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids,
                       drafts) -> float:
         """Draft chains for `rows` (batch rows) into `drafts`, one batched step per depth: the exit head's argmax,
         while each row's policy accepts. Returns the seconds spent in policy work."""
-        rows_np = np.asarray(rows)
-        n = num_tokens_no_spec[rows_np]
+        n, blocks, temps, ht_proj, policy_s = self._round_inputs(rows, policies, num_tokens_no_spec,
+                                                                 sampled_token_ids)
         device = self.runner.device
-        blocks = self.prefix.block_rows(torch.tensor(rows, device=device))  # [B, max_blocks]
-        tokens = torch.from_numpy(token_ids_cpu[rows_np, n - 1].astype(np.int64)).to(device)  # [B] last committed
+        tokens = torch.from_numpy(token_ids_cpu[np.asarray(rows), n - 1].astype(np.int64)).to(device)  # [B]
         positions = torch.from_numpy((n - 1).astype(np.int64)).to(device)  # [B]
         max_seq_len = int(n.max())  # host-side upper bound, grows by one per depth
         entries = list(range(len(rows)))  # index into rows/budgets/policies for each active request
-        tp = time.perf_counter()
-        confident = any(getattr(pol, "needs_confidence", False) for pol in policies)
-        temps = torch.from_numpy(self.runner.input_batch.temperature_cpu[rows_np]).to(device) if confident else None
-        ht_proj = self._target_projection(rows, sampled_token_ids)  # [B, 10] or None
-        policy_s = time.perf_counter() - tp
         for depth in range(1, max(budgets) + 1):
             hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len)
             logits, vocab, normed = self.prefix.head(hidden, residual)  # [B, V'], V' ids (None: all), [B, H]
@@ -252,16 +259,10 @@ class EarlyExitProposer:
         The policy sees one draft per depth, the most probable new node, and may stop the tree's growth there.
         """
         ts = self.tree
-        rows_np = np.asarray(rows)
-        n = num_tokens_no_spec[rows_np]
+        n, block_rows, temps, ht_proj, policy_s = self._round_inputs(rows, policies, num_tokens_no_spec,
+                                                                     sampled_token_ids)
         root = (n - 1).astype(np.int64)  # [R] position (and slot position) of each tree's root
         device = self.runner.device
-        block_rows = self.prefix.block_rows(torch.tensor(rows, device=device))  # [R, max_blocks]
-        tp = time.perf_counter()
-        confident = any(getattr(pol, "needs_confidence", False) for pol in policies)
-        temps = torch.from_numpy(self.runner.input_batch.temperature_cpu[rows_np]).to(device) if confident else None
-        ht_proj = self._target_projection(rows, sampled_token_ids)  # [R, 10] or None
-        policy_s = time.perf_counter() - tp
         grown = [GrowingTree() for _ in rows]
         limit = [min(b, ts.max_depth) for b in budgets]  # deepest depth each tree may keep
         slot_of: list[dict[int, int]] = [{} for _ in rows]  # node -> slot offset from the root (1, 2, ...)
