@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_adaspec.engine.tree_verification import (TreeRequest, batch_layout, compact_kv_cpu, gather_cpu_kv,
-                                                   gather_cpu_kv_at, masked_attention_batch, plan_step,
-                                                   tree_attention_rows, tree_compatible)
+from vllm_adaspec.engine.tree_verification import (TreeRequest, compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at,
+                                                   masked_attention_batch, plan_step, tree_attention_rows,
+                                                   tree_compatible)
 from vllm_adaspec.trees import DraftTree, ancestor_mask, paths
 
 BS, HKV, HQ, D = 32, 2, 6, 64
@@ -71,10 +71,32 @@ def test_tree_rows_equal_causal_attention_along_each_path(root_pos):
     assert torch.equal(ancestor_mask(chain), causal)
 
 
-def test_batched_tree_rows_of_several_requests_equal_causal_attention_along_each_path():
-    """What the CPU attention patch runs per layer: every tree request of the forward in one gather and one
-    masked attention, requests of different lengths and tree sizes, packed between other rows."""
+def _write(cache, block_row, positions, k, v):
     from vllm import _custom_ops as ops
+
+    nblocks = cache.shape[0]
+    kc, vc = cache.view(nblocks, HKV, 2 * BS, D).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, block_row[positions // BS] * BS + positions % BS, "vec",
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+
+def _check_tree_rows(output, query, req, kk, vv):
+    """Every row of a tree request == causal attention over the prefix, the root and the node's own path."""
+    rows_of = {-1: [req.root_pos]}
+    for path in paths(req.tree):
+        for i, node in enumerate(path):
+            rows_of[node] = [req.root_pos] + [req.root_pos + 1 + p for p in path[:i + 1]]
+    for node, rows in rows_of.items():
+        keys = list(range(req.root_pos)) + rows
+        want = _causal(query[req.start + 1 + node], kk[keys], vv[keys], 0.125)
+        torch.testing.assert_close(output[req.start + 1 + node], want, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_attention_along_each_path():
+    """What the CPU attention patch runs per layer (verify_attention): every tree request of the forward in one
+    masked attention, requests of different lengths and tree sizes packed between other rows; each request's KV
+    copied once and extended step by step, so a second step must see what changed after the first."""
+    from vllm_adaspec.engine import tree_verification as tv
 
     g = torch.Generator().manual_seed(11)
     trees = [DraftTree(torch.arange(7), torch.tensor([-1, -1, 0, 0, 1, 2, 4])),
@@ -87,32 +109,38 @@ def test_batched_tree_rows_of_several_requests_equal_causal_attention_along_each
     kv = []
     for b, (tree, rp) in enumerate(zip(trees, root_pos)):
         n = rp + len(tree) + 1
-        k, v = torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
-        kc, vc = cache.view(nblocks, HKV, 2 * BS, D).chunk(2, dim=2)
-        pos = torch.arange(n)
-        row = table[batch_rows[b]]
-        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, row[pos // BS] * BS + pos % BS, "vec", k_scale=1.0,
-                                       v_scale=1.0, kv_cache_dtype="auto")
+        k, v = torch.randn(n + 20, HKV, D, generator=g), torch.randn(n + 20, HKV, D, generator=g)
+        _write(cache, table[batch_rows[b]], torch.arange(n), k[:n], v[:n])
         kv.append((k, v))
-    reqs = [TreeRequest(row, start, rp, tree, ancestor_mask(tree))
-            for row, start, rp, tree in zip(batch_rows, starts, root_pos, trees)]
-    layout = batch_layout(reqs, table, BS)
-    query = torch.randn(20, HQ, D, generator=g)
-    k, v = gather_cpu_kv_at(cache, layout.blocks, layout.offsets, "vec")
-    out = masked_attention_batch(query[layout.rows], k, v, layout.visible, 0.125)
-    assert not out.isnan().any()
-    output = torch.zeros_like(query)
-    output[layout.rows[layout.valid]] = out[layout.valid]
-    for req, (kk, vv) in zip(reqs, kv):
-        rows_of = {-1: [req.root_pos]}
-        for path in paths(req.tree):
-            for i, node in enumerate(path):
-                rows_of[node] = [req.root_pos] + [req.root_pos + 1 + p for p in path[:i + 1]]
-        for node, rows in rows_of.items():
-            keys = list(range(req.root_pos)) + rows
-            want = _causal(query[req.start + 1 + node], kk[keys], vv[keys], 0.125)
-            torch.testing.assert_close(output[req.start + 1 + node], want, rtol=1e-5, atol=1e-5)
-    assert output[8:12].abs().sum() == 0  # the chain request's rows are not touched
+    tv.retain_sequence_kv(None)
+    for step_no in range(2):
+        reqs = [TreeRequest(row, f"req-{row}", start, rp, tree, ancestor_mask(tree))
+                for row, start, rp, tree in zip(batch_rows, starts, root_pos, trees)]
+        step = tv.TreeStep(20, reqs)
+        tv.retain_sequence_kv(step)
+        query = torch.randn(20, HQ, D, generator=g)
+        rows, out = tv.verify_attention(step, query, cache, table, "vec", 0.125)
+        assert not out.isnan().any()
+        output = torch.zeros_like(query)
+        output[rows] = out
+        for req, (kk, vv) in zip(reqs, kv):
+            _check_tree_rows(output, query, req, kk, vv)
+        assert output[8:12].abs().sum() == 0  # the chain request's rows are not touched
+        assert {key[0] for key in tv._SEQ_KV} == {"req-0", "req-2", "req-3"}
+        # Next step: each request accepted 2 tokens, so its root moves 3 on; the old nodes' slots and the new
+        # ones get new K, V (verification rewrote them; the positions up to the old root stay as they were).
+        for b in range(3):
+            new_root = root_pos[b] + 3
+            pos = torch.arange(root_pos[b] + 1, new_root + len(trees[b]) + 1)
+            kk, vv = kv[b]
+            kk[pos], vv[pos] = torch.randn(len(pos), HKV, D, generator=g), torch.randn(len(pos), HKV, D, generator=g)
+            _write(cache, table[batch_rows[b]], pos, kk[pos], vv[pos])
+            if step_no == 0:  # position 0 is final: the next step must not read it from the paged cache again
+                _write(cache, table[batch_rows[b]], torch.tensor([0]), torch.full((1, HKV, D), float("nan")),
+                       torch.full((1, HKV, D), float("nan")))
+        root_pos = [r + 3 for r in root_pos]
+    tv.retain_sequence_kv(None)
+    assert not tv._SEQ_KV
 
 
 def test_compaction_moves_accepted_nodes_to_consecutive_slots():

@@ -9,8 +9,8 @@ n + 1 contiguous slots (root + nodes) and verifies n + 1 rows. Per step:
    drafter proposed, rewrite its node rows' positions to root + depth (RoPE at depth; slots stay contiguous,
    they were computed before) and publish the step's tree plan.
 2. inside CPU attention (every layer, exit layers included): vLLM's kernel ran the rows causally; the rows of all
-   tree requests are recomputed together (`batch_layout`, `masked_attention_batch`) with the prefix fully visible
-   and, among the nodes, only ancestors-or-self.
+   tree requests are recomputed together (`verify_attention`) with the prefix fully visible and, among the nodes,
+   only ancestors-or-self, over a contiguous copy of each request's KV that each step extends (`sequence_kv`).
 3. `TreeRejectionSampler` (the runner's rejection sampler, wrapped): vLLM's output stands for chain requests;
    tree requests are verified node by node against their parent's row (trees/verify.py: greedy, or lossless
    sample-and-match), and get the accepted path + the bonus token from the last accepted node's row.
@@ -34,6 +34,7 @@ from vllm_adaspec.trees import DraftTree, ancestor_mask, verify_greedy, verify_s
 @dataclass
 class TreeRequest:
     row: int  # batch row (input_batch order)
+    req_id: str
     start: int  # flattened index of the root's row; nodes follow at start + 1 + i
     root_pos: int
     tree: DraftTree
@@ -46,7 +47,7 @@ class TreeStep:
     requests: list[TreeRequest]
     slot_mapping: torch.Tensor | None = None  # the forward's slots, seen by attention (for compaction)
     kv_caches: list = field(default_factory=list)  # (cache, isa) of every attention layer in the forward
-    layouts: dict = field(default_factory=dict)  # (block table address, block size) -> BatchLayout
+    layout: "BatchLayout | None" = None  # built by the first attention layer of the forward
 
 
 _STEP: TreeStep | None = None
@@ -136,7 +137,7 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tens
         start = int(query_start[row])
         root_pos = int(positions[start])
         positions[start + 1:start + 1 + n] = root_pos + tree.depths.to(positions.dtype)
-        requests.append(TreeRequest(row, start, root_pos, tree, ancestor_mask(tree)))
+        requests.append(TreeRequest(row, req_id, start, root_pos, tree, ancestor_mask(tree)))
     return TreeStep(num_tokens, requests) if requests else None
 
 
@@ -242,22 +243,16 @@ def masked_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vi
 
 @dataclass
 class BatchLayout:
-    """Where the tree requests of one verification forward read their keys and queries, shared by every layer of
-    the KV group (built once per step): R requests padded to S keys and M rows."""
-    blocks: torch.Tensor  # [R, S] block id of key s of request r (padding: the request's position 0)
-    offsets: torch.Tensor  # [R, S] position inside that block
+    """Where the tree requests of one verification forward read their queries, shared by every layer (built once
+    per step): R requests padded to S keys and M rows."""
     rows: torch.Tensor  # [R, M] flattened query row (padding repeats the request's root row)
     valid: torch.Tensor  # [R, M] bool, the real rows
     visible: torch.Tensor  # [R, M, S] bool: prefix + ancestors-or-self; padding rows see what the root sees
 
 
-def batch_layout(requests: list[TreeRequest], block_table: torch.Tensor, block_size: int) -> BatchLayout:
+def batch_layout(requests: list[TreeRequest]) -> BatchLayout:
     lengths = [r.root_pos + len(r.tree) + 1 for r in requests]
     s, m = max(lengths), max(len(r.tree) + 1 for r in requests)
-    # Padding keys read the request's own position 0 (written, so never NaN) and are masked off.
-    pos = torch.arange(s).expand(len(requests), s)
-    pos = torch.where(pos < torch.tensor(lengths)[:, None], pos, 0)
-    blocks, offsets = paged_index(block_table[torch.tensor([r.row for r in requests])], pos, block_size)
     rows = torch.zeros(len(requests), m, dtype=torch.long)
     valid = torch.zeros(len(requests), m, dtype=torch.bool)
     visible = torch.zeros(len(requests), m, s, dtype=torch.bool)
@@ -268,7 +263,66 @@ def batch_layout(requests: list[TreeRequest], block_table: torch.Tensor, block_s
         valid[i, :n1] = True
         visible[i, :, :r.root_pos + 1] = True  # the prefix, and the root (padding rows = root's view)
         visible[i, :n1, r.root_pos:length] = r.mask
-    return BatchLayout(blocks, offsets, rows, valid, visible)
+    return BatchLayout(rows, valid, visible)
+
+
+@dataclass
+class SequenceKV:
+    """One tree request's K, V in one attention layer, contiguous, positions 0..final-1 already final (committed
+    and compacted: never written again), so a step gathers only what came after them."""
+    k: torch.Tensor  # [capacity, H, D]
+    v: torch.Tensor
+    final: int = 0
+
+
+# (request id, cache address) -> SequenceKV; only requests verified as trees in consecutive steps keep theirs.
+_SEQ_KV: dict[tuple[str, int], SequenceKV] = {}
+
+
+def retain_sequence_kv(step: TreeStep | None) -> None:
+    """Drop the copies of requests that are not tree requests in this step (finished, preempted, chains)."""
+    keep = {r.req_id for r in step.requests} if step is not None else set()
+    for key in [key for key in _SEQ_KV if key[0] not in keep]:
+        del _SEQ_KV[key]
+
+
+def sequence_kv(cache: torch.Tensor, block_row: torch.Tensor, req_id: str, length: int, final: int,
+                isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [length, H, D] of positions 0..length-1 of a request, gathering from the paged cache only the positions
+    not yet copied; afterwards positions < final count as final."""
+    key = (req_id, cache.data_ptr())
+    seq = _SEQ_KV.get(key)
+    start = 0 if seq is None else min(seq.final, length)
+    k_new, v_new = gather_cpu_kv(cache, block_row, length, isa, start=start)
+    if seq is None or seq.k.shape[0] < length:
+        cap = length + length // 4 + 64  # room for a few steps; at most 1.25x the request's own KV
+        k = k_new.new_empty((cap,) + k_new.shape[1:])
+        v = v_new.new_empty((cap,) + v_new.shape[1:])
+        if seq is not None:
+            k[:start], v[:start] = seq.k[:start], seq.v[:start]
+        seq = _SEQ_KV[key] = SequenceKV(k, v)
+    seq.k[start:length], seq.v[start:length] = k_new, v_new
+    seq.final = final
+    return seq.k[:length], seq.v[:length]
+
+
+def verify_attention(step: TreeStep, query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, isa: str,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tree rows of one attention layer of a verification forward, all tree requests in one masked attention:
+    query [T, Hq, D] the forward's queries; cache the layer's paged CPU cache; block_table [B, max_blocks].
+    Returns (flattened row indices [X], their outputs [X, Hq, D])."""
+    if step.layout is None:
+        step.layout = batch_layout(step.requests)
+    layout = step.layout
+    kvs = [sequence_kv(cache, block_table[r.row], r.req_id, r.root_pos + len(r.tree) + 1, r.root_pos + 1, isa)
+           for r in step.requests]
+    if len(kvs) == 1:
+        k, v = kvs[0][0][None], kvs[0][1][None]
+    else:  # [R, S, H, D], zero padded (masked off)
+        k = torch.nn.utils.rnn.pad_sequence([kv[0] for kv in kvs], batch_first=True)
+        v = torch.nn.utils.rnn.pad_sequence([kv[1] for kv in kvs], batch_first=True)
+    new = masked_attention_batch(query[layout.rows], k, v, layout.visible, scale)
+    return layout.rows[layout.valid], new[layout.valid]
 
 
 def install_cpu_attention_patch() -> None:
@@ -300,14 +354,8 @@ def install_cpu_attention_patch() -> None:
         if step.slot_mapping is None:
             step.slot_mapping = attn_metadata.slot_mapping[:step.num_tokens].clone()
         step.kv_caches.append((kv_cache, layer.isa))
-        # All tree requests at once: one gather and one masked attention per layer, whatever the batch.
-        table, bs = attn_metadata.block_table, kv_cache.shape[2]
-        layout = step.layouts.get((table.data_ptr(), bs))
-        if layout is None:
-            layout = step.layouts[(table.data_ptr(), bs)] = batch_layout(step.requests, table, bs)
-        k, v = gather_cpu_kv_at(kv_cache, layout.blocks, layout.offsets, layer.isa)
-        new = masked_attention_batch(query[layout.rows], k, v, layout.visible, self.scale)
-        output[layout.rows[layout.valid]] = new[layout.valid].to(output.dtype)
+        rows, new = verify_attention(step, query, kv_cache, attn_metadata.block_table, layer.isa, self.scale)
+        output[rows] = new.to(output.dtype)
         return out
 
     forward._adaspec_tree = True  # type: ignore[attr-defined]

@@ -68,13 +68,15 @@ def _install_tree_verification(runner, drafter) -> None:
 
     def prepare_inputs(scheduler_output, *args, **kwargs):
         result = prepare(scheduler_output, *args, **kwargs)
-        tv.set_step(None)
+        step = None
         if drafter.pending_trees and scheduler_output.scheduled_spec_decode_tokens:
             num_reqs = runner.input_batch.num_reqs
-            tv.set_step(tv.plan_step(
+            step = tv.plan_step(
                 runner.input_batch.req_ids[:num_reqs], runner.query_start_loc.np[:num_reqs + 1], runner.positions,
                 scheduler_output.scheduled_spec_decode_tokens, drafter.pending_trees,
-                scheduler_output.total_num_scheduled_tokens))
+                scheduler_output.total_num_scheduled_tokens)
+        tv.retain_sequence_kv(step)
+        tv.set_step(step)
         return result
 
     runner._prepare_inputs = prepare_inputs
