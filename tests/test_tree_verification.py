@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_adaspec.engine.tree_verification import (TreeRequest, compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at,
-                                                   masked_attention_batch, plan_step, tree_attention_rows,
+from vllm_adaspec.engine.tree_verification import (TreeRequest, batch_layout, compact_kv_cpu, gather_cpu_kv,
+                                                   gather_cpu_kv_at, masked_attention_batch, plan_step,
                                                    tree_compatible)
 from vllm_adaspec.trees import DraftTree, ancestor_mask, paths
 
@@ -56,7 +56,9 @@ def test_tree_rows_equal_causal_attention_along_each_path(root_pos):
     v = torch.randn(root_pos + n1, HKV, D, generator=g, dtype=torch.float64)
     q = torch.randn(n1, HQ, D, generator=g, dtype=torch.float64)
     scale = 1 / math.sqrt(D)
-    out = tree_attention_rows(q, k, v, root_pos, ancestor_mask(tree), scale)
+    layout = batch_layout([TreeRequest(0, "r", 0, root_pos, tree, ancestor_mask(tree))])  # as verify_attention
+    assert layout.valid.all() and layout.rows.tolist() == [list(range(n1))]
+    out = masked_attention_batch(q[layout.rows], k[None], v[None], layout.visible, scale)[0]
     rows_of = {-1: [root_pos]}
     for path in paths(tree):
         for i, node in enumerate(path):

@@ -212,21 +212,6 @@ def gather_cpu_kv_at(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.T
     return k.transpose(-1, -2), v.transpose(-1, -2)
 
 
-def tree_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, root_pos: int, mask: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-    """q [n + 1, Hq, D] rows root..nodes; k, v [root_pos + n + 1, Hkv, D] the whole sequence in slot order.
-    Prefix keys are visible to every row; key root_pos + c is visible to row r iff mask[r, c]. Returns
-    [n + 1, Hq, D] in q's dtype (accumulated in at least float32)."""
-    visible = torch.cat([torch.ones(q.shape[0], root_pos, dtype=torch.bool), mask], dim=1)  # [rows, seq]
-    return masked_attention(q, k, v, visible, scale)
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q [rows, Hq, D], k, v [seq, Hkv, D], visible [rows, seq] bool -> [rows, Hq, D] in q's dtype."""
-    return masked_attention_batch(q[None], k[None], v[None], visible[None], scale)[0]
-
-
 def masked_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """q [R, rows, Hq, D], k, v [R, seq, Hkv, D], visible [R, rows, seq] bool -> [R, rows, Hq, D] in q's dtype.
