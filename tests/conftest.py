@@ -47,6 +47,12 @@ def greedy_batch(prompts=PROMPTS, max_tokens=MAX_TOKENS, repeat=1):
     }
 
 
+def assert_identical(run, plain):
+    for i, (got, want) in enumerate(zip(run["token_ids"], plain["token_ids"])):
+        assert got == want, f"prompt {i} diverged at token {next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))}"
+    assert [len(t) for t in run["token_ids"]] == [len(t) for t in plain["token_ids"]]
+
+
 def spec_engine(exit_layer: int, k: int, **extra):
     return {
         **ENGINE,
@@ -65,12 +71,47 @@ def smollm2() -> str:
 
 
 @pytest.fixture(scope="session")
-def plain_greedy(smollm2):
-    """Reference: vLLM without speculation, same engine settings."""
-    from vllm_adaspec.harness import run_engine
+def engines():
+    """Single-process eager engines, built one after another in one child (harness.EngineHost): the child's
+    interpreter and vLLM import are paid once per session. Tree-mode engines use `tree_engines` (tree mode patches
+    vLLM's CPU attention process-wide)."""
+    from vllm_adaspec.harness import EngineHost
 
-    res = run_engine({"model": smollm2, "engine": ENGINE, "batches": [greedy_batch(), greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS)]})
-    return {"mixed": res["batches"][0]["runs"][0], "grow": res["batches"][1]["runs"][0]}
+    host = EngineHost()
+    yield host
+    host.close()
+
+
+@pytest.fixture(scope="session")
+def tree_engines():
+    from vllm_adaspec.harness import EngineHost
+
+    host = EngineHost()
+    yield host
+    host.close()
+
+
+SEEDED = [{"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i, "max_tokens": 48} for i in range(6)]
+# A greedy / sampled mix: rows 3.. are greedy and must equal plain decoding whatever the sampled rows do.
+SAMPLED_MIX = {"prompts": PROMPTS[:6], "params": SEEDED[:3] + [{"temperature": 0.0, "max_tokens": 48}] * 3}
+COUNT_PROMPT = "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
+# 64 seeded samples of a 4-token continuation at T = 1.0: a coarse two-sample check of the output distribution.
+COUNTS = {"prompts": [COUNT_PROMPT] * 64, "params": [{"temperature": 1.0, "max_tokens": 4, "seed": i} for i in range(64)]}
+# Greedy rows, chain-only rows (a penalty: vLLM's sampler applies it, trees cannot) and sampled rows in one batch.
+TREE_MIX = {"prompts": PROMPTS[:6],
+            "params": [{"temperature": 0.0, "max_tokens": 40}] * 2
+            + [{"temperature": 0.0, "max_tokens": 40, "repetition_penalty": 1.2}] * 2
+            + [{"temperature": 0.8, "top_p": 0.95, "seed": 7 + i, "max_tokens": 40} for i in range(2)]}
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(smollm2, engines):
+    """Reference: vLLM without speculation, same engine settings, every batch the engine tests compare with."""
+    res = engines.run({"model": smollm2, "engine": ENGINE,
+                       "batches": [greedy_batch(), greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS), SAMPLED_MIX, COUNTS,
+                                   TREE_MIX]})
+    runs = [b["runs"][0] for b in res["batches"]]
+    return dict(zip(["mixed", "grow", "sampled_mix", "counts", "tree_mix"], runs))
 
 
 def pytest_collection_modifyitems(config, items):

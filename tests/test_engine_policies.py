@@ -2,9 +2,7 @@
 
 import pytest
 
-from conftest import ENGINE, SPEC, greedy_batch
-from test_engine_greedy import assert_identical
-from vllm_adaspec.harness import run_engine
+from conftest import ENGINE, SPEC, assert_identical, greedy_batch
 
 pytestmark = pytest.mark.engine
 K = 5
@@ -12,13 +10,13 @@ K = 5
 
 @pytest.mark.parametrize("policy", ["thompson-beta", "thompson-cali", {"name": "adaedl", "lambda0": 0.6},
                                     "max-confidence"])
-def test_policy_is_lossless_and_varies_the_draft_length(smollm2, plain_greedy, policy, monkeypatch):
+def test_policy_is_lossless_and_varies_the_draft_length(smollm2, plain_greedy, policy, engines):
     # thompson-cali reads the target's hidden state at the row that sampled each request's last token: with greedy
     # decoding that row must give the same token again under the LM head (the drafter counts mismatches).
-    monkeypatch.setenv("VLLM_ADASPEC_CHECK_TARGET_ROWS", "1")
     engine = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": K},
               "additional_config": {"adaspec": {"policy": policy, "speed_guard": False}}}
-    run = run_engine({"model": smollm2, "engine": engine, "batches": [greedy_batch()]})["batches"][0]["runs"][0]
+    run = engines.run({"model": smollm2, "engine": engine, "batches": [greedy_batch()],
+                       "env": {"VLLM_ADASPEC_CHECK_TARGET_ROWS": "1"}})["batches"][0]["runs"][0]
     assert_identical(run, plain_greedy["mixed"])
     stats = run["adaspec"]
     lengths = stats["round_lengths"]

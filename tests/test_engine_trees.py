@@ -1,29 +1,34 @@
 """Token trees inside vLLM (CPU), end to end on SmolLM2 with the shipped exit head:
-- greedy tree decoding is token-identical to plain decoding on the mixed batch (prefills, prefix caching, trees);
-- a batch mixing tree requests, chain-only requests (a penalty) and seeded sampling, run multiprocess: greedy and
-  chain-only rows identical to plain, and sampled tree requests keep the target distribution (coarse two-sample
-  check; the exact statistical tests of sample-and-match are in tests/test_trees.py);
-- compaction is exercised (accepted paths leave the first-child spine) and the stats count it."""
+- greedy tree decoding is token-identical to plain decoding on the mixed batch (prefills, prefix caching, trees),
+  and a tree of 8 nodes accepts more per step than a chain of 8;
+- thompson-cali in tree mode reads the target's hidden state at the row of the last accepted node, and the tree
+  path's per-request KV copies stay under their cap (requests past it draft chains);
+- plain vLLM usage in a multiprocess engine finds the plugin by itself, and a batch mixing tree requests, chain-only
+  requests (a penalty) and seeded sampling keeps greedy rows identical and the sampled distribution (coarse
+  two-sample check; the exact statistical tests of sample-and-match are in tests/test_trees.py)."""
+
+import json
+import subprocess
+import sys
 
 import pytest
 from stats import two_sample_chi2_pvalue
 
-from conftest import ENGINE, PROMPTS, SPEC, greedy_batch
-from test_engine_greedy import assert_identical
-from vllm_adaspec.harness import default_env, run_engine
+from conftest import COUNTS, ENGINE, SPEC, TREE_MIX, assert_identical, greedy_batch
+from vllm_adaspec.harness import default_env
 
 pytestmark = pytest.mark.engine
 
 
-def tree_engine(budget=8, top_k=2, k=8, **extra):
+def tree_engine(budget=8, top_k=2, k=8, **settings):
     # The shipped head (N = 6) drafts; guard off (tree mode runs without it anyway).
+    tree = {"budget": budget, "top_k": top_k, **settings.pop("tree", {})}
     return {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": k},
-            "additional_config": {"adaspec": {"speed_guard": False, "tree": {"budget": budget, "top_k": top_k}}},
-            **extra}
+            "additional_config": {"adaspec": {"speed_guard": False, "tree": tree, **settings}}}
 
 
-def test_greedy_tree_decoding_is_identical_to_plain(smollm2, plain_greedy):
-    res = run_engine({"model": smollm2, "engine": tree_engine(), "batches": [greedy_batch()]})
+def test_greedy_tree_decoding_is_identical_to_plain(smollm2, plain_greedy, tree_engines, engines):
+    res = tree_engines.run({"model": smollm2, "engine": tree_engine(), "batches": [greedy_batch()]})
     run = res["batches"][0]["runs"][0]
     assert_identical(run, plain_greedy["mixed"])
     st = run["adaspec"]
@@ -34,29 +39,67 @@ def test_greedy_tree_decoding_is_identical_to_plain(smollm2, plain_greedy):
     # 0.94 vs 0.69 tokens); nodes drafted past a wrong mask would be garbage and lose that.
     chain = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": 8},
              "additional_config": {"adaspec": {"speed_guard": False}}}
-    cst = run_engine({"model": smollm2, "engine": chain, "batches": [greedy_batch()]})["batches"][0]["runs"][0]
+    cst = engines.run({"model": smollm2, "engine": chain, "batches": [greedy_batch()]})["batches"][0]["runs"][0]
     tree_rate = st["accepted_drafts"] / st["tree_rounds"]
     chain_rate = cst["adaspec"]["accepted_drafts"] / (cst["adaspec"]["verified_drafts"] / 8)
     assert tree_rate > 1.15 * chain_rate, (tree_rate, chain_rate, st["tree_accepted_depth"])
 
 
-COUNT_PROMPT = "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
+def test_thompson_cali_reads_the_last_accepted_node_and_kv_copies_stay_capped(smollm2, plain_greedy, tree_engines):
+    # VLLM_ADASPEC_CHECK_TARGET_ROWS: with greedy decoding the row thompson-cali reads must give the request's last
+    # token again under the LM head; a tree's bonus comes from its last accepted node's row, not from root + depth.
+    # kv_copy_tokens 700: one ~420-token prompt's copy (~600 positions with slack) fits, two do not, so the other
+    # long request drafts chains while the first holds its copy.
+    engine = tree_engine(policy="thompson-cali", tree={"kv_copy_tokens": 700})
+    res = tree_engines.run({"model": smollm2, "engine": engine, "batches": [greedy_batch()],
+                            "env": {"VLLM_ADASPEC_CHECK_TARGET_ROWS": "1"}})
+    run = res["batches"][0]["runs"][0]
+    assert_identical(run, plain_greedy["mixed"])
+    st = run["adaspec"]
+    assert st["tree_verified"] > 20 and st["tree_kv_moves"] > 0, st  # paths left the spine: the case under test
+    assert st["row_checks"] > 20 and st["row_mismatches"] == 0, st
+    assert st["tree_capped"] > 0, st
+    assert 0 < st["tree_kv_copy_peak"] <= 700, st
 
 
-def test_mixed_tree_chain_and_sampled_batch_multiprocess(smollm2, tmp_path):
-    n = 48
-    mixed = {"prompts": PROMPTS[:6],
-             "params": [{"temperature": 0.0, "max_tokens": 40}] * 2
-             + [{"temperature": 0.0, "max_tokens": 40, "repetition_penalty": 1.2}] * 2  # chain-only
-             + [{"temperature": 0.8, "top_p": 0.95, "seed": 7 + i, "max_tokens": 40} for i in range(2)]}
-    counts = {"prompts": [COUNT_PROMPT] * n,
-              "params": [{"temperature": 1.0, "max_tokens": 4, "seed": i} for i in range(n)]}
+# Plain vLLM usage: this script never imports vllm_adaspec. vLLM must find the plugin through its entry point in
+# each of its processes (front end, engine core, worker) and install our worker and scheduler by itself.
+AUTODISCOVERY = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+job = json.loads(sys.stdin.read())
+if __name__ == "__main__":
+    imported_before = "vllm_adaspec" in sys.modules
+    llm = LLM(model=job["model"], disable_log_stats=False, kv_cache_memory_bytes=2**30, **job["engine"])
+    vc = llm.llm_engine.vllm_config
+    out = {"imported_before": imported_before, "worker_cls": vc.parallel_config.worker_cls,
+           "scheduler_cls": vc.scheduler_config.scheduler_cls, "batches": []}
+    for batch in job["batches"]:
+        before = llm.collective_rpc("adaspec_stats")[0]
+        outs = llm.generate(batch["prompts"], [SamplingParams(**p) for p in batch["params"]], use_tqdm=False)
+        after = llm.collective_rpc("adaspec_stats")[0]
+        out["batches"].append({"token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                               "texts": [o.outputs[0].text for o in outs],
+                               "tree_verified": after["tree_verified"] - before["tree_verified"]})
+    llm.llm_engine.engine_core.shutdown()
+    print("@@" + json.dumps(out), flush=True)
+"""
+
+
+def test_multiprocess_engine_discovers_the_plugin_and_mixed_tree_batches_stay_exact(smollm2, plain_greedy, tmp_path):
+    job = {"model": smollm2, "engine": tree_engine(), "batches": [TREE_MIX, COUNTS]}
     env = default_env(multiprocess=True, workdir=str(tmp_path))
-    tree = run_engine({"model": smollm2, "engine": tree_engine(), "batches": [mixed, counts]}, env=env)["batches"]
-    plain = run_engine({"model": smollm2, "engine": ENGINE, "batches": [mixed, counts]})["batches"]
-    got, want = tree[0]["runs"][0]["token_ids"], plain[0]["runs"][0]["token_ids"]
-    assert got[:4] == want[:4]  # greedy tree rows and greedy chain-only rows (penalty applied by vLLM)
-    sampled = tree[1]["runs"][0]
-    assert sampled["adaspec"]["tree_verified"] > n // 2, sampled["adaspec"]
-    p = two_sample_chi2_pvalue(sampled["texts"], plain[1]["runs"][0]["texts"])
-    assert p > 1e-3, (p, sampled["texts"][:8], plain[1]["runs"][0]["texts"][:8])
+    proc = subprocess.run([sys.executable, "-c", AUTODISCOVERY], input=json.dumps(job), capture_output=True,
+                          text=True, env=env, timeout=900)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("@@")), None)
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(line[2:])
+    assert got["imported_before"] is False
+    assert got["worker_cls"] == "vllm_adaspec.engine.worker.AdaspecCPUWorker"
+    assert got["scheduler_cls"] == "vllm_adaspec.engine.scheduler.AdaspecScheduler"
+    mix, counts = got["batches"]
+    # greedy tree rows and greedy chain-only rows (penalty applied by vLLM) equal plain decoding
+    assert mix["token_ids"][:4] == plain_greedy["tree_mix"]["token_ids"][:4]
+    assert counts["tree_verified"] > 32, counts["tree_verified"]
+    p = two_sample_chi2_pvalue(counts["texts"], plain_greedy["counts"]["texts"])
+    assert p > 1e-3, (p, counts["texts"][:8], plain_greedy["counts"]["texts"][:8])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vllm_adaspec.config import AdaspecConfigError
-from vllm_adaspec.heads import (check_against_model, config_hash, find_shipped, load_exit_head, save_exit_head,
-                                weights_fingerprint)
+from vllm_adaspec.heads import (check_against_model, config_hash, find_shipped, fingerprint_mismatch,
+                                fingerprint_names, load_exit_head, save_exit_head, weights_fingerprint)
 
 SMOL = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
         "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
@@ -25,17 +25,36 @@ def test_config_hash_sees_shape_fields_only():
 
 def test_weights_fingerprint_is_dtype_and_padding_independent():
     g = torch.Generator().manual_seed(0)
-    t = {"model.embed_tokens.weight": torch.randn(10, 4, generator=g), "model.norm.weight": torch.randn(4, generator=g)}
+    h = 1024  # thousands of values per chunk, as in a real model: rounding averages out
+    t = {"model.embed_tokens.weight": torch.randn(1000, h, generator=g) * 0.02,
+         "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
     for i in range(2):
-        t[f"model.layers.{i}.input_layernorm.weight"] = torch.randn(4, generator=g)
-        t[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.randn(4, generator=g)
-    fp = weights_fingerprint(t.__getitem__, 2, 10)
-    bf = {k: v.to(torch.bfloat16) for k, v in t.items()}
-    padded = dict(t, **{"model.embed_tokens.weight": torch.cat([t["model.embed_tokens.weight"], torch.zeros(6, 4)])})
-    assert weights_fingerprint(bf.__getitem__, 2, 10) == fp
-    assert weights_fingerprint(padded.__getitem__, 2, 10) == fp
-    changed = dict(t, **{"model.layers.1.input_layernorm.weight": t["model.layers.1.input_layernorm.weight"] * 1.1})
-    assert weights_fingerprint(changed.__getitem__, 2, 10) != fp
+        t[f"model.layers.{i}.input_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+        t[f"model.layers.{i}.post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    fp = weights_fingerprint(t.__getitem__, 2, 1000)
+    for dtype in (torch.bfloat16, torch.float16):  # float16 -> bfloat16 is not float32 -> bfloat16: no exact hash
+        low = {k: v.to(dtype) for k, v in t.items()}
+        assert fingerprint_mismatch(fp, weights_fingerprint(low.__getitem__, 2, 1000)) is None, dtype
+    padded = dict(t, **{"model.embed_tokens.weight": torch.cat([t["model.embed_tokens.weight"], torch.ones(6, h)])})
+    assert fingerprint_mismatch(fp, weights_fingerprint(padded.__getitem__, 2, 1000)) is None
+    changed = dict(t, **{"model.layers.1.input_layernorm.weight": t["model.layers.1.input_layernorm.weight"] * 1.02})
+    assert fingerprint_mismatch(fp, weights_fingerprint(changed.__getitem__, 2, 1000)) > 1
+    tuned = dict(t, **{"model.embed_tokens.weight": t["model.embed_tokens.weight"] * 1.01})
+    assert fingerprint_mismatch(fp, weights_fingerprint(tuned.__getitem__, 2, 1000)) > 1
+
+
+def test_the_shipped_head_fingerprint_matches_the_checkpoint_in_every_dtype(smollm2):
+    from vllm_adaspec.heads import find_shipped, legacy_fingerprint, load_exit_head
+    from vllm_adaspec.training.layers import read_hf_tensors
+
+    meta, _ = load_exit_head(find_shipped(json.load(open(f"{smollm2}/config.json"))), tensors=False)
+    t = read_hf_tensors(smollm2, fingerprint_names(30))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        low = {k: v.to(dtype) for k, v in t.items()}
+        assert fingerprint_mismatch(meta["base_model"]["weights_fingerprint"],
+                                    weights_fingerprint(low.__getitem__, 30, 49152)) is None, dtype
+    # the sha256 format of older heads still works for the loads it could tell apart
+    assert len(legacy_fingerprint(t.__getitem__, 30, 49152)) == 16
 
 
 def _meta(n=4):
@@ -45,14 +64,22 @@ def _meta(n=4):
 
 
 def test_check_against_model_names_what_does_not_match():
-    check_against_model(_meta(), "F", SMOL, None)
-    check_against_model(_meta(), "F", SMOL, 4, fingerprint="abc")
+    g = torch.Generator().manual_seed(1)
+    weights = {n: torch.randn(SMOL["vocab_size"] if "embed" in n else 576, *((576,) if "embed" in n else ()),
+                              generator=g) for n in fingerprint_names(30)}
+    meta = _meta()
+    meta["base_model"]["weights_fingerprint"] = weights_fingerprint(weights.__getitem__, 30, SMOL["vocab_size"])
+    check_against_model(meta, "F", SMOL, None)
+    check_against_model(meta, "F", SMOL, 4, get_weights=weights.__getitem__)
     with pytest.raises(AdaspecConfigError, match=r"\['exit_layer'\] = 6, but exit head F was trained on the first 4"):
         check_against_model(_meta(), "F", SMOL, 6)
     with pytest.raises(AdaspecConfigError, match="not for this model"):
         check_against_model(_meta(), "F", {**SMOL, "num_hidden_layers": 24}, None)
+    other = dict(weights, **{"model.norm.weight": weights["model.norm.weight"] + 1})
     with pytest.raises(AdaspecConfigError, match="different weights"):
-        check_against_model(_meta(), "F", SMOL, None, fingerprint="xyz")
+        check_against_model(meta, "F", SMOL, None, get_weights=other.__getitem__)
+    with pytest.raises(AdaspecConfigError, match="different weights"):  # a head with the old sha256 format
+        check_against_model(_meta(), "F", SMOL, None, get_weights=weights.__getitem__)
 
 
 def test_save_load_roundtrip(tmp_path):
@@ -81,5 +108,5 @@ def test_a_head_ships_for_smollm2_and_matches_its_config(smollm2):
     from vllm_adaspec.training.layers import read_hf_tensors
 
     t = read_hf_tensors(smollm2, fingerprint_names(cfg["num_hidden_layers"]))
-    assert weights_fingerprint(t.__getitem__, cfg["num_hidden_layers"], cfg["vocab_size"]) == \
-        meta["base_model"]["weights_fingerprint"]
+    assert fingerprint_mismatch(meta["base_model"]["weights_fingerprint"],
+                                weights_fingerprint(t.__getitem__, cfg["num_hidden_layers"], cfg["vocab_size"])) is None

@@ -68,3 +68,17 @@ def test_fixed_policy_and_seeds():
     assert p.begin_round() == 5 and p.accept(1) and p.keep_drafting(4) and not p.keep_drafting(5)
     assert request_seed("req-1", 0) == request_seed("req-1", 0) != request_seed("req-2", 0)
     assert request_seed("req-1", 0) != request_seed("req-1", 1)
+
+
+def test_bonus_rows_follow_chains_and_the_last_accepted_tree_node():
+    from vllm_adaspec.requests import bonus_rows
+
+    # Row 0: chain of 3 drafts, 2 accepted (outputs 0..3, bonus from output 2). Row 1: prefill chunk (1 output,
+    # nothing committed). Row 2: tree of 4 nodes (outputs 5..9), accepted path [1, 3]: the bonus comes from node 3's
+    # output, 5 + 1 + 3 = 9, not from 5 + len(path) = 7 as for a chain. Row 3: tree, nothing accepted: the root's.
+    sampled = [3, 0, 3, 1]
+    verified = [3, 0, 4, 2]
+    paths = {2: [1, 3], 3: []}
+    assert bonus_rows(sampled, verified, paths) == [2, -1, 9, 10]
+    assert bonus_rows(sampled, verified) == [2, -1, 7, 10]  # what chain bookkeeping would read
+    assert bonus_rows([1, 1], None) == [0, 1]  # a step without drafts: one output per row

@@ -67,3 +67,13 @@ def test_follows_a_change():
 def test_rejects_bad_k():
     with pytest.raises(ValueError, match="max_k must be >= 1"):
         SpeedGuard(0)
+
+
+def test_settled_reports_only_buckets_whose_climb_is_done():
+    g = SpeedGuard(3, explore=0.0, min_trials=1)
+    for k, rate in ((0, 10.0), (1, 8.0)):  # batch 4: plain is faster, the climb stops at cap 1
+        assert g.choose(4) == k
+        g.observe(4, k, int(rate), 1.0)
+    assert g.choose(1) == 0  # batch 1: still trying
+    g.observe(1, 0, 10, 1.0)
+    assert g.settled() == {4: 0}

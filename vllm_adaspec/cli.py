@@ -199,9 +199,17 @@ def cmd_train_calibration(args) -> int:
     return _run_trainer(train_calibration, st)
 
 
+def add_serve(sub) -> None:
+    # Listed for `adaspec --help`; `main` hands everything after `serve` to vLLM untouched (its own --help too).
+    p = sub.add_parser("serve", add_help=False, help="`vllm serve MODEL [flags]` on every vLLM build, CPU included "
+                       "(takes exactly vllm serve's flags)")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaspec", description="self-speculative decoding for vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve(sub)
     add_fetch(sub)
     add_demo(sub)
     add_distill(sub)
@@ -210,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from vllm_adaspec.engine.serve import serve
+
+        return serve(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -52,6 +52,9 @@ class TreeSettings:
     budget: int  # nodes per tree (verified rows besides the root)
     top_k: int = 2  # candidates per depth (the chain's token and top_k - 1 alternatives)
     depth: int | None = None  # chain depth drafted; None = ceil(budget / top_k)
+    # Most KV positions the tree path may hold in its per-request contiguous copies (engine/tree_verification.py),
+    # all requests together; requests past it draft chains. None = an eighth of the KV cache's token capacity.
+    kv_copy_tokens: int | None = None
 
     @property
     def max_depth(self) -> int:
@@ -63,9 +66,10 @@ def _parse_tree(value: Any) -> TreeSettings | None:
         return None
     if not isinstance(value, Mapping):
         raise _fail("tree", f"must be an object like {{\"budget\": 16, \"top_k\": 2}}, got {value!r}")
-    unknown = sorted(set(value) - {"budget", "top_k", "depth"})
+    unknown = sorted(set(value) - {"budget", "top_k", "depth", "kv_copy_tokens"})
     if unknown:
-        raise _fail("tree", f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: budget, top_k, depth")
+        raise _fail("tree", f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: budget, top_k, depth, "
+                            "kv_copy_tokens")
     if "budget" not in value:
         raise _fail("tree", "needs 'budget' (tree nodes verified per step)")
     budget = _check_int("tree.budget", value["budget"])
@@ -79,7 +83,12 @@ def _parse_tree(value: Any) -> TreeSettings | None:
         depth = _check_int("tree.depth", depth)
         if not 1 <= depth <= budget:
             raise _fail("tree", f"depth must be in 1..budget ({budget}), got {depth}")
-    return TreeSettings(budget=budget, top_k=top_k, depth=depth)
+    copy_tokens = value.get("kv_copy_tokens")
+    if copy_tokens is not None:
+        copy_tokens = _check_int("tree.kv_copy_tokens", copy_tokens)
+        if copy_tokens < 1:
+            raise _fail("tree", f"kv_copy_tokens must be >= 1 (KV positions), got {copy_tokens}")
+    return TreeSettings(budget=budget, top_k=top_k, depth=depth, kv_copy_tokens=copy_tokens)
 
 
 def _fail(key: str, msg: str) -> AdaspecConfigError:

@@ -6,12 +6,18 @@ lets the parent stay free of vLLM. The parent side imports nothing heavy.
 
     job = {"model": PATH, "engine": {...LLM kwargs...}, "batches": [{"prompts": [...], "params": [{...}], "repeat": 1}]}
     result = run_engine(job)   # {"batches": [{"token_ids": [[...]], "texts": [...], "seconds": [...], "metrics": {...}}]}
+
+`EngineHost` keeps one child alive and builds engines in it one after another (each torn down before the next):
+the interpreter and vLLM's import (most of an engine's start-up on a small model) are paid once. Optional job keys:
+"env" (variables set while that engine lives), "expect_error" (return {"error": message} when building the engine
+fails instead of raising: start-up error tests).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -94,11 +100,96 @@ def adaspec_stats(llm) -> dict:
         return {}
 
 
+class EngineHost:
+    """One child Python that runs engine jobs one after another (`run(job)` -> the same result as run_engine).
+
+    Engines are single-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and torn down after their job. A job that kills
+    the child raises EngineRunError with the log tail, and the next job starts a fresh child."""
+
+    def __init__(self, env: dict | None = None, python: str = sys.executable):
+        self.python = python
+        self.work = tempfile.mkdtemp(prefix="adaspec-host-")
+        self.env = env or default_env(workdir=self.work)
+        self.proc = None
+        self.log = os.path.join(self.work, "host.log")
+
+    def _start(self) -> None:
+        self._log_file = open(self.log, "a")
+        self.proc = subprocess.Popen([self.python, "-m", "vllm_adaspec.harness", "--host"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=self.env)
+
+    def run(self, job: dict) -> dict:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        seen = []
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                result = json.loads(line[len(MARK):])
+                if "error" in result and not job.get("expect_error"):
+                    raise EngineRunError(f"engine job failed: {result['error']}\n{self._tail()}")
+                return result
+            seen.append(line)
+        self.proc.wait()
+        raise EngineRunError(f"engine host died (exit {self.proc.returncode}):\n{''.join(seen[-20:])}\n{self._tail()}")
+
+    def _tail(self, lines: int = 60) -> str:
+        self._log_file.flush()
+        with open(self.log) as f:
+            return "\n".join(f.read().splitlines()[-lines:])
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _host_loop() -> None:
+    """Child side of EngineHost: one JSON job per stdin line, one result line per job."""
+    import gc
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        saved = {k: os.environ.get(k) for k in job.get("env", {})}
+        os.environ.update(job.get("env", {}))
+        try:
+            result = _child(job)
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
+            result = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            gc.collect()
+        sys.stdout.write(MARK + json.dumps(result) + "\n")
+        sys.stdout.flush()
+
+
 def _child(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     engine = {"kv_cache_memory_bytes": 2**30, **job.get("engine", {})}
     llm = LLM(model=job["model"], disable_log_stats=False, **engine)
+    try:
+        return _run_batches(llm, job)
+    finally:
+        # Multiprocess: the engine-core processes inherited our stdout, and without a shutdown they outlive
+        # os._exit and the parent never sees EOF. In-process: frees the engine before a host builds the next one.
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+def _run_batches(llm, job: dict) -> dict:
+    from vllm import SamplingParams
+
     results = []
     for batch in job["batches"]:
         params = [SamplingParams(**p) for p in batch["params"]]
@@ -121,14 +212,13 @@ def _child(job: dict) -> dict:
                 }
             )
         results.append({"runs": runs})
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
-        # The engine-core processes inherited our stdout: without a shutdown they outlive os._exit below and the
-        # parent never sees EOF.
-        llm.llm_engine.engine_core.shutdown()
     return {"batches": results}
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--host"]:
+        _host_loop()
+        os._exit(0)
     result = _child(json.loads(sys.stdin.read()))
     sys.stdout.write(MARK + json.dumps(result) + "\n")
     sys.stdout.flush()

@@ -56,3 +56,27 @@ class RequestStates:
 
     def __len__(self) -> int:
         return len(self.states)
+
+
+def bonus_rows(num_sampled: list[int], verified_drafts: list[int] | None,
+               tree_paths: dict[int, list[int]] | None = None) -> list[int]:
+    """For each batch row, the row of the target's sampled outputs (its logits / final hidden states, batch order)
+    that produced the row's last sampled token, the bonus token.
+
+    num_sampled [B]: tokens the step committed per batch row (accepted drafts + 1; 0 = none);
+    verified_drafts [B]: drafts the step verified per row (None: a step without drafts); a row takes
+    1 + verified_drafts outputs. A chain's bonus comes from the output after its last accepted draft; a tree's from
+    the output of its last accepted node (tree_paths: batch row -> accepted node indices, root to deepest; the
+    outputs are the root's, then node i's at 1 + i). Rows that committed nothing get -1."""
+    out, start = [], 0
+    for i, n in enumerate(num_sampled):
+        taken = 1 + (verified_drafts[i] if verified_drafts is not None else 0)
+        path = (tree_paths or {}).get(i)
+        if n <= 0:
+            out.append(-1)
+        elif path is not None:
+            out.append(start + (1 + path[-1] if path else 0))
+        else:
+            out.append(start + n - 1)
+        start += taken
+    return out

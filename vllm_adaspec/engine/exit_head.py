@@ -28,17 +28,23 @@ _STACKED = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_pr
 
 
 def _new_decoder_layer(target_model, vllm_config, index: int):
-    """One decoder layer of the target's own class at layer index `index` (past the target's last)."""
+    """One decoder layer of the target's own class at layer index `index` (past the target's last).
+
+    Built under the model's dtype as torch's default, as vLLM builds the model itself: the drafter loads after the
+    model, when the default is float32 again, and a layer built then keeps float32 weights in a bfloat16 / float16
+    model. On CPU its GEMMs are then prepared for float32 weights and fed half-precision activations, which gives
+    garbage (the shipped head accepted 1 draft in 249 in bfloat16)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.models.llama import LlamaDecoderLayer
     from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     cls = type(target_model.model.layers[0])
     hf = copy.copy(vllm_config.model_config.hf_text_config)
     if getattr(hf, "layer_types", None):  # per-layer attention types are indexed by layer index
         hf.layer_types = list(hf.layer_types) + [hf.layer_types[-1]] * (index + 1 - len(hf.layer_types))
     prefix = f"{PREFIX}.{index}"
-    with set_current_vllm_config(vllm_config):
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(vllm_config.model_config.dtype):
         if issubclass(cls, LlamaDecoderLayer):
             layer = cls(vllm_config=vllm_config, prefix=prefix, config=hf)
         elif issubclass(cls, Qwen2DecoderLayer):
@@ -81,14 +87,13 @@ class TrainedExit:
         from vllm.model_executor.layers.layernorm import RMSNorm
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        from vllm_adaspec.heads import check_against_model, load_exit_head, weights_fingerprint
+        from vllm_adaspec.heads import check_against_model, load_exit_head
 
         hf = vllm_config.model_config.hf_text_config
         meta, tensors = load_exit_head(folder)
         num_layers = hf.num_hidden_layers
         params = dict(target_model.named_parameters())
-        fp = weights_fingerprint(params.__getitem__, num_layers, hf.vocab_size)
-        check_against_model(meta, folder, hf, exit_layer, fingerprint=fp)  # raises on mismatch
+        check_against_model(meta, folder, hf, exit_layer, get_weights=params.__getitem__)  # raises on mismatch
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             raise AdaspecConfigError("vllm_adaspec: trained exit heads need tensor_parallel_size == 1 for now")
         device = next(target_model.parameters()).device

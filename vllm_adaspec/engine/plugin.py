@@ -91,7 +91,7 @@ def configure(vllm_config) -> None:
         if not current_platform.is_cpu():
             raise AdaspecConfigError(
                 f"additional_config['{SECTION}']['tree']: tree verification is wired into vLLM's CPU attention only "
-                "so far (the GPU path, kernels/tree_attention.py, is not connected yet); remove 'tree' for chains")
+                "so far (the GPU path, vllm_adaspec/kernels/tree_attention.py, is not connected yet); remove 'tree' for chains")
         if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
             raise AdaspecConfigError(f"additional_config['{SECTION}']['tree']: sliding-window attention "
                                      f"(sliding_window={hf.sliding_window}) is not supported by tree verification")

@@ -264,6 +264,19 @@ class SequenceKV:
 _SEQ_KV: dict[tuple[str, int], SequenceKV] = {}
 
 
+def copy_capacity(length: int) -> int:
+    """Positions a request's copy holds once it reaches `length`: room for a few steps, at most ~1.25x its KV."""
+    return length + length // 4 + 64
+
+
+def held_copy_tokens() -> int:
+    """Positions held by all requests' copies, counted once per request (every layer holds the same)."""
+    held: dict[str, int] = {}
+    for (req_id, _), seq in _SEQ_KV.items():
+        held[req_id] = max(held.get(req_id, 0), seq.k.shape[0])
+    return sum(held.values())
+
+
 def retain_sequence_kv(step: TreeStep | None) -> None:
     """Drop the copies of requests that are not tree requests in this step (finished, preempted, chains)."""
     keep = {r.req_id for r in step.requests} if step is not None else set()
@@ -280,7 +293,7 @@ def sequence_kv(cache: torch.Tensor, block_row: torch.Tensor, req_id: str, lengt
     start = 0 if seq is None else min(seq.final, length)
     k_new, v_new = gather_cpu_kv(cache, block_row, length, isa, start=start)
     if seq is None or seq.k.shape[0] < length:
-        cap = length + length // 4 + 64  # room for a few steps; at most 1.25x the request's own KV
+        cap = copy_capacity(length)
         k = k_new.new_empty((cap,) + k_new.shape[1:])
         v = v_new.new_empty((cap,) + v_new.shape[1:])
         if seq is not None:

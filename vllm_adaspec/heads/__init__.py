@@ -20,7 +20,7 @@ import torch
 
 from vllm_adaspec.config import AdaspecConfigError
 
-__all__ = ["FORMAT", "config_hash", "weights_fingerprint", "fingerprint_names", "save_exit_head", "load_exit_head",
+__all__ = ["FORMAT", "config_hash", "weights_fingerprint", "fingerprint_mismatch", "fingerprint_names", "save_exit_head", "load_exit_head",
            "check_against_model", "find_shipped", "SHIPPED_DIR", "exit_head_hash", "check_calibration"]
 
 FORMAT = "vllm-adaspec/exit-head/1"
@@ -55,13 +55,51 @@ def fingerprint_names(num_layers: int) -> list[str]:
     return names
 
 
-def weights_fingerprint(get: Callable[[str], torch.Tensor], num_layers: int, vocab_size: int) -> str:
-    """sha256 over the bfloat16-rounded fingerprint tensors: the same for a float32 and a bfloat16 load."""
+FINGERPRINT_CHUNKS = 32
+FINGERPRINT_RTOL = 1e-3
+
+
+def weights_fingerprint(get: Callable[[str], torch.Tensor], num_layers: int, vocab_size: int) -> list[float]:
+    """What identifies a checkpoint's weights in any dtype: for the embedding and for all norms together (each
+    flattened, in FINGERPRINT_CHUNKS equal chunks), every chunk's mean and mean absolute value, summed in float64.
+    A float32, bfloat16 or float16 load of the same checkpoint gives the same numbers up to rounding averaged over
+    thousands of values (far below FINGERPRINT_RTOL); another checkpoint or a fine-tune moves them.
+
+    (Heads before this format stored a sha256 of bfloat16-rounded values, which float16 loads cannot reproduce:
+    rounding float16 to bfloat16 is not rounding float32 to bfloat16.)"""
+    names = fingerprint_names(num_layers)
+    emb = get(names[0]).detach()[:vocab_size].reshape(-1)  # vLLM pads the vocabulary
+    norms = torch.cat([get(n).detach().reshape(-1).to("cpu", torch.float32) for n in names[1:]])
+    out = []
+    for t in (emb.to("cpu", torch.float32), norms):
+        for chunk in torch.tensor_split(t, FINGERPRINT_CHUNKS):
+            out += [chunk.sum(dtype=torch.float64).item() / chunk.numel(),
+                    chunk.abs().sum(dtype=torch.float64).item() / chunk.numel()]
+    return [float(f"{x:.9g}") for x in out]
+
+
+def fingerprint_mismatch(stored, loaded: list[float]) -> float | None:
+    """None when `loaded` (weights_fingerprint of the model) is the checkpoint `stored` describes, else how far off
+    it is (largest deviation over the tolerance; > 1). `stored` may be a legacy sha256 string (exact match on
+    bfloat16-rounded values, computed here again for the comparison's sake by the caller: see _legacy)."""
+    if len(stored) != len(loaded):
+        return float("inf")
+    worst, half = 0.0, len(stored) // 2
+    for part in (slice(0, half), slice(half, None)):
+        a, b = stored[part], loaded[part]
+        scale = sum(abs(x) for x in a[1::2]) / max(1, len(a) // 2)  # mean |w| of this tensor group
+        tol = FINGERPRINT_RTOL * scale + 1e-12
+        worst = max(worst, max(abs(x - y) for x, y in zip(a, b)) / tol)
+    return None if worst <= 1 else worst
+
+
+def legacy_fingerprint(get: Callable[[str], torch.Tensor], num_layers: int, vocab_size: int) -> str:
+    """The format of heads trained before weights_fingerprint: sha256 over bfloat16-rounded tensors."""
     h = hashlib.sha256()
     for name in fingerprint_names(num_layers):
         t = get(name).detach()
         if name == "model.embed_tokens.weight":
-            t = t[:vocab_size]  # vLLM pads the vocabulary
+            t = t[:vocab_size]
         h.update(name.encode())
         h.update(t.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
@@ -96,9 +134,14 @@ def load_exit_head(folder: str, tensors: bool = True) -> tuple[dict, dict[str, t
     return meta, load_file(os.path.join(folder, "exit_head.safetensors"))
 
 
+def hf_num_layers(hf_config) -> int:
+    return int(_cfg_get(hf_config, "num_hidden_layers"))
+
+
 def check_against_model(meta: dict, folder: str, hf_config, exit_layer: int | None,
-                        fingerprint: str | None = None) -> None:
-    """Raise AdaspecConfigError when the checkpoint was not trained for this model / N."""
+                        get_weights: Callable[[str], torch.Tensor] | None = None) -> None:
+    """Raise AdaspecConfigError when the checkpoint was not trained for this model / N (and, with `get_weights`:
+    name -> the loaded model's tensor, for these weights)."""
     base = meta["base_model"]
     where = f"exit head {folder}"
     archs = list(_cfg_get(hf_config, "architectures") or [])
@@ -110,11 +153,19 @@ def check_against_model(meta: dict, folder: str, hf_config, exit_layer: int | No
         raise AdaspecConfigError(
             f"additional_config['adaspec']['exit_layer'] = {exit_layer}, but {where} was trained on the first "
             f"{meta['exit_layer']} layers; omit exit_layer or set it to {meta['exit_layer']}")
-    if fingerprint is not None and fingerprint != base["weights_fingerprint"]:
-        raise AdaspecConfigError(
-            f"{where} was trained for {base.get('name')} with weights fingerprint {base['weights_fingerprint']}; "
-            f"the loaded weights have {fingerprint} (same architecture, different weights: another checkpoint or a "
-            "fine-tune). Train a head for these weights with `adaspec train exit-layer`")
+    if get_weights is not None:
+        stored = base["weights_fingerprint"]
+        if isinstance(stored, str):  # a head from before the tolerant format
+            loaded = legacy_fingerprint(get_weights, hf_num_layers(hf_config), _cfg_get(hf_config, "vocab_size"))
+            off = None if loaded == stored else float("inf")
+        else:
+            off = fingerprint_mismatch(
+                stored, weights_fingerprint(get_weights, hf_num_layers(hf_config), _cfg_get(hf_config, "vocab_size")))
+        if off is not None:
+            raise AdaspecConfigError(
+                f"{where} was trained for {base.get('name')} with other weights (same architecture, different "
+                f"weights: another checkpoint or a fine-tune; its weights fingerprint is {off:.3g}x the tolerance "
+                "away). Train a head for these weights with `adaspec train exit-layer`")
 
 
 def find_shipped(hf_config, exit_layer: int | None = None) -> str | None:

@@ -78,3 +78,12 @@ class SpeedGuard:
         b = self.bucket(batch)
         trying, tried = self._climb(b)
         return None if trying is not None else max(tried, key=lambda k: self.rate[(b, k)])
+
+    def settled(self) -> dict[int, int]:
+        """{smallest batch size of a bucket: its best cap} for every bucket whose caps have all been tried."""
+        out = {}
+        for b in sorted({b for b, _ in self.trials}):
+            trying, tried = self._climb(b)
+            if trying is None:
+                out[1 << (b - 1)] = max(tried, key=lambda k: self.rate[(b, k)])
+        return out

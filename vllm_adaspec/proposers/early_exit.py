@@ -22,8 +22,8 @@ from vllm_adaspec.kernels.entropy_topk import entropy_topk
 from vllm_adaspec.metrics import ACCEPTANCE_BUCKETS, DRAFTS_PER_ROUND_BUCKETS, new_histogram, observe
 from vllm_adaspec.policies import POLICIES, make_policy
 from vllm_adaspec.policies.speed_guard import SpeedGuard
-from vllm_adaspec.requests import RequestStates
-from vllm_adaspec.trees import GrowingTree, add_children, best_subtree, to_expand
+from vllm_adaspec.requests import RequestStates, bonus_rows
+from vllm_adaspec.trees import GrowingTree, add_children, admit_within, best_subtree, to_expand
 
 
 def request_seed(req_id: str, base_seed: int) -> int:
@@ -55,13 +55,18 @@ class EarlyExitProposer:
         self.calibration = None
         self.wants_target_hidden = getattr(POLICIES[self.cfg.policy], "needs_score", False)
         self._target_hidden, self._verified_drafts = None, None
+        self._tree_paths: dict[int, list[int]] = {}
         self._check_rows = os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1"
+        # Tests compare the drafter with a plain-torch reference: per request, its committed tokens and the first
+        # draft proposed after each committed length (stats["first_drafts"]).
+        self._record = os.environ.get("VLLM_ADASPEC_RECORD_DRAFTS") == "1"
         self.exit_head = None  # checkpoint folder in use, None = untrained exit
         # Tree mode (config `tree`): per request, the chain's top-k candidates at each depth become a tree grown by
         # path probability; the trees proposed in the last call, req_id -> (tokens, parents), for the runner glue
         # (engine/tree_verification.py) to verify as trees.
         self.tree = self.cfg.tree
         self.pending_trees: dict[str, tuple[list[int], list[int]]] = {}
+        self._tree_holders: set[str] = set()  # requests admitted to tree mode last step (they hold KV copies)
         k = self.cfg.num_speculative_tokens
         # The guard models chains (k drafts -> throughput); tree mode runs without it.
         self.guard = SpeedGuard(k, seed=base_seed) if self.cfg.speed_guard and self.cfg.tree is None else None
@@ -79,6 +84,7 @@ class EarlyExitProposer:
                       "policy_seconds": 0.0,
                       # tree mode: trees proposed, their nodes, trees verified as trees, accepted depth histogram
                       "tree_rounds": 0, "tree_nodes": 0, "tree_verified": 0, "tree_kv_moves": 0,
+                      "tree_capped": 0, "tree_kv_copy_peak": 0,
                       "tree_accepted_depth": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
                       "plain_switches": 0,
                       "cap_steps": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
@@ -112,6 +118,7 @@ class EarlyExitProposer:
         self.runner = runner
 
     def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
+        self._tree_paths = {}  # this step's accepted tree paths (on_tree_paths), read by the next propose
         for st in self.states.finish(finished):
             self.stats["requests_finished"] += 1
             if st.rounds:
@@ -171,7 +178,7 @@ class EarlyExitProposer:
             return drafts
         t0 = time.perf_counter()
         self.prefix.ensure_attached(self.runner)
-        treeish = self._tree_rows(rows, req_ids) if self.tree is not None else [False] * len(rows)
+        treeish = self._tree_rows(rows, req_ids, num_tokens_no_spec) if self.tree is not None else [False] * len(rows)
         chain = [e for e, t in enumerate(treeish) if not t]
         trees = [e for e, t in enumerate(treeish) if t]
         for part, draft in ((chain, self._draft_chains), (trees, self._draft_trees)):
@@ -179,6 +186,14 @@ class EarlyExitProposer:
                 policy_s += draft([rows[e] for e in part], [budgets[e] for e in part], [policies[e] for e in part],
                                   num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts)
         st = self.stats
+        if self._record:
+            rec = st.setdefault("first_drafts", {})
+            for i in rows:
+                if drafts[i]:
+                    n = int(num_tokens_no_spec[i])
+                    r = rec.setdefault(req_ids[i], {"tokens": [], "drafts": []})
+                    r["tokens"] = token_ids_cpu[i, :n].tolist()
+                    r["drafts"].append([n, drafts[i][0]])
         st["propose_calls"] += 1
         st["draft_tokens"] += sum(map(len, drafts))
         st["draft_seconds"] += time.perf_counter() - t0
@@ -376,32 +391,48 @@ class EarlyExitProposer:
     def on_tree_paths(self, results: dict, kv_moves: int) -> None:
         """Called by the tree sampler after each verification: {batch row: (accepted nodes, bonus)} and how many
         KV slots compaction moved (nonzero: a path left the first-child spine)."""
+        self._tree_paths = {row: path for row, (path, _) in results.items()}
         self.stats["tree_verified"] += len(results)
         self.stats["tree_kv_moves"] += kv_moves
+        from vllm_adaspec.engine.tree_verification import held_copy_tokens
+
+        self.stats["tree_kv_copy_peak"] = max(self.stats["tree_kv_copy_peak"], held_copy_tokens())
         for path, _ in results.values():
             self.stats["tree_accepted_depth"][len(path)] += 1
 
-    def _tree_rows(self, rows: list[int], req_ids: list[str]) -> list[bool]:
-        """Which drafting rows may draft a tree: requests whose sampling needs only temperature / top-k / top-p."""
-        from vllm_adaspec.engine.tree_verification import tree_compatible
+    def _tree_rows(self, rows: list[int], req_ids: list[str], num_tokens_no_spec) -> list[bool]:
+        """Which drafting rows may draft a tree: requests whose sampling needs only temperature / top-k / top-p,
+        and whose KV copies fit the tree path's cap (trees.admit_within); the others draft chains."""
+        from vllm_adaspec.engine import tree_verification as tv
 
         states = getattr(self.runner, "requests", {})
-        return [tree_compatible(getattr(states.get(req_ids[i]), "sampling_params", None)) for i in rows]
+        ok = [tv.tree_compatible(getattr(states.get(req_ids[i]), "sampling_params", None)) for i in rows]
+        cand = [e for e, good in enumerate(ok) if good]
+        lengths = [tv.copy_capacity(int(num_tokens_no_spec[rows[e]]) + self.tree.budget) for e in cand]
+        holding = [req_ids[rows[e]] in self._tree_holders for e in cand]
+        admitted = admit_within(lengths, self._copy_cap(), holding)
+        for e, a in zip(cand, admitted):
+            ok[e] = a
+        self.stats["tree_capped"] += len(cand) - sum(admitted)
+        self._tree_holders = {req_ids[rows[e]] for e, a in zip(cand, admitted) if a}
+        return ok
+
+    def _copy_cap(self) -> int:
+        """KV positions the tree path's copies may hold (config tree.kv_copy_tokens; default 1/8 of the cache)."""
+        if self.tree.kv_copy_tokens is not None:
+            return self.tree.kv_copy_tokens
+        cfg = self.runner.kv_cache_config
+        return cfg.num_blocks * self.prefix.block_size // 8
 
     def _target_projection(self, rows: list[int], sampled_token_ids) -> torch.Tensor | None:
-        """Target side of the predictor for the drafting rows [B, 10], from the row that produced each request's
-        last sampled token: a request takes 1 + (verified drafts) rows of the sampled hidden states, in batch order.
-        """
+        """Target side of the predictor for the drafting rows [B, 10], from the output row that produced each
+        request's last sampled token (requests.bonus_rows: in tree mode the row of the last accepted node)."""
         if self.calibration is None:
             return None
         if self._target_hidden is None:
             raise RuntimeError("thompson-cali: the worker did not hand over the target's hidden states")
-        n = len(sampled_token_ids)
-        taken = np.ones(n, dtype=np.int64)
-        if self._verified_drafts is not None:
-            taken += np.asarray(self._verified_drafts[:n], dtype=np.int64)
-        start = np.concatenate([[0], np.cumsum(taken)[:-1]])
-        last = [int(start[i]) + len(sampled_token_ids[i]) - 1 for i in rows]
+        rows_of = bonus_rows([len(s) for s in sampled_token_ids], self._verified_drafts, self._tree_paths)
+        last = [rows_of[i] for i in rows]
         h = self._target_hidden[torch.tensor(last, device=self._target_hidden.device)]
         if self._check_rows:  # greedy runs: the row must re-produce the token it sampled (tests set this)
             got = self.prefix.model.compute_logits(h).argmax(-1).tolist()
@@ -434,6 +465,7 @@ class EarlyExitProposer:
     def get_stats(self) -> dict:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
         return {**copy.deepcopy(self.stats), "tracked_requests": len(self.states),
+                "guard_best": {str(b): k for b, k in self.guard.settled().items()} if self.guard else {},
                 "plain_requests": len(self._stale),
                 "config": {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head,
                            "exit_kv_layers": self.exit_kv_layers()}}

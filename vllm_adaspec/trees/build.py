@@ -120,3 +120,15 @@ def best_subtree(t: GrowingTree, budget: int, max_depth: int | None = None) -> t
     parents = [new[t.parents[i]] if t.parents[i] >= 0 else -1 for i in order]
     tokens = torch.tensor([t.tokens[i] for i in order], dtype=torch.long)
     return DraftTree(tokens, torch.tensor(parents, dtype=torch.long)), order
+
+
+def admit_within(lengths: Sequence[int], cap: int, holding: Sequence[bool] | None = None) -> list[bool]:
+    """Which requests may be verified as trees when their KV copies (lengths [R] positions each) may hold at most
+    `cap` positions in all: those already holding a copy first (so copies are not dropped and rebuilt), then the
+    rest in order, each while it still fits. The others draft chains this step."""
+    order = sorted(range(len(lengths)), key=lambda i: not (holding[i] if holding is not None else False))
+    admitted, used = [False] * len(lengths), 0
+    for i in order:
+        if used + lengths[i] <= cap:
+            admitted[i], used = True, used + lengths[i]
+    return admitted

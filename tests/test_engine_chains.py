@@ -1,0 +1,154 @@
+"""Chain drafting inside vLLM (float32, real engine, SmolLM2): greedy output identical to plain decoding in every
+mode a request meets (mixed batches, prefix-cache hits, chunked prefill, preemption, compiled graphs, the speed
+guard's switches), sampled output keeps the target distribution, seeded sampling repeats, and the shipped head's
+KV is owned by the engine and drafts well."""
+
+import pytest
+
+from conftest import (COUNTS, ENGINE, GROW_MAX_TOKENS, GROW_PROMPTS, MAX_TOKENS, PROMPTS, SAMPLED_MIX, SEEDED, SPEC,
+                      assert_identical, greedy_batch)
+from stats import two_sample_chi2_pvalue
+from vllm_adaspec.harness import run_engine
+
+pytestmark = pytest.mark.engine
+
+
+def head_engine(k=4, guard=False, **extra):
+    # No exit_layer: "auto" picks the shipped head and its N. Guard off: every step drafts K, every path runs.
+    return {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": k},
+            "additional_config": {"adaspec": {"speed_guard": guard}}, **extra}
+
+
+def accept_rate(m):
+    return m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_draft_tokens"]
+
+
+OTHER_SEEDS = [{**p, "seed": p["seed"] + 7} for p in SEEDED]
+
+
+@pytest.fixture(scope="module")
+def head_runs(smollm2, engines):
+    """One engine with the shipped head (K = 4) for every test of chains in the default mode."""
+    batches = {"mixed": greedy_batch(repeat=2), "sampled_mix": SAMPLED_MIX,
+               "seeded": {"prompts": PROMPTS[:6], "params": SEEDED, "repeat": 2},
+               "other_seeds": {"prompts": PROMPTS[:6], "params": OTHER_SEEDS}, "counts": COUNTS}
+    res = engines.run({"model": smollm2, "engine": head_engine(), "batches": list(batches.values())})
+    return {name: b["runs"] for name, b in zip(batches, res["batches"])}
+
+
+def test_greedy_identical_with_prefix_cache_hits_and_the_shipped_head_drafts_well(head_runs, plain_greedy):
+    first, second = head_runs["mixed"]
+    for run in (first, second):  # the second pass hits the prefix cache for every prompt (exit-layer KV included)
+        assert_identical(run, plain_greedy["mixed"])
+    cfg = first["adaspec"]["config"]
+    assert cfg["exit_head"] and "heads" in cfg["exit_head"], cfg
+    # The exit layer's KV is part of the engine's KV-cache spec (allocated and accounted by vLLM).
+    assert cfg["exit_kv_layers"] == ["adaspec_exit.layers.30.self_attn.attn"], cfg
+    # An untrained exit agrees ~3% of the time; stale or missing exit-layer KV would wreck agreement too.
+    # (Measured with the shipped head on these prompts: about 36% of first drafts, 21% of all drafts at K = 3.)
+    m = first["metrics"]
+    assert accept_rate(m) > 0.12, m
+    assert m["vllm:spec_decode_num_accepted_tokens_per_pos"][0] / m["vllm:spec_decode_num_drafts"] > 0.25, m
+    # Some rounds must accept more than one draft, or rollback of a partial acceptance was never exercised.
+    assert m["vllm:spec_decode_num_accepted_tokens_per_pos"][1] > 0, m
+    assert accept_rate(second["metrics"]) > 0.12, second["metrics"]
+
+
+def test_mixed_batches_draft_for_sampled_requests_and_keep_greedy_rows(head_runs, plain_greedy):
+    """Greedy rows of a batch that also samples stay identical to plain greedy decoding, and sampled requests
+    draft and get drafts accepted (before the expand fix, engine/cpu_sampling_fix.py, such batches flipped greedy
+    rows and accepted nothing)."""
+    mixed = head_runs["sampled_mix"][0]
+    assert mixed["token_ids"][3:] == plain_greedy["sampled_mix"]["token_ids"][3:]
+    sampled_only = head_runs["seeded"][0]
+    assert sampled_only["metrics"]["vllm:spec_decode_num_draft_tokens"] > 0
+    assert sampled_only["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_sampling_with_drafts_keeps_the_distribution(head_runs, plain_greedy):
+    """Coarse engine-level check (the exact one is tests/test_cpu_sampling_fix.py): 64 seeded samples of a 4-token
+    continuation at T = 1.0, plain vs adaspec drafting, two-sample chi-square. Before the fix plain continued
+    " 13, 1" 45/48 times and adaspec 7/48 (benchmarks/probe_cpu_sampling.py)."""
+    spec, plain = head_runs["counts"][0], plain_greedy["counts"]
+    assert spec["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 64  # most samples went through verification
+    p = two_sample_chi2_pvalue(spec["texts"], plain["texts"])
+    assert p > 1e-3, p
+
+
+def test_seeded_sampling_repeats_itself(head_runs):
+    a, b = head_runs["seeded"]
+    assert a["token_ids"] == b["token_ids"]
+    c = head_runs["other_seeds"][0]
+    assert sum(x != y for x, y in zip(a["token_ids"], c["token_ids"])) >= 3, "other seeds should sample other text"
+
+
+# A KV cache of ~12 blocks of 32 tokens for 8 requests that each grow to ~130 tokens forces preemption and
+# recompute; a small token budget chunks the prompts so prefill chunks and draft verification share steps.
+SMALL_KV = dict(kv_cache_memory_bytes=19 * 2**20, block_size=32, max_model_len=320, max_num_batched_tokens=64)
+
+
+@pytest.mark.parametrize("exit_head", ["auto", "none"])
+def test_greedy_identical_under_preemption_and_chunked_prefill(smollm2, plain_greedy, engines, exit_head):
+    # "auto": the shipped head, whose exit layer has KV of its own that preemption drops and recompute rebuilds;
+    # "none": the untrained exit at layer 10 (the first N layers only).
+    engine = head_engine(k=3, **SMALL_KV)
+    engine["additional_config"]["adaspec"].update({} if exit_head == "auto" else {"exit_head": "none", "exit_layer": 10})
+    run = engines.run({"model": smollm2, "engine": engine,
+                       "batches": [greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS)]})["batches"][0]["runs"][0]
+    assert_identical(run, plain_greedy["grow"])
+    assert run["metrics"]["vllm:num_preemptions"] > 0, "no preemption happened: the test did not test it"
+    assert run["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    if exit_head == "auto":
+        assert accept_rate(run["metrics"]) > 0.12, run["metrics"]
+
+
+def test_shipped_head_in_compiled_mode(smollm2, plain_greedy):
+    # vLLM's default mode traces the model with torch.compile and splits the graph at attention: the forward hook
+    # that feeds the exit layer's KV (an attention layer itself) must survive both. The eager backend keeps the
+    # trace and the split (what could drop the hook) but skips code generation, so rounding matches eager decoding
+    # and the eager reference holds. Own process: a compiled engine leaves torch state behind that later eager
+    # engines in the same process trip over.
+    compiled = {k: v for k, v in head_engine(k=3).items() if k != "enforce_eager"}
+    compiled["compilation_config"] = {"backend": "eager", "custom_ops": ["all"]}
+    batch = greedy_batch(max_tokens=[min(m, 48) for m in MAX_TOKENS])
+    run = run_engine({"model": smollm2, "engine": compiled, "batches": [batch]})["batches"][0]["runs"][0]
+    want = {"token_ids": [t[:min(m, 48)] for t, m in zip(plain_greedy["mixed"]["token_ids"], MAX_TOKENS)]}
+    assert_identical(run, want)
+    assert accept_rate(run["metrics"]) > 0.12, run["metrics"]
+
+
+def test_default_settings_are_lossless(smollm2, plain_greedy, engines):
+    # Defaults: shipped head, speed guard on. Requests the guard switches to plain stop feeding the exit layer's KV
+    # (holes in it) and must stay lossless.
+    engine = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": 3}}
+    run = engines.run({"model": smollm2, "engine": engine, "batches": [greedy_batch()]})["batches"][0]["runs"][0]
+    assert_identical(run, plain_greedy["mixed"])
+    caps = run["adaspec"]["cap_steps"]
+    assert len(caps) == 4 and caps[0] > 0 and caps[1] > 0, caps  # the guard measured plain and drafting
+
+
+def test_speed_guard_settles_on_plain_decoding_when_drafts_never_pay(smollm2, engines):
+    """A workload whose answer is known on any machine: the untrained exit after 2 of 30 layers agrees with the
+    model about 3% of the time, so every draft costs time and almost none is accepted. Four requests of equal
+    length keep one batch size; after trying cap 1 for a few steps the guard must settle on cap 0 (plain)."""
+    engine = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": 3},
+              "additional_config": {"adaspec": {"exit_head": "none", "exit_layer": 2}}}
+    batch = {"prompts": PROMPTS[:4], "params": [{"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}]}
+    run = engines.run({"model": smollm2, "engine": engine, "batches": [batch]})["batches"][0]["runs"][0]
+    st = run["adaspec"]
+    assert st["guard_best"] == {"4": 0}, st["guard_best"]  # one batch-size bucket (4-7 requests): plain wins
+    caps = st["cap_steps"]
+    assert caps[0] > 2 * sum(caps[1:]), caps
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+
+
+def test_ngram_seeded_sampling_repeats_itself(smollm2, engines):
+    """vLLM's own ngram drafter: seeded sampling did not repeat on CPU before our expand fix (garbage
+    temperatures); the plugin corrects the op for every speculative method."""
+    engine = {**ENGINE, "speculative_config": NGRAM}
+    res = engines.run({"model": smollm2, "engine": engine,
+                       "batches": [{"prompts": PROMPTS[:6], "params": SEEDED, "repeat": 2}]})
+    a, b = res["batches"][0]["runs"]
+    assert a["token_ids"] == b["token_ids"]

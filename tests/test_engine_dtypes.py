@@ -1,0 +1,67 @@
+"""Every dtype a user picks drafts as the shipped head was trained to: the engine's drafts equal a plain-torch
+reference of the same head in that dtype, and half-precision acceptance stays near float32's.
+
+(The first bfloat16 report: 1 of 249 drafts accepted against 13 of 210 in float32. The exit layer was built after
+the model, under float32 as torch's default dtype, so its GEMMs were prepared for float32 weights and fed bfloat16
+activations; engine/exit_head._new_decoder_layer.)"""
+
+import pytest
+import torch
+
+from conftest import ENGINE, SPEC
+
+pytestmark = pytest.mark.engine
+
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    from transformers import AutoTokenizer
+
+    from vllm_adaspec.data.prompts import load_prompts
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    return load_prompts("humaneval", 3, tokenizer=tok) + load_prompts("mtbench", 3, tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def dtype_runs(smollm2, engines, prompts):
+    out = {}
+    for dtype in DTYPES:
+        engine = {**ENGINE, "dtype": dtype, "speculative_config": {"model": SPEC, "num_speculative_tokens": 3},
+                  "additional_config": {"adaspec": {"speed_guard": False}}}
+        batch = {"prompts": prompts, "params": [{"temperature": 0.0, "max_tokens": 64}]}
+        res = engines.run({"model": smollm2, "engine": engine, "batches": [batch],
+                           "env": {"VLLM_ADASPEC_RECORD_DRAFTS": "1"}})
+        out[dtype] = res["batches"][0]["runs"][0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_drafts_equal_a_plain_torch_reference_of_the_head(smollm2, dtype_runs, dtype):
+    from vllm_adaspec.training.layers import exit_head_drafts
+
+    st = dtype_runs[dtype]["adaspec"]
+    head = st["config"]["exit_head"]
+    agree = total = 0
+    for rec in st["first_drafts"].values():
+        ref = exit_head_drafts(smollm2, head, rec["tokens"], dtype=getattr(torch, dtype))
+        for n, token in rec["drafts"]:
+            agree, total = agree + (ref[n - 1] == token), total + 1
+    assert total > 100, total
+    # float32: the same maths in another order; half precision: rounding flips near-ties between GEMM libraries.
+    assert agree / total > (0.97 if dtype == "float32" else 0.85), (agree, total)
+
+
+def test_half_precision_acceptance_stays_near_float32(dtype_runs):
+    def rate(run):
+        m = run["metrics"]
+        return m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_draft_tokens"]
+
+    f32 = rate(dtype_runs["float32"])
+    assert f32 > 0.12, f32
+    for dtype in DTYPES[1:]:
+        # Different text in each dtype (near-ties) makes a few hundred drafts a noisy sample: the benchmark checks
+        # the 15% target on more prompts; this catches a broken head (1 in 249 accepted in the first report).
+        assert rate(dtype_runs[dtype]) > 0.6 * f32, (dtype, rate(dtype_runs[dtype]), f32)
