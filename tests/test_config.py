@@ -105,3 +105,30 @@ def test_tree_budget_needs_that_many_speculative_tokens():
     cfg = parse_adaspec_config({"adaspec": {"tree": {"budget": 16}}})
     with pytest.raises(AdaspecConfigError, match=r"budget.*= 16.*num_speculative_tokens.*>= 16.*got 5"):
         resolve_config(cfg, **LLAMA)
+
+
+def test_each_proposer_takes_the_common_keys_and_its_own():
+    mb = parse_adaspec_config({"adaspec": {"pools": ["context", "recycled"], "tree": {"budget": 6}}},
+                              proposer="multi_branch")
+    assert mb.pools == ("context", "recycled") and mb.tree.budget == 6
+    r = resolve_config(mb, **{**LLAMA, "num_speculative_tokens": 8, "architectures": ["GPT2LMHeadModel"]},
+                       proposer="multi_branch")  # model-free: any architecture
+    assert r.tree.budget == 6 and r.pools == ("context", "recycled")
+    assert resolve_config(parse_adaspec_config({}, proposer="multi_branch"), **{**LLAMA, "num_speculative_tokens": 4},
+                          proposer="multi_branch").tree.budget == 4  # default budget capped at K
+    with pytest.raises(AdaspecConfigError, match=r"'exit_layer'.* for MultiBranchProposer \('exit_layer' belong"):
+        parse_adaspec_config({"adaspec": {"exit_layer": 6}}, proposer="multi_branch")
+    with pytest.raises(AdaspecConfigError, match=r"'pools'.* for EarlyExitProposer"):
+        parse_adaspec_config({"adaspec": {"pools": ["context"]}})
+    with pytest.raises(AdaspecConfigError, match=r"'top_k'.* for MultiBranchProposer; allowed: budget"):
+        parse_adaspec_config({"adaspec": {"tree": {"budget": 4, "top_k": 2}}}, proposer="multi_branch")
+    with pytest.raises(AdaspecConfigError, match=r"unknown pool\(s\) 'ngram'; known: context, suffix"):
+        parse_adaspec_config({"adaspec": {"pools": ["ngram"]}}, proposer="multi_branch")
+    with pytest.raises(AdaspecConfigError, match="non-empty list"):
+        parse_adaspec_config({"adaspec": {"pools": "context"}}, proposer="multi_branch")
+    with pytest.raises(AdaspecConfigError, match=r"'adaedl' reads a drafting model's distribution"):
+        resolve_config(parse_adaspec_config({"adaspec": {"policy": "adaedl"}}, proposer="multi_branch"),
+                       **LLAMA, proposer="multi_branch")
+    with pytest.raises(AdaspecConfigError, match=r"\['budget'\] = 8 needs .*>= 8"):
+        resolve_config(parse_adaspec_config({"adaspec": {"tree": {"budget": 8}}}, proposer="multi_branch"),
+                       **{**LLAMA, "num_speculative_tokens": 4}, proposer="multi_branch")

@@ -6,7 +6,8 @@ how vLLM resolves `speculative_config.model = "vllm_adaspec.EarlyExitProposer"`.
 
 __version__ = "0.1.0"
 
-_LAZY = {"EarlyExitProposer": "vllm_adaspec.proposers.early_exit"}
+_LAZY = {"EarlyExitProposer": "vllm_adaspec.proposers.early_exit",
+         "MultiBranchProposer": "vllm_adaspec.proposers.multi_branch"}
 
 
 def __getattr__(name):

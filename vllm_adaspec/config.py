@@ -23,6 +23,23 @@ class AdaspecConfigError(ValueError):
     """A bad `adaspec` setting, a bad speculative config, or an unsupported model."""
 
 
+# Which settings each proposer reads: a common part (draft-length policy, speed guard, token trees) and a part of
+# its own. Keys of another proposer are refused like unknown keys.
+COMMON_KEYS = ("policy", "speed_guard", "tree")
+PROPOSER_KEYS = {
+    "early_exit": ("exit_layer", "policy", "exit_head", "speed_guard", "tree"),
+    "multi_branch": ("pools", "policy", "speed_guard", "tree"),
+}
+PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBranchProposer"}
+# Tree keys per proposer: early exit grows its trees from the exit head (top_k, depth); the candidate trees of
+# multi_branch come from its pools.
+TREE_KEYS = {"early_exit": ("budget", "top_k", "depth", "kv_copy_tokens"),
+             "multi_branch": ("budget", "kv_copy_tokens")}
+# Candidate pools of MultiBranchProposer (vllm_adaspec/pools/); the default is the best measured set.
+POOLS = ("context", "suffix", "recycled", "corpus")
+DEFAULT_POOLS = ("context", "suffix", "recycled")
+
+
 @dataclass(frozen=True)
 class AdaspecConfig:
     # N: how many of the target's layers the drafter runs before its exit head. None = a quarter of the layers.
@@ -41,6 +58,8 @@ class AdaspecConfig:
     # Token-tree drafting (engine/tree_verification.py): {"budget": nodes per tree, "top_k": children per chain
     # node, "depth": chain depth (default ceil(budget / top_k))}. None = chains.
     tree: "TreeSettings | None" = None
+    # MultiBranchProposer: the candidate pools that feed its trees.
+    pools: tuple[str, ...] = DEFAULT_POOLS
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -61,15 +80,16 @@ class TreeSettings:
         return self.depth if self.depth is not None else -(-self.budget // self.top_k)
 
 
-def _parse_tree(value: Any) -> TreeSettings | None:
+def _parse_tree(value: Any, proposer: str = "early_exit") -> TreeSettings | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
         raise _fail("tree", f"must be an object like {{\"budget\": 16, \"top_k\": 2}}, got {value!r}")
-    unknown = sorted(set(value) - {"budget", "top_k", "depth", "kv_copy_tokens"})
+    allowed = TREE_KEYS[proposer]
+    unknown = sorted(set(value) - set(allowed))
     if unknown:
-        raise _fail("tree", f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: budget, top_k, depth, "
-                            "kv_copy_tokens")
+        raise _fail("tree", f"unknown key(s) {', '.join(map(repr, unknown))} for {PROPOSER_CLASSES[proposer]}; "
+                            f"allowed: {', '.join(allowed)}")
     if "budget" not in value:
         raise _fail("tree", "needs 'budget' (tree nodes verified per step)")
     budget = _check_int("tree.budget", value["budget"])
@@ -102,8 +122,9 @@ def _check_int(key: str, value: Any) -> int:
     return value
 
 
-def parse_adaspec_config(additional_config: Mapping[str, Any] | None) -> AdaspecConfig:
-    """Parse `additional_config` (the whole dict) into an AdaspecConfig. Model-independent checks only."""
+def parse_adaspec_config(additional_config: Mapping[str, Any] | None, proposer: str = "early_exit") -> AdaspecConfig:
+    """Parse `additional_config` (the whole dict) into an AdaspecConfig for `proposer` (a PROPOSER_KEYS name).
+    Model-independent checks only."""
     section = (additional_config or {}).get(SECTION, {})
     if section is None:
         section = {}
@@ -111,12 +132,14 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None) -> Adaspec
         raise AdaspecConfigError(
             f"additional_config['{SECTION}'] must be a JSON object (dict), got {type(section).__name__} {section!r}"
         )
-    allowed = AdaspecConfig.keys()
+    allowed = PROPOSER_KEYS[proposer]
     unknown = sorted(set(section) - set(allowed))
     if unknown:
+        other = [k for k in unknown if k in AdaspecConfig.keys()]
+        hint = (f" ({', '.join(map(repr, other))} belong to another proposer)" if other else "")
         raise AdaspecConfigError(
-            f"additional_config['{SECTION}']: unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"allowed keys: {', '.join(allowed)}"
+            f"additional_config['{SECTION}']: unknown key(s) {', '.join(map(repr, unknown))} for "
+            f"{PROPOSER_CLASSES[proposer]}{hint}; allowed keys: {', '.join(allowed)}"
         )
     exit_layer = section.get("exit_layer")
     if exit_layer is not None:
@@ -131,7 +154,19 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None) -> Adaspec
     if not isinstance(speed_guard, bool):
         raise _fail("speed_guard", f"must be true or false, got {type(speed_guard).__name__} {speed_guard!r}")
     return AdaspecConfig(exit_layer=exit_layer, policy=policy, policy_params=policy_params, exit_head=exit_head,
-                         speed_guard=speed_guard, tree=_parse_tree(section.get("tree")))
+                         speed_guard=speed_guard, tree=_parse_tree(section.get("tree"), proposer),
+                         pools=_parse_pools(section.get("pools", DEFAULT_POOLS)))
+
+
+def _parse_pools(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+        raise _fail("pools", f"must be a non-empty list of pool names ({', '.join(POOLS)}), got {value!r}")
+    unknown = [v for v in value if v not in POOLS]
+    if unknown:
+        raise _fail("pools", f"unknown pool(s) {', '.join(map(repr, unknown))}; known: {', '.join(POOLS)}")
+    if len(set(value)) != len(value):
+        raise _fail("pools", f"lists a pool twice: {list(value)!r}")
+    return tuple(value)
 
 
 def _parse_policy(value: Any) -> tuple[str, dict]:
@@ -166,6 +201,7 @@ class ResolvedConfig:
     speed_guard: bool = True
     exit_head_setting: str = "auto"  # what the user asked for: "auto", "none" or a folder
     tree: TreeSettings | None = None
+    pools: tuple[str, ...] = DEFAULT_POOLS
 
 
 def resolve_config(
@@ -175,26 +211,22 @@ def resolve_config(
     num_layers: int,
     num_speculative_tokens: int | None,
     hf_config=None,
+    proposer: str = "early_exit",
 ) -> ResolvedConfig:
     """Check the settings against the target model; fill defaults that depend on it.
 
     With `hf_config` the exit head is resolved too: an explicit checkpoint must match the model's config and N
     (its weights are checked when the worker loads it); "auto" finds a shipped one.
     """
+    if proposer == "multi_branch":
+        return _resolve_multi_branch(cfg, num_layers, _check_k(num_speculative_tokens))
     archs = list(architectures or [])
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise AdaspecConfigError(
             f"vllm_adaspec: model architecture {archs or 'unknown'} is not supported by early-exit drafting; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if num_speculative_tokens is None:
-        raise AdaspecConfigError("speculative_config['num_speculative_tokens'] is required (K, the most drafts per step)")
-    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
-        raise AdaspecConfigError(
-            f"speculative_config['num_speculative_tokens'] must be an integer, got {num_speculative_tokens!r}")
-    k = num_speculative_tokens
-    if k < 1:
-        raise AdaspecConfigError(f"speculative_config['num_speculative_tokens'] must be >= 1, got {k}")
+    k = _check_k(num_speculative_tokens)
     if num_layers < 2:
         raise AdaspecConfigError(f"vllm_adaspec: the model has {num_layers} layer(s); early exit needs at least 2")
     head, exit_layer = None, cfg.exit_layer
@@ -231,3 +263,45 @@ def resolve_config(
                           policy_params=cfg.policy_params,
                           exit_head=head, speed_guard=cfg.speed_guard, exit_head_setting=cfg.exit_head,
                           tree=cfg.tree)
+
+
+def _check_k(num_speculative_tokens) -> int:
+    if num_speculative_tokens is None:
+        raise AdaspecConfigError("speculative_config['num_speculative_tokens'] is required (K, the most drafts per step)")
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
+        raise AdaspecConfigError(
+            f"speculative_config['num_speculative_tokens'] must be an integer, got {num_speculative_tokens!r}")
+    if num_speculative_tokens < 1:
+        raise AdaspecConfigError(f"speculative_config['num_speculative_tokens'] must be >= 1, got {num_speculative_tokens}")
+    return num_speculative_tokens
+
+
+# Policies that need the drafter's own distribution (entropy, top probability, a predictor) have nothing to read
+# in a model-free proposer.
+MODEL_FREE_POLICIES = ("fixed", "thompson-beta")
+
+
+def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int) -> ResolvedConfig:
+    """MultiBranchProposer: model-free, any architecture vLLM runs; every proposal is a tree of at most
+    tree.budget nodes (default K)."""
+    if cfg.policy not in MODEL_FREE_POLICIES:
+        raise _fail("policy", f"{cfg.policy!r} reads a drafting model's distribution, which MultiBranchProposer does "
+                              f"not have; use one of {', '.join(MODEL_FREE_POLICIES)}")
+    tree = cfg.tree or TreeSettings(budget=min(k, DEFAULT_BUDGET))
+    if tree.budget > k:
+        raise AdaspecConfigError(
+            f"additional_config['{SECTION}']['tree']['budget'] = {tree.budget} needs "
+            f"speculative_config['num_speculative_tokens'] >= {tree.budget} (every tree node is a draft vLLM "
+            f"verifies), got {k}")
+    if "suffix" in cfg.pools:
+        from vllm_adaspec.pools.suffix import suffix_available
+
+        if not suffix_available():
+            raise _fail("pools", "'suffix' needs arctic-inference (pip install 'arctic-inference==0.1.1', or the "
+                                 "project's [suffix] extra); remove 'suffix' from pools to run without it")
+    return ResolvedConfig(exit_layer=0, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
+                          policy_params=cfg.policy_params, speed_guard=cfg.speed_guard, exit_head_setting="none",
+                          tree=tree, pools=cfg.pools)
+
+
+DEFAULT_BUDGET = 16  # MultiBranchProposer's node budget when `tree` is not given (capped at K)

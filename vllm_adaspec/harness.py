@@ -209,6 +209,10 @@ def _run_batches(llm, job: dict) -> dict:
                     "seconds": seconds,
                     "metrics": diff_metrics(metric_values(llm), before),
                     "adaspec": diff_metrics(adaspec_stats(llm), stats_before),
+                    # top log-probs per generated token, [[token id, logprob], ...] best first, when asked for
+                    **({"logprobs": [[sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda x: -x[1])
+                                      for pos in o.outputs[0].logprobs] for o in outs]}
+                       if outs and outs[0].outputs[0].logprobs is not None else {}),
                 }
             )
         results.append({"runs": runs})

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import logging
 
-from vllm_adaspec.config import AdaspecConfigError, SECTION, parse_adaspec_config, resolve_config
+from vllm_adaspec.config import SECTION, AdaspecConfigError, parse_adaspec_config, resolve_config
 from vllm_adaspec.metrics import ensure_stats_dir
 
 logger = logging.getLogger("vllm_adaspec")
 
+# speculative_config["model"] -> which part of the adaspec config it reads (config.PROPOSER_KEYS)
 PROPOSERS = {
-    "vllm_adaspec.EarlyExitProposer": "vllm_adaspec.proposers.early_exit.EarlyExitProposer",
+    "vllm_adaspec.EarlyExitProposer": "early_exit",
+    "vllm_adaspec.MultiBranchProposer": "multi_branch",
 }
 STOCK_WORKERS = {
     "cpu": "vllm.v1.worker.cpu_worker.CPUWorker",
@@ -78,30 +80,45 @@ def configure(vllm_config) -> None:
         return
     model_config = vllm_config.model_config
     hf = model_config.hf_text_config
+    kind = PROPOSERS[name]
     resolved = resolve_config(
-        parse_adaspec_config(vllm_config.additional_config),
+        parse_adaspec_config(vllm_config.additional_config, proposer=kind),
         architectures=getattr(model_config, "architectures", None) or getattr(hf, "architectures", None),
         num_layers=int(getattr(hf, "num_hidden_layers", 0) or 0),
         num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens,
         hf_config=hf,
+        proposer=kind,
     )
-    if resolved.tree is not None:
-        from vllm.platforms import current_platform
+    if kind == "multi_branch":
+        from vllm_adaspec.proposers.multi_branch import check_start_up
 
-        if not current_platform.is_cpu():
-            raise AdaspecConfigError(
-                f"additional_config['{SECTION}']['tree']: tree verification is wired into vLLM's CPU attention only "
-                "so far (the GPU path, vllm_adaspec/kernels/tree_attention.py, is not connected yet); remove 'tree' for chains")
-        if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
-            raise AdaspecConfigError(f"additional_config['{SECTION}']['tree']: sliding-window attention "
-                                     f"(sliding_window={hf.sliding_window}) is not supported by tree verification")
-        if vllm_config.cache_config.cache_dtype not in ("auto", None):
-            raise AdaspecConfigError(f"additional_config['{SECTION}']['tree']: needs an unquantized KV cache "
-                                     f"(kv_cache_dtype='auto'), got {vllm_config.cache_config.cache_dtype!r}")
+        check_start_up(resolved, vllm_config)  # corpus table for this tokenizer, tree verification on this engine
+    elif resolved.tree is not None:
+        reason = tree_support(vllm_config)
+        if reason:
+            raise AdaspecConfigError(f"additional_config['{SECTION}']['tree']: {reason}; remove 'tree' for chains")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise AdaspecConfigError("vllm_adaspec: pipeline parallelism is not supported (the drafter runs the first layers)")
     _install(vllm_config)
     ensure_stats_dir()  # where the engine's drafter leaves its statistics for this process (metrics.py)
+
+
+def tree_support(vllm_config) -> str | None:
+    """Why this engine cannot verify token trees, or None when it can."""
+    from vllm.platforms import current_platform
+
+    hf = vllm_config.model_config.hf_text_config
+    if not current_platform.is_cpu():
+        return ("tree verification is wired into vLLM's CPU attention only so far (the GPU path, "
+                "vllm_adaspec/kernels/tree_attention.py, is not connected yet)")
+    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
+        return f"sliding-window attention (sliding_window={hf.sliding_window}) is not supported by tree verification"
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):
+        return f"tree verification needs an unquantized KV cache (kv_cache_dtype='auto'), got " \
+               f"{vllm_config.cache_config.cache_dtype!r}"
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        return "tree verification is not proven under tensor parallelism yet"
+    return None
 
 
 def _install(vllm_config) -> None:

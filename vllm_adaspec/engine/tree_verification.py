@@ -416,14 +416,21 @@ def verify_tree_request(tree: DraftTree, logits: torch.Tensor, temperature: floa
 class TreeRejectionSampler:
     """Stands in for the runner's rejection sampler: vLLM's for chain rows, tree verification for tree rows."""
 
-    def __init__(self, stock, on_paths=None):
+    def __init__(self, stock, on_paths=None, on_logits=None):
         self.stock = stock
         self.on_paths = on_paths  # callback({row: (path, bonus)}, kv slot moves) for statistics
+        self.on_logits = on_logits  # callback(logits [rows, V], metadata): every verified row, for drafters
+
+    def __call__(self, metadata, draft_probs, logits, sampling_metadata):
+        out = self._verify(metadata, draft_probs, logits, sampling_metadata)
+        if self.on_logits is not None:
+            self.on_logits(logits, metadata)
+        return out
 
     def __getattr__(self, name):  # everything else (warm-up hooks, logprobs helpers) is vLLM's
         return getattr(self.stock, name)
 
-    def __call__(self, metadata, draft_probs, logits, sampling_metadata):
+    def _verify(self, metadata, draft_probs, logits, sampling_metadata):
         out = self.stock(metadata, draft_probs, logits, sampling_metadata)
         step = _STEP
         if step is None:

@@ -37,8 +37,10 @@ class _AdaspecWorkerMixin:
                                sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest, **kw)
 
             runner.propose_draft_token_ids = propose_with_hidden
-        if getattr(drafter, "tree", None) is not None:
+        if getattr(drafter, "tree_mode", False):
             _install_tree_verification(runner, drafter)
+        elif getattr(drafter, "wants_verified_logits", False):  # chains, but the drafter reads verified rows
+            runner.rejection_sampler = tv_sampler(runner.rejection_sampler, drafter)
 
     def execute_model(self, scheduler_output):
         drafter = getattr(self.model_runner, "drafter", None)
@@ -80,7 +82,17 @@ def _install_tree_verification(runner, drafter) -> None:
         return result
 
     runner._prepare_inputs = prepare_inputs
-    runner.rejection_sampler = tv.TreeRejectionSampler(runner.rejection_sampler, drafter.on_tree_paths)
+    runner.rejection_sampler = tv_sampler(runner.rejection_sampler, drafter)
+
+
+def tv_sampler(stock, drafter):
+    """vLLM's rejection sampler wrapped: tree rows verified as trees, and (for drafters that ask) the logits of
+    every verified row handed to the drafter."""
+    from vllm_adaspec.engine import tree_verification as tv
+
+    return tv.TreeRejectionSampler(stock, drafter.on_tree_paths,
+                                   drafter.on_verified_logits if getattr(drafter, "wants_verified_logits", False)
+                                   else None)
 
 
 class AdaspecCPUWorker(_AdaspecWorkerMixin, CPUWorker):

@@ -9,92 +9,37 @@ so its rejection sampler stays lossless (the draft distribution is a point mass)
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import os
 import time
 
 import numpy as np
 import torch
 
-from vllm_adaspec.config import parse_adaspec_config, resolve_config
 from vllm_adaspec.kernels.entropy_topk import entropy_topk
-from vllm_adaspec.metrics import ACCEPTANCE_BUCKETS, DRAFTS_PER_ROUND_BUCKETS, new_histogram, observe
-from vllm_adaspec.policies import POLICIES, make_policy
-from vllm_adaspec.policies.speed_guard import SpeedGuard
-from vllm_adaspec.requests import RequestStates, bonus_rows
-from vllm_adaspec.trees import GrowingTree, add_children, admit_within, best_subtree, to_expand
+from vllm_adaspec.policies import POLICIES
+from vllm_adaspec.proposers.base import AdaspecProposer, request_seed  # noqa: F401 (request_seed: re-export)
+from vllm_adaspec.trees import GrowingTree, add_children, best_subtree, to_expand
 
 
-def request_seed(req_id: str, base_seed: int) -> int:
-    """Same on every tensor-parallel rank (unlike hash()), so adaptive draws agree across ranks."""
-    return (int.from_bytes(hashlib.sha256(req_id.encode()).digest()[:8], "little") ^ base_seed) & (2**63 - 1)
+class EarlyExitProposer(AdaspecProposer):
+    proposer = "early_exit"
 
-
-class EarlyExitProposer:
     def __init__(self, vllm_config):
-        self.vllm_config = vllm_config
-        hf = vllm_config.model_config.hf_text_config
-        self.cfg = resolve_config(
-            parse_adaspec_config(vllm_config.additional_config),
-            architectures=vllm_config.model_config.architectures,
-            num_layers=hf.num_hidden_layers,
-            num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens,
-            hf_config=hf,
-        )
-        base_seed = vllm_config.model_config.seed or 0
-        self.states = RequestStates(
-            new_policy=lambda rid: make_policy(self.cfg.policy, self.cfg.num_speculative_tokens,
-                                               request_seed(rid, base_seed), self.cfg.policy_params)
-        )
+        super().__init__(vllm_config)
         self.prefix = None
-        self.runner = None
         # thompson-cali's acceptance predictor (policies/calibration.py) and the target output it reads: the
         # worker hands over the last forward's sampled rows of the final hidden state (normed) and, per batch row,
         # how many drafts it verified (the rows a request took there).
         self.calibration = None
         self.wants_target_hidden = getattr(POLICIES[self.cfg.policy], "needs_score", False)
-        self._target_hidden, self._verified_drafts = None, None
-        self._tree_paths: dict[int, list[int]] = {}
         self._check_rows = os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1"
-        # Tests compare the drafter with a plain-torch reference: per request, its committed tokens and the first
-        # draft proposed after each committed length (stats["first_drafts"]).
-        self._record = os.environ.get("VLLM_ADASPEC_RECORD_DRAFTS") == "1"
         self.exit_head = None  # checkpoint folder in use, None = untrained exit
-        # Tree mode (config `tree`): per request, the chain's top-k candidates at each depth become a tree grown by
-        # path probability; the trees proposed in the last call, req_id -> (tokens, parents), for the runner glue
-        # (engine/tree_verification.py) to verify as trees.
-        self.tree = self.cfg.tree
-        self.pending_trees: dict[str, tuple[list[int], list[int]]] = {}
-        self._tree_holders: set[str] = set()  # requests admitted to tree mode last step (they hold KV copies)
-        k = self.cfg.num_speculative_tokens
-        # The guard models chains (k drafts -> throughput); tree mode runs without it.
-        self.guard = SpeedGuard(k, seed=base_seed) if self.cfg.speed_guard and self.cfg.tree is None else None
-        self._interval = None  # (start time, decoding batch size, cap) of the previous propose call
-        self._pure_decode = False  # the step being verified carried no prefill tokens
         # Where plain decoding wins, the guard also stops the exit layers' KV upkeep (a layer's worth of work on
         # every target step). Requests decoded without it have holes in that KV and never draft again. Eager mode
         # only: under torch.compile the hook is traced into the target's graph with its flag as a constant.
         self._can_pause_feed = bool(vllm_config.model_config.enforce_eager)
         self._feed_next = True
         self._stale: set[str] = set()
-        # Cost accounting, read through the worker's `adaspec_stats` RPC: draft passes through the first N layers,
-        # drafts returned, wall time inside propose (CPU: synchronous, so this is the drafting cost).
-        self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
-                      "policy_seconds": 0.0,
-                      # tree mode: trees proposed, their nodes, trees verified as trees, accepted depth histogram
-                      "tree_rounds": 0, "tree_nodes": 0, "tree_verified": 0, "tree_kv_moves": 0,
-                      "tree_capped": 0, "tree_kv_copy_peak": 0,
-                      "tree_accepted_depth": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
-                      "plain_switches": 0,
-                      "cap_steps": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
-                      # rounds by the number of drafts the policy proposed (0: it rejected the first one)
-                      "round_lengths": [0] * (vllm_config.speculative_config.num_speculative_tokens + 1),
-                      "policy": self.cfg.policy,
-                      # what verification made of our drafts, and per finished request (metrics.py histograms)
-                      "verified_drafts": 0, "accepted_drafts": 0, "requests_finished": 0,
-                      "request_acceptance": new_histogram(ACCEPTANCE_BUCKETS),
-                      "request_drafts_per_round": new_histogram(DRAFTS_PER_ROUND_BUCKETS)}
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
@@ -110,27 +55,13 @@ class EarlyExitProposer:
 
             self.calibration = load_calibration(self.exit_head, self.cfg.policy, next(target_model.parameters()).device)
 
-    def set_target_output(self, sample_hidden_states: torch.Tensor, verified_drafts: list[int] | None) -> None:
-        """Called by the worker before each propose: the target's normed final hidden states at its sampled rows."""
-        self._target_hidden, self._verified_drafts = sample_hidden_states, verified_drafts
+    def _eligible(self, req_id: str) -> bool:
+        return req_id not in self._stale
 
-    def attach_runner(self, runner) -> None:
-        self.runner = runner
+    def _on_finished(self, req_ids) -> None:
+        self._stale.difference_update(req_ids)
 
-    def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
-        self._tree_paths = {}  # this step's accepted tree paths (on_tree_paths), read by the next propose
-        for st in self.states.finish(finished):
-            self.stats["requests_finished"] += 1
-            if st.rounds:
-                observe(self.stats["request_acceptance"], st.accepted / st.drafted)
-                observe(self.stats["request_drafts_per_round"], st.drafted / st.rounds)
-        self._stale.difference_update(finished)
-        pure = bool(scheduled)
-        for req_id, n in scheduled.items():
-            drafts = len(spec_tokens.get(req_id, ()))
-            self.states.scheduled(req_id, drafts)
-            pure = pure and n == 1 + drafts
-        self._pure_decode = pure
+    def _on_step(self, scheduled: dict, pure: bool) -> None:
         exit_ = self.prefix.exit if self.prefix is not None else None
         if exit_ is not None and scheduled and self._can_pause_feed:
             # Prompt chunks always feed the exit layers: a new request may draft.
@@ -140,67 +71,21 @@ class EarlyExitProposer:
                 self.stats["plain_switches"] += len(new)
                 self._stale.update(new)
 
-    # --- the proposer interface ---
-    @torch.inference_mode()
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_):
-        if self.runner is None:
-            raise RuntimeError(
-                "EarlyExitProposer was not attached to a model runner: the vllm_adaspec plugin did not install its "
-                "worker (is the package installed in the environment vLLM runs in?)"
-            )
-        now = time.perf_counter()
-        req_ids = self.runner.input_batch.req_ids
-        self.pending_trees = {}
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        decoding = sum(1 for s in sampled_token_ids if s)
-        eligible = sum(1 for i, s in enumerate(sampled_token_ids) if s and req_ids[i] not in self._stale)
-        cap = self._speed_cap(now, decoding, sum(map(len, sampled_token_ids)), eligible)
-        rows, budgets, policies = [], [], []
-        tp = time.perf_counter()  # policy time: its decisions, feedback and the statistics it asks for
-        for i, sampled in enumerate(sampled_token_ids):
-            if not sampled:  # prefill chunk in flight or discarded step: no new token to draft from
-                continue
-            req_id = req_ids[i]
-            drafted, accepted = self.states.verified(req_id, len(sampled))
-            self.stats["verified_drafts"] += drafted
-            self.stats["accepted_drafts"] += accepted
-            if req_id in self._stale:
-                continue
-            policy = self.states.get(req_id).policy
-            budget = min(policy.begin_round(), cap)
-            if budget > 0:
-                rows.append(i)
-                budgets.append(budget)
-                policies.append(policy)
-        policy_s = time.perf_counter() - tp
+    def _after_cap(self, cap: int, exploiting: bool) -> None:
+        self._feed_next = cap > 0 or not exploiting
+
+    def _draft(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts) -> float:
         if not rows:
-            self.stats["policy_seconds"] += policy_s
-            return drafts
-        t0 = time.perf_counter()
+            return 0.0
         self.prefix.ensure_attached(self.runner)
-        treeish = self._tree_rows(rows, req_ids, num_tokens_no_spec) if self.tree is not None else [False] * len(rows)
-        chain = [e for e, t in enumerate(treeish) if not t]
-        trees = [e for e, t in enumerate(treeish) if t]
-        for part, draft in ((chain, self._draft_chains), (trees, self._draft_trees)):
+        treeish = self._tree_rows(rows, self.runner.input_batch.req_ids, num_tokens_no_spec)
+        policy_s = 0.0
+        for part, draft in (([e for e, t in enumerate(treeish) if not t], self._draft_chains),
+                            ([e for e, t in enumerate(treeish) if t], self._draft_trees)):
             if part:
                 policy_s += draft([rows[e] for e in part], [budgets[e] for e in part], [policies[e] for e in part],
                                   num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts)
-        st = self.stats
-        if self._record:
-            rec = st.setdefault("first_drafts", {})
-            for i in rows:
-                if drafts[i]:
-                    n = int(num_tokens_no_spec[i])
-                    r = rec.setdefault(req_ids[i], {"tokens": [], "drafts": []})
-                    r["tokens"] = token_ids_cpu[i, :n].tolist()
-                    r["drafts"].append([n, drafts[i][0]])
-        st["propose_calls"] += 1
-        st["draft_tokens"] += sum(map(len, drafts))
-        st["draft_seconds"] += time.perf_counter() - t0
-        st["policy_seconds"] += policy_s
-        for i in rows:
-            st["round_lengths"][len(drafts[i])] += 1
-        return drafts
+        return policy_s
 
     def _round_inputs(self, rows, policies, num_tokens_no_spec, sampled_token_ids):
         """What chain and tree drafting both start from: n [R] committed tokens per row, block rows [R, max_blocks],
@@ -388,42 +273,6 @@ class EarlyExitProposer:
         entropy, top_prob, _, _ = entropy_topk(logits, temps, k=1)
         return torch.stack([top_prob, entropy], 1).tolist()
 
-    def on_tree_paths(self, results: dict, kv_moves: int) -> None:
-        """Called by the tree sampler after each verification: {batch row: (accepted nodes, bonus)} and how many
-        KV slots compaction moved (nonzero: a path left the first-child spine)."""
-        self._tree_paths = {row: path for row, (path, _) in results.items()}
-        self.stats["tree_verified"] += len(results)
-        self.stats["tree_kv_moves"] += kv_moves
-        from vllm_adaspec.engine.tree_verification import held_copy_tokens
-
-        self.stats["tree_kv_copy_peak"] = max(self.stats["tree_kv_copy_peak"], held_copy_tokens())
-        for path, _ in results.values():
-            self.stats["tree_accepted_depth"][len(path)] += 1
-
-    def _tree_rows(self, rows: list[int], req_ids: list[str], num_tokens_no_spec) -> list[bool]:
-        """Which drafting rows may draft a tree: requests whose sampling needs only temperature / top-k / top-p,
-        and whose KV copies fit the tree path's cap (trees.admit_within); the others draft chains."""
-        from vllm_adaspec.engine import tree_verification as tv
-
-        states = getattr(self.runner, "requests", {})
-        ok = [tv.tree_compatible(getattr(states.get(req_ids[i]), "sampling_params", None)) for i in rows]
-        cand = [e for e, good in enumerate(ok) if good]
-        lengths = [tv.copy_capacity(int(num_tokens_no_spec[rows[e]]) + self.tree.budget) for e in cand]
-        holding = [req_ids[rows[e]] in self._tree_holders for e in cand]
-        admitted = admit_within(lengths, self._copy_cap(), holding)
-        for e, a in zip(cand, admitted):
-            ok[e] = a
-        self.stats["tree_capped"] += len(cand) - sum(admitted)
-        self._tree_holders = {req_ids[rows[e]] for e, a in zip(cand, admitted) if a}
-        return ok
-
-    def _copy_cap(self) -> int:
-        """KV positions the tree path's copies may hold (config tree.kv_copy_tokens; default 1/8 of the cache)."""
-        if self.tree.kv_copy_tokens is not None:
-            return self.tree.kv_copy_tokens
-        cfg = self.runner.kv_cache_config
-        return cfg.num_blocks * self.prefix.block_size // 8
-
     def _target_projection(self, rows: list[int], sampled_token_ids) -> torch.Tensor | None:
         """Target side of the predictor for the drafting rows [B, 10], from the output row that produced each
         request's last sampled token (requests.bonus_rows: in tree mode the row of the last accepted node)."""
@@ -431,8 +280,7 @@ class EarlyExitProposer:
             return None
         if self._target_hidden is None:
             raise RuntimeError("thompson-cali: the worker did not hand over the target's hidden states")
-        rows_of = bonus_rows([len(s) for s in sampled_token_ids], self._verified_drafts, self._tree_paths)
-        last = [rows_of[i] for i in rows]
+        last = self._bonus_rows(rows, sampled_token_ids)
         h = self._target_hidden[torch.tensor(last, device=self._target_hidden.device)]
         if self._check_rows:  # greedy runs: the row must re-produce the token it sampled (tests set this)
             got = self.prefix.model.compute_logits(h).argmax(-1).tolist()
@@ -441,34 +289,9 @@ class EarlyExitProposer:
                 g != sampled_token_ids[i][-1] for g, i in zip(got, rows))
         return self.calibration.project_target(h)
 
-    def _speed_cap(self, now: float, decoding: int, committed: int, eligible: int) -> int:
-        """Feed the guard the interval that just ended (drafts of the last cap + their verification), pick the
-        cap for the next step. Steps with prefill chunks are not observed: their time is not the decode cost.
-        With no request left that may draft, the step is plain decoding (cap 0)."""
-        k = self.cfg.num_speculative_tokens
-        if self.guard is None:
-            return k
-        last = self._interval
-        if last is not None and self._pure_decode and last[1] == decoding:
-            self.guard.observe(decoding, last[2], committed, now - last[0])
-        if not decoding:
-            cap = k
-        elif not eligible:
-            cap, self._feed_next = 0, False
-        else:
-            cap = self.guard.choose(decoding)
-            self._feed_next = cap > 0 or not self.guard.exploiting
-        self._interval = (now, decoding, cap)
-        self.stats["cap_steps"][cap] += 1
-        return cap
-
-    def get_stats(self) -> dict:
-        # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
-        return {**copy.deepcopy(self.stats), "tracked_requests": len(self.states),
-                "guard_best": {str(b): k for b, k in self.guard.settled().items()} if self.guard else {},
-                "plain_requests": len(self._stale),
-                "config": {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head,
-                           "exit_kv_layers": self.exit_kv_layers()}}
+    def _config_stats(self) -> dict:
+        return {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head, "exit_kv_layers": self.exit_kv_layers(),
+                "plain_requests": len(self._stale)}
 
     def exit_kv_layers(self) -> list[str]:
         """Exit-layer attention layers that have KV in the engine's cache config (proof it is engine-owned)."""

@@ -1,0 +1,161 @@
+"""Judge candidate pools and node selection in seconds: replay greedy decoding offline.
+
+Plain greedy decoding runs once per prompt set (vLLM, float32, top-k log-probs kept; cached under
+benchmarks/out/). The replay then decodes again without a model: at each step it builds the candidate trie from
+the committed context only (pools + calibration, exactly the code MultiBranchProposer runs), verifies it against
+the known greedy continuation (the longest accepted root path), commits the accepted tokens + the bonus, feeds the
+outcome back (calibration, recycled table: the target's top-k at the root and accepted rows, which the replay
+knows), and counts steps and verified nodes. For greedy decoding this is what the engine accepts. Speed is
+estimated from a verification cost curve (relative step time by verified rows, `--cost`).
+
+    .venv/bin/python benchmarks/replay_pools.py --datasets humaneval mtbench --num-prompts 16 \
+        --pools context suffix recycled corpus --budgets 4 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+
+from vllm_adaspec.pools import Candidates
+from vllm_adaspec.pools.context import ContextIndex, propose_context
+from vllm_adaspec.pools.recycled import RecycleTable, propose_recycled
+from vllm_adaspec.trees.trie import Calibration, best_prefix, feedback, merge, ranked
+
+OUT = Path(__file__).parent / "out"
+# Relative time of a verification step by rows (1 = plain decoding), batch 1; replaced by --cost.
+DEFAULT_COST = [0.0, 1.0, 1.10, 1.13, 1.16, 1.45, 1.47, 1.49, 1.51, 1.53, 1.56, 1.6, 1.65, 1.7, 1.75, 1.8, 1.85, 2.0]
+
+
+def reference(model: str, dataset: str, n: int, max_tokens: int, topk: int) -> list[dict]:
+    """Plain greedy outputs with the target's top-k at every generated position (cached)."""
+    path = OUT / f"replay-{dataset}-{n}-{max_tokens}-{topk}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    from transformers import AutoTokenizer
+
+    from vllm_adaspec.data.prompts import load_prompts
+    from vllm_adaspec.harness import run_engine
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = load_prompts(dataset, n, tokenizer=tok)
+    engine = {"dtype": "float32", "max_model_len": 2048, "seed": 0, "enforce_eager": True}
+    batch = {"prompts": prompts, "params": [{"temperature": 0.0, "max_tokens": max_tokens, "logprobs": topk}]}
+    run = run_engine({"model": model, "engine": engine, "batches": [batch]})["batches"][0]["runs"][0]
+    recs = []
+    for p, out, lps in zip(prompts, run["token_ids"], run["logprobs"]):
+        recs.append({"prompt": tok(p, add_special_tokens=False)["input_ids"], "output": out,
+                     "top_ids": [[t for t, _ in pos[:topk]] for pos in lps],
+                     "top_probs": [[float(np.exp(lp)) for _, lp in pos[:topk]] for pos in lps]})
+    OUT.mkdir(exist_ok=True)
+    path.write_text(json.dumps(recs))
+    return recs
+
+
+def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] | None, vocab_size: int,
+           corpus=None, strength: float = 4.0) -> dict:
+    """cost None: verify the `budget` most probable nodes every step; else choose the count on the cost curve."""
+    from vllm_adaspec.pools.corpus import propose_corpus
+    from vllm_adaspec.pools.suffix import SuffixPool
+
+    calib = Calibration(strength)
+    table = RecycleTable(vocab_size)
+    suffix = SuffixPool() if "suffix" in pools else None
+    steps = tokens = nodes = 0
+    time = 0.0
+    for rid, rec in enumerate(records):
+        prompt, out = rec["prompt"], rec["output"]
+        ctx = ContextIndex()
+        ctx.extend(prompt)
+        if suffix:
+            suffix.start(rid, np.asarray(prompt))
+        g = 0
+        while g < len(out):
+            context = prompt + out[:g]
+            cands: list[Candidates] = []
+            if "context" in pools:
+                cands.append(propose_context(ctx, depth=budget))
+            if suffix:
+                cands.append(suffix.propose(rid, np.asarray(context), max_nodes=budget))
+            if "recycled" in pools:
+                cands.append(propose_recycled(table, context[-1], depth=budget))
+            if corpus is not None and "corpus" in pools:
+                cands.append(propose_corpus(corpus, context, depth=budget))
+            trie = merge(cands, calib)
+            order = ranked(trie)[:budget]
+            k = len(order) if cost is None else best_prefix([trie.path[i] for i in order], 1.0, cost, 1)
+            chosen = order[:k]
+            # greedy verification against the known continuation
+            kids: dict[int, dict[int, int]] = {}
+            for i in chosen:
+                kids.setdefault(trie.parents[i], {})[trie.tokens[i]] = i
+            path, node = [], -1
+            while g + len(path) < len(out) - 1:
+                nxt = kids.get(node, {}).get(out[g + len(path)])
+                if nxt is None:
+                    break
+                path.append(nxt)
+                node = nxt
+            feedback(trie, chosen, path, calib)
+            commit = out[g:g + len(path) + 1]
+            # the target's top-k at the rows it just verified on the accepted path: root and accepted nodes
+            rows = [context[-1]] + commit[:-1]
+            table.update(np.asarray(rows), np.asarray(rec["top_ids"][g:g + len(rows)]),
+                         np.asarray(rec["top_probs"][g:g + len(rows)]))
+            ctx.extend(commit)
+            if suffix:
+                suffix.extend(rid, np.asarray(commit))
+            g += len(commit)
+            steps += 1
+            tokens += len(commit)
+            nodes += len(chosen)
+            time += (cost or DEFAULT_COST)[min(1 + len(chosen), len(cost or DEFAULT_COST) - 1)]
+        if suffix:
+            suffix.stop(rid)
+    return {"tau": tokens / steps, "nodes_per_step": nodes / steps, "speedup_est": tokens / time}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--pools", nargs="+", default=["context", "suffix", "recycled", "corpus"])
+    ap.add_argument("--budgets", nargs="+", type=int, default=[4, 8, 16])
+    ap.add_argument("--corpus", default=None, help="corpus table (.npz); default: the shipped one if any")
+    ap.add_argument("--cost", default=None, help="JSON list: relative step time by verified rows (index = rows)")
+    ap.add_argument("--combos", action="store_true", help="every pool alone, all, and leave-one-out")
+    args = ap.parse_args()
+    from vllm_adaspec.models import resolve_model
+
+    model = resolve_model(args.model)
+    cost = json.loads(args.cost) if args.cost else DEFAULT_COST
+    corpus = None
+    if "corpus" in args.pools:
+        from vllm_adaspec.pools.corpus import CorpusTable, find_corpus
+
+        path = args.corpus or find_corpus(model)
+        corpus = CorpusTable.load(path) if path else None
+    sets = [set(args.pools)]
+    if args.combos:
+        sets = [{p} for p in args.pools] + [set(args.pools)] + [set(args.pools) - {p} for p in args.pools]
+    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    print("| dataset | pools | budget | tau (fixed B) | nodes/step | est. speedup | tau (cost-aware) | nodes/step "
+          "| est. speedup |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for ds, pools, b in itertools.product(args.datasets, sets, args.budgets):
+        recs = reference(model, ds, args.num_prompts, args.max_tokens, 8)
+        fixed = replay(recs, pools, b, None, vocab, corpus)
+        aware = replay(recs, pools, b, cost, vocab, corpus)
+        print(f"| {ds} | {'+'.join(sorted(pools))} | {b} | {fixed['tau']:.2f} | {fixed['nodes_per_step']:.1f} | "
+              f"{fixed['speedup_est']:.2f} | {aware['tau']:.2f} | {aware['nodes_per_step']:.1f} | "
+              f"{aware['speedup_est']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Candidate pools as pure functions: what each proposes for known token histories (no vLLM, no model)."""
+
+import numpy as np
+import pytest
+
+from vllm_adaspec.pools.context import ContextIndex, propose_context
+from vllm_adaspec.pools.corpus import CorpusTable, build_table, propose_corpus
+from vllm_adaspec.pools.recycled import RecycleTable, propose_recycled
+
+
+def as_paths(c):
+    """{root-to-node token tuple: prob given parent} of a Candidates tree."""
+    out, path = {}, {}
+    for i, (t, p, q) in enumerate(zip(c.tokens, c.parents, c.probs)):
+        path[i] = (path[p] if p >= 0 else ()) + (t,)
+        out[path[i]] = q
+    return out
+
+
+def test_context_keeps_every_match_and_weights_continuations():
+    idx = ContextIndex(max_n=3)
+    #            a  b  c  X  ...  a  b  c  Y  ...  a  b  c  X  ...  a  b  c
+    idx.extend([1, 2, 3, 10, 11, 1, 2, 3, 20, 21, 1, 2, 3, 10, 12, 1, 2, 3])
+    n, ends = idx.matches()
+    assert n == 3 and ends == [3, 8, 13]  # positions right after each earlier "1 2 3" (not the current one)
+    c = propose_context(idx, depth=2)
+    paths = as_paths(c)
+    assert paths[(10,)] == pytest.approx(2 / 3) and paths[(20,)] == pytest.approx(1 / 3)  # vLLM's ngram: 10 only
+    assert paths[(10, 11)] == pytest.approx(0.5) and paths[(10, 12)] == pytest.approx(0.5)
+    assert paths[(20, 21)] == 1.0
+    assert {k[:2] for k in c.keys} == {("context", 3)}
+
+
+def test_context_falls_back_to_shorter_matches_and_is_incremental():
+    idx = ContextIndex(max_n=4)
+    idx.extend([5, 6, 7])
+    assert idx.matches() == (0, [])  # nothing repeats yet
+    assert len(propose_context(idx, depth=4)) == 0
+    idx.extend([9, 6])  # "6" occurred before (followed by 7); "9 6" did not
+    assert idx.matches() == (1, [2])
+    assert as_paths(propose_context(idx, depth=3)) == {(7,): 1.0, (7, 9): 1.0, (7, 9, 6): 1.0}
+
+
+def test_context_caps_matches_and_nodes():
+    idx = ContextIndex(max_n=1)
+    idx.extend([x for t in range(100) for x in (1, t + 100)] + [1])
+    c = propose_context(idx, depth=1, max_matches=10)
+    assert len(c) == 10 and all(p == pytest.approx(0.1) for p in c.probs)  # the 10 most recent matches
+    assert sorted(c.tokens) == list(range(190, 200))
+    assert len(propose_context(idx, depth=1, max_matches=50, max_nodes=7)) == 7
+
+
+def test_recycled_walks_the_latest_top_k_breadth_first():
+    table = RecycleTable(vocab_size=100, k=3)
+    table.update(np.array([5, 7]), np.array([[7, 8, 9], [1, 2, 3]]), np.array([[0.6, 0.3, 0.05], [0.9, 0.05, 0.01]]))
+    table.update(np.array([7]), np.array([[4, 2, 1]]), np.array([[0.7, 0.2, 0.1]]))  # the latest row wins
+    c = propose_recycled(table, 5, depth=2, width=2, min_prob=0.1)
+    paths = as_paths(c)
+    assert paths == {(7,): pytest.approx(0.6), (8,): pytest.approx(0.3), (7, 4): pytest.approx(0.7),
+                     (7, 2): pytest.approx(0.2)}  # 9 (0.05) and 8's unknown successors are left out
+    assert c.parents == [-1, -1, 0, 0]  # breadth-first
+    assert len(propose_recycled(table, 42, depth=3)) == 0  # a token never verified has no successors
+
+
+def test_corpus_table_counts_successors_and_prefers_two_token_contexts(tmp_path):
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5], [9, 2, 3, 6], [9, 2, 3, 6], [7, 2, 3, 4]]
+    t = build_table(seqs, vocab_size=20, k=2, min_count=1, meta={"tokenizer": "x"})
+    ids, probs, n = t.successors(2, 3)
+    assert n == 2 and sorted(ids.tolist()) == [4, 6] and probs.tolist() == pytest.approx([0.4, 0.4])
+    ids, probs, n = t.successors(11, 3)  # "11 3" never seen: fall back to "3"
+    assert n == 1 and ids.tolist()[0] in (4, 6)
+    t.save(str(tmp_path / "c.npz"))
+    again = CorpusTable.load(str(tmp_path / "c.npz"))
+    assert again.meta["tokenizer"] == "x" and again.successors(1, 2)[0].tolist() == [3, -1]
+    c = propose_corpus(again, [1, 2], depth=2, width=1)
+    assert as_paths(c) == {(3,): pytest.approx(1.0), (3, 4): pytest.approx(0.4, abs=1e-3)}  # 4, 6 tie at 2/5 (float16)
+
+
+def test_suffix_pool_returns_a_tree_with_conditional_probabilities():
+    from vllm_adaspec.pools.suffix import SuffixPool
+
+    pool = SuffixPool(max_spec_factor=4.0, min_token_prob=0.0)
+    pool.start("a", np.array([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4, 9]))
+    pool.extend("a", np.array([7]))
+    c = pool.propose("a", np.array([1, 2, 3, 4, 9, 7, 1, 2, 3]), max_nodes=8)
+    paths = as_paths(c)
+    assert paths[(4,)] == pytest.approx(2 / 3) and paths[(5,)] == pytest.approx(1 / 3)  # two root branches
+    assert paths[(4, 1)] == pytest.approx(0.5) and paths[(4, 9)] == pytest.approx(0.5)  # given the parent
+    pool.stop("a")
+    assert "a" not in pool.cache.active_requests

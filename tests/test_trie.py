@@ -1,0 +1,81 @@
+"""The multi-pool trie: merging, calibration, node choice against a cost curve (pure Python)."""
+
+import random
+
+import pytest
+
+from vllm_adaspec.pools import Candidates
+from vllm_adaspec.trees import DraftTree
+from vllm_adaspec.trees.trie import Calibration, best_prefix, feedback, merge, ranked, subtree
+
+
+def cands(*paths, key="a"):
+    """Candidates from (token path, prob given parent) pairs, parents inserted first."""
+    c, where = Candidates(), {}
+    for toks, p in paths:
+        parent = where[toks[:-1]] if len(toks) > 1 else -1
+        where[toks] = c.add(parent, toks[-1], p, (key, 0))
+    return c
+
+
+def test_shared_prefixes_merge_and_probabilities_combine():
+    a = cands(((5,), 0.5), ((5, 6), 0.8), ((7,), 0.2), key="a")
+    b = cands(((5,), 0.5), ((5, 9), 0.4), key="b")
+    t = merge([a, b], Calibration(strength=1e9))  # a huge prior strength: calibrated = the pools' own numbers
+    nodes = {tuple(t.tokens[j] for j in path(t, i)): i for i in range(len(t))}
+    assert set(nodes) == {(5,), (5, 6), (7,), (5, 9)}  # one node for "5"
+    five = nodes[(5,)]
+    assert t.cond[five] == pytest.approx(1 - 0.5 * 0.5) and sorted(k[0] for k in t.keys[five]) == ["a", "b"]
+    assert t.path[nodes[(5, 6)]] == pytest.approx(0.75 * 0.8)
+    assert t.depth[nodes[(5, 9)]] == 2
+
+
+def path(t, i):
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = t.parents[i]
+    return out[::-1]
+
+
+def test_ranked_prefixes_are_closed_under_parents_and_subtree_is_breadth_first():
+    rng = random.Random(0)
+    for _ in range(50):
+        c, paths = Candidates(), []
+        for _ in range(rng.randint(1, 20)):
+            parent = rng.randrange(-1, len(c)) if len(c) else -1
+            c.add(parent, rng.randrange(50), rng.random(), ("a", 0))
+        t = merge([c], Calibration())
+        order = ranked(t)
+        for k in range(len(order) + 1):
+            chosen = set(order[:k])
+            assert all(t.parents[i] in chosen or t.parents[i] < 0 for i in chosen)
+            tokens, parents, idx = subtree(t, order[:k])
+            DraftTree(__import__("torch").tensor(tokens), __import__("torch").tensor(parents))  # validates BFS order
+            assert [t.tokens[i] for i in idx] == tokens
+
+
+def test_calibration_moves_a_pool_from_its_own_estimate_to_measured_acceptance():
+    cal = Calibration(strength=4)
+    assert cal(("recycled", 0, 9), 0.9) == pytest.approx(0.9)  # no evidence yet: the pool's number
+    for i in range(100):
+        cal.observe(("recycled", 0, 9), accepted=i % 5 == 0)  # really accepted 20% of the time
+    assert cal(("recycled", 0, 9), 0.9) == pytest.approx((20 + 3.6) / 104)
+
+
+def test_feedback_counts_only_nodes_whose_parent_was_accepted():
+    c = cands(((1,), 0.9), ((1, 2), 0.9), ((1, 2, 3), 0.9), ((4,), 0.5), ((1, 5), 0.5))
+    cal = Calibration()
+    t = merge([c], cal)
+    chosen = list(range(len(t)))
+    n = {tuple(t.tokens[j] for j in path(t, i)): i for i in range(len(t))}
+    feedback(t, chosen, [n[(1,)], n[(1, 2)]], cal)  # accepted 1, 2; rejected 3 (tested), 4 and 5 (tested)
+    assert cal.counts[("a", 0)] == [2, 5]  # 1, 2 passed; 3, 4, 5 were tested and failed
+
+
+def test_best_prefix_buys_nodes_only_while_they_pay_for_their_rows():
+    cost = [0, 1.0, 1.1, 1.15, 1.2, 1.6, 1.62, 1.64, 1.66]  # rows -> step time: a jump at 5 rows
+    assert best_prefix([0.9, 0.8, 0.7, 0.6, 0.5], 1.0, cost, 1) == 3  # a 4th node would cross into 5 rows
+    assert best_prefix([0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9], 1.0, cost, 1) == 7  # certain copies pay the jump
+    assert best_prefix([0.05, 0.04], 1.0, cost, 1) == 0  # not worth a single row
+    assert best_prefix([0.5] * 3, 2.0, cost, 2) == 2  # two requests (2 rows): two more nodes fit under the jump

@@ -1,0 +1,64 @@
+"""Context pool: every earlier occurrence of the request's last n tokens (n = max_n down to 1: the longest that
+occurred before), in its own prompt and output, with all distinct continuations weighted by how often each occurs.
+
+vLLM's `ngram` keeps the first match only; here the continuations of every match (the most recent `max_matches`)
+form a trie: a node's probability given its parent is the share of the parent's matches that continue with it.
+The index of n-gram ends grows with each committed token (O(max_n) per token), so a step never rescans the
+request."""
+
+from __future__ import annotations
+
+from vllm_adaspec.pools import Candidates, prob_bucket
+
+
+class ContextIndex:
+    """One request's tokens and, for every n-gram (n <= max_n), the positions right after its occurrences."""
+
+    def __init__(self, max_n: int = 4):
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            p = len(self.tokens)
+            for n in range(1, min(self.max_n, p) + 1):
+                self.ends.setdefault(tuple(self.tokens[p - n:p]), []).append(p)
+            self.tokens.append(int(t))
+
+    def matches(self) -> tuple[int, list[int]]:
+        """(n, positions after each earlier occurrence of the last n tokens) for the longest n that occurred."""
+        toks = self.tokens
+        for n in range(min(self.max_n, len(toks)), 0, -1):
+            found = self.ends.get(tuple(toks[len(toks) - n:]))
+            if found:
+                return n, found
+        return 0, []
+
+
+def propose_context(index: ContextIndex, depth: int, max_matches: int = 32, max_nodes: int = 64) -> Candidates:
+    """The trie of the continuations (up to `depth` tokens) of the last tokens' most recent matches."""
+    n, ends = index.matches()
+    out = Candidates()
+    if not n:
+        return out
+    toks = index.tokens
+    ends = ends[-max_matches:]
+    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    count: list[int] = []
+    for p in ends:
+        parent = -1
+        for t in toks[p:p + depth]:
+            node = children.get((parent, t))
+            if node is None:
+                if len(out) >= max_nodes:
+                    break
+                node = children[(parent, t)] = out.add(parent, t, 0.0, ())
+                count.append(0)
+            count[node] += 1
+            parent = node
+    for i, parent in enumerate(out.parents):
+        prob = count[i] / (count[parent] if parent >= 0 else len(ends))
+        out.probs[i] = prob
+        out.keys[i] = ("context", n, prob_bucket(prob))
+    return out

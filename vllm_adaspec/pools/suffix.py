@@ -1,0 +1,59 @@
+"""Suffix pool: arctic-inference's suffix trees (SuffixDecoding), asked for a whole speculation tree.
+
+One cache per proposer: each active request's prompt tree, and a global tree of earlier outputs bounded to the
+`max_cached_requests` most recent requests (the cache evicts the oldest). vLLM's `suffix` method asks the same
+cache for one path; here `use_tree_spec=True` returns its best-first tree (node probabilities are path
+probabilities, turned into probabilities given the parent). Needs `arctic-inference` (an optional dependency:
+the proposer refuses `"suffix"` at start-up without it)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_adaspec.pools import Candidates, prob_bucket
+
+
+def suffix_available() -> bool:
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class SuffixPool:
+    def __init__(self, max_depth: int = 24, max_cached_requests: int = 1000, min_token_prob: float = 0.05,
+                 max_spec_factor: float = 2.0, max_spec_offset: float = 1.0):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=max_depth, max_cached_requests=max_cached_requests)
+        self.max_depth = max_depth
+        self.min_token_prob = min_token_prob
+        self.max_spec_factor = max_spec_factor
+        self.max_spec_offset = max_spec_offset
+
+    def start(self, req_id, prompt: np.ndarray) -> None:
+        if req_id in self.cache.active_requests:
+            self.cache.stop_request(req_id)
+        self.cache.start_request(req_id, np.ascontiguousarray(prompt, dtype=np.int32))
+
+    def extend(self, req_id, tokens: np.ndarray) -> None:
+        if len(tokens):
+            self.cache.add_active_response(req_id, np.ascontiguousarray(tokens, dtype=np.int32))
+
+    def stop(self, req_id) -> None:
+        if req_id in self.cache.active_requests:
+            self.cache.stop_request(req_id)
+
+    def propose(self, req_id, context: np.ndarray, max_nodes: int) -> Candidates:
+        context = np.ascontiguousarray(context[-self.max_depth:], dtype=np.int32)
+        draft = self.cache.speculate(req_id, context, max_spec_tokens=int(max_nodes),
+                                     max_spec_factor=self.max_spec_factor, max_spec_offset=self.max_spec_offset,
+                                     min_token_prob=self.min_token_prob, use_tree_spec=True)
+        out = Candidates()
+        m = min(int(draft.match_len), 8)
+        for tok, parent, path_p in zip(draft.token_ids, draft.parents, draft.probs):
+            base = draft.probs[parent] if parent >= 0 else 1.0
+            prob = min(1.0, path_p / base) if base > 0 else 0.0
+            out.add(int(parent), int(tok), prob, ("suffix", m, prob_bucket(prob)))
+        return out

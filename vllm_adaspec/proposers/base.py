@@ -1,0 +1,286 @@
+"""What every adaspec proposer shares: the per-request states and draft-length policies, the speed guard, the
+statistics, and the interface our worker (engine/worker.py) drives. A proposer subclasses `AdaspecProposer`,
+implements `load_model` and `_draft`, and needs no glue of its own.
+
+The worker interface (all called in the worker process, in this order within a step):
+    attach_runner(runner)                        once: the model runner (request ids, block tables, KV caches)
+    on_schedule(scheduled, spec_tokens, finished)   at the start of every step, before the forward
+    on_tree_paths(results, kv_moves)             tree mode: after verification, {batch row: (path, bonus)}
+    on_verified_logits(req_ids, rows, logits)    `wants_verified_logits`: the target's logits at every verified row
+    set_target_output(hidden, verified_drafts)   `wants_target_hidden`: the sampled rows' final hidden states
+    propose(...)                                 vLLM's custom-proposer call, after sampling
+    adaspec_stats()                              `get_stats()` through LLM.collective_rpc
+Attributes the worker reads: `tree_mode` (verify `pending_trees` as token trees), `pending_trees`
+({req_id: (tokens, parents)} proposed in the last call), `stats` (snapshots for /metrics).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import time
+
+import numpy as np
+import torch
+
+from vllm_adaspec.config import parse_adaspec_config, resolve_config
+from vllm_adaspec.metrics import ACCEPTANCE_BUCKETS, DRAFTS_PER_ROUND_BUCKETS, new_histogram, observe
+from vllm_adaspec.policies import make_policy
+from vllm_adaspec.policies.speed_guard import SpeedGuard
+from vllm_adaspec.requests import RequestStates, bonus_rows
+from vllm_adaspec.trees import admit_within
+
+
+def request_seed(req_id: str, base_seed: int) -> int:
+    """Same on every tensor-parallel rank (unlike hash()), so adaptive draws agree across ranks."""
+    return (int.from_bytes(hashlib.sha256(req_id.encode()).digest()[:8], "little") ^ base_seed) & (2**63 - 1)
+
+
+class AdaspecProposer:
+    proposer = "early_exit"  # which part of the adaspec config applies (config.PROPOSER_KEYS)
+    wants_target_hidden = False
+    wants_verified_logits = False
+
+    def __init__(self, vllm_config):
+        self.vllm_config = vllm_config
+        hf = vllm_config.model_config.hf_text_config
+        self.cfg = resolve_config(
+            parse_adaspec_config(vllm_config.additional_config, proposer=self.proposer),
+            architectures=vllm_config.model_config.architectures,
+            num_layers=hf.num_hidden_layers,
+            num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens,
+            hf_config=hf,
+        )
+        k = self.cfg.num_speculative_tokens
+        self.base_seed = vllm_config.model_config.seed or 0
+        self.states = RequestStates(
+            new_policy=lambda rid: make_policy(self.cfg.policy, self._policy_max(), request_seed(rid, self.base_seed),
+                                               self.cfg.policy_params))
+        self.runner = None
+        self.tree = self.cfg.tree
+        self.tree_mode = self.tree is not None
+        self.pending_trees: dict[str, tuple[list[int], list[int]]] = {}
+        self._tree_holders: set[str] = set()  # requests admitted to tree mode last step (they hold KV copies)
+        self._tree_paths: dict[int, list[int]] = {}  # this step's accepted tree paths, by batch row
+        self._target_hidden, self._verified_drafts = None, None
+        self.guard = self._make_guard()
+        self._interval = None  # (start time, decoding batch size, cap) of the previous propose call
+        self._pure_decode = False  # the step being verified carried no prefill tokens
+        # Tests compare drafters with plain-torch references: per request, its committed tokens and the first draft
+        # proposed after each committed length (stats["first_drafts"]).
+        self._record = os.environ.get("VLLM_ADASPEC_RECORD_DRAFTS") == "1"
+        # Cost accounting, read through the worker's `adaspec_stats` RPC: drafts returned, wall time inside propose
+        # (CPU: synchronous, so this is the drafting cost).
+        self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
+                      "policy_seconds": 0.0,
+                      # tree mode: trees proposed, their nodes, trees verified as trees, accepted depth histogram
+                      "tree_rounds": 0, "tree_nodes": 0, "tree_verified": 0, "tree_kv_moves": 0,
+                      "tree_capped": 0, "tree_kv_copy_peak": 0,
+                      "tree_accepted_depth": [0] * (k + 1),
+                      "plain_switches": 0,
+                      "cap_steps": [0] * (self._guard_max() + 1),
+                      # rounds by the number of drafts the policy proposed (0: it rejected the first one)
+                      "round_lengths": [0] * (k + 1),
+                      "policy": self.cfg.policy,
+                      # what verification made of our drafts, and per finished request (metrics.py histograms)
+                      "verified_drafts": 0, "accepted_drafts": 0, "requests_finished": 0,
+                      "request_acceptance": new_histogram(ACCEPTANCE_BUCKETS),
+                      "request_drafts_per_round": new_histogram(DRAFTS_PER_ROUND_BUCKETS)}
+
+    # --- what a proposer decides ---
+    def _policy_max(self) -> int:
+        return self.cfg.num_speculative_tokens
+
+    def _guard_max(self) -> int:
+        """Caps the speed guard tries: 0..this (0 = plain decoding)."""
+        return self.cfg.num_speculative_tokens
+
+    def _make_guard(self):
+        # The guard models chains (k drafts -> throughput); tree mode runs without it unless a proposer says so.
+        return SpeedGuard(self._guard_max(), seed=self.base_seed) if self.cfg.speed_guard and self.tree is None else None
+
+    def _eligible(self, req_id: str) -> bool:
+        return True
+
+    def _draft(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts) -> float:
+        """Fill drafts[row] (a chain, or a tree recorded in pending_trees) for the drafting rows; returns the
+        seconds spent in policy work."""
+        raise NotImplementedError
+
+    def _before_draft(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> None:
+        """Every propose call, before the drafting rows are chosen: all rows' committed tokens (pools learn here)."""
+
+    def _on_step(self, scheduled: dict, pure: bool) -> None:
+        """After on_schedule's bookkeeping (early exit pauses its exit layers' KV upkeep here)."""
+
+    def _on_finished(self, req_ids) -> None:
+        """Requests that finished or were aborted: drop their per-request state."""
+
+    def _config_stats(self) -> dict:
+        return {}
+
+    # --- wiring (called by vLLM and by engine/worker.py) ---
+    def set_target_output(self, sample_hidden_states: torch.Tensor, verified_drafts: list[int] | None) -> None:
+        """Called by the worker before each propose: the target's normed final hidden states at its sampled rows."""
+        self._target_hidden, self._verified_drafts = sample_hidden_states, verified_drafts
+
+    def attach_runner(self, runner) -> None:
+        self.runner = runner
+
+    def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
+        self._tree_paths = {}
+        for st in self.states.finish(finished):
+            self.stats["requests_finished"] += 1
+            if st.rounds:
+                observe(self.stats["request_acceptance"], st.accepted / st.drafted)
+                observe(self.stats["request_drafts_per_round"], st.drafted / st.rounds)
+        if finished:
+            self._on_finished(finished)
+        pure = bool(scheduled)
+        for req_id, n in scheduled.items():
+            drafts = len(spec_tokens.get(req_id, ()))
+            self.states.scheduled(req_id, drafts)
+            pure = pure and n == 1 + drafts
+        self._pure_decode = pure
+        self._on_step(scheduled, pure)
+
+    def on_tree_paths(self, results: dict, kv_moves: int) -> None:
+        """Called by the tree sampler after each verification: {batch row: (accepted nodes, bonus)} and how many
+        KV slots compaction moved (nonzero: a path left the first-child spine)."""
+        from vllm_adaspec.engine.tree_verification import held_copy_tokens
+
+        self._tree_paths = {row: path for row, (path, _) in results.items()}
+        self.stats["tree_verified"] += len(results)
+        self.stats["tree_kv_moves"] += kv_moves
+        self.stats["tree_kv_copy_peak"] = max(self.stats["tree_kv_copy_peak"], held_copy_tokens())
+        for path, _ in results.values():
+            self.stats["tree_accepted_depth"][len(path)] += 1
+
+    # --- the proposer interface ---
+    @torch.inference_mode()
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_):
+        if self.runner is None:
+            raise RuntimeError(
+                f"{type(self).__name__} was not attached to a model runner: the vllm_adaspec plugin did not install "
+                "its worker (is the package installed in the environment vLLM runs in?)")
+        now = time.perf_counter()
+        req_ids = self.runner.input_batch.req_ids
+        self.pending_trees = {}
+        self._before_draft(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        decoding = sum(1 for s in sampled_token_ids if s)
+        eligible = sum(1 for i, s in enumerate(sampled_token_ids) if s and self._eligible(req_ids[i]))
+        cap = self._speed_cap(now, decoding, sum(map(len, sampled_token_ids)), eligible)
+        rows, budgets, policies = [], [], []
+        tp = time.perf_counter()  # policy time: its decisions, feedback and the statistics it asks for
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:  # prefill chunk in flight or discarded step: no new token to draft from
+                continue
+            req_id = req_ids[i]
+            drafted, accepted = self.states.verified(req_id, len(sampled))
+            self.stats["verified_drafts"] += drafted
+            self.stats["accepted_drafts"] += accepted
+            if not self._eligible(req_id):
+                continue
+            policy = self.states.get(req_id).policy
+            budget = min(policy.begin_round(), self._cap_budget(cap))
+            if budget > 0:
+                rows.append(i)
+                budgets.append(budget)
+                policies.append(policy)
+        policy_s = time.perf_counter() - tp
+        t0 = time.perf_counter()
+        policy_s += self._draft(rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids,
+                                drafts)
+        st = self.stats
+        if self._record:
+            rec = st.setdefault("first_drafts", {})
+            for i in rows:
+                if drafts[i]:
+                    n = int(num_tokens_no_spec[i])
+                    r = rec.setdefault(req_ids[i], {"tokens": [], "drafts": []})
+                    r["tokens"] = token_ids_cpu[i, :n].tolist()
+                    r["drafts"].append([n, drafts[i][0]])
+        if rows:
+            st["propose_calls"] += 1
+            st["draft_tokens"] += sum(map(len, drafts))
+            st["draft_seconds"] += time.perf_counter() - t0
+            for i in rows:
+                st["round_lengths"][min(len(drafts[i]), len(st["round_lengths"]) - 1)] += 1
+        st["policy_seconds"] += policy_s
+        return drafts
+
+    def _cap_budget(self, cap: int) -> int:
+        """The guard's cap as a draft budget (early exit: the same number)."""
+        return cap
+
+    # --- shared helpers ---
+    def _tree_rows(self, rows: list[int], req_ids: list[str], num_tokens_no_spec) -> list[bool]:
+        """Which drafting rows may draft a tree: requests whose sampling needs only temperature / top-k / top-p,
+        and whose KV copies fit the tree path's cap (trees.admit_within); the others draft chains."""
+        from vllm_adaspec.engine import tree_verification as tv
+
+        if self.tree is None:
+            return [False] * len(rows)
+        states = getattr(self.runner, "requests", {})
+        ok = [tv.tree_compatible(getattr(states.get(req_ids[i]), "sampling_params", None)) for i in rows]
+        cand = [e for e, good in enumerate(ok) if good]
+        lengths = [tv.copy_capacity(int(num_tokens_no_spec[rows[e]]) + self.tree.budget) for e in cand]
+        holding = [req_ids[rows[e]] in self._tree_holders for e in cand]
+        admitted = admit_within(lengths, self._copy_cap(), holding)
+        for e, a in zip(cand, admitted):
+            ok[e] = a
+        self.stats["tree_capped"] += len(cand) - sum(admitted)
+        self._tree_holders = {req_ids[rows[e]] for e, a in zip(cand, admitted) if a}
+        return ok
+
+    def _copy_cap(self) -> int:
+        """KV positions the tree path's copies may hold (config tree.kv_copy_tokens; default 1/8 of the cache)."""
+        if self.tree.kv_copy_tokens is not None:
+            return self.tree.kv_copy_tokens
+        cfg = self.runner.kv_cache_config
+        block = cfg.kv_cache_groups[0].kv_cache_spec.block_size
+        return cfg.num_blocks * block // 8
+
+    def _bonus_rows(self, rows: list[int], sampled_token_ids) -> list[int]:
+        """For the drafting rows, the row of the target's sampled outputs that produced each one's last token."""
+        rows_of = bonus_rows([len(s) for s in sampled_token_ids], self._verified_drafts, self._tree_paths)
+        return [rows_of[i] for i in rows]
+
+    def _speed_cap(self, now: float, decoding: int, committed: int, eligible: int) -> int:
+        """Feed the guard the interval that just ended (drafts of the last cap + their verification), pick the
+        cap for the next step. Steps with prefill chunks are not observed: their time is not the decode cost.
+        With no request left that may draft, the step is plain decoding (cap 0)."""
+        top = self._guard_max()
+        if self.guard is None:
+            return top
+        last = self._interval
+        if last is not None and self._pure_decode and last[1] == decoding:
+            self.guard.observe(decoding, last[2], committed, now - last[0])
+        if not decoding:
+            cap = top
+        elif not eligible:
+            cap = 0
+            self._after_cap(cap, exploiting=True)
+        else:
+            cap = self.guard.choose(decoding)
+            self._after_cap(cap, exploiting=self.guard.exploiting)
+        self._interval = (now, decoding, cap)
+        self.stats["cap_steps"][cap] += 1
+        return cap
+
+    def _after_cap(self, cap: int, exploiting: bool) -> None:
+        """The guard chose `cap` for the next step (early exit decides whether its exit layers keep their KV)."""
+
+    def get_stats(self) -> dict:
+        # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
+        return {**copy.deepcopy(self.stats), "tracked_requests": len(self.states),
+                "guard_best": {str(b): k for b, k in self.guard.settled().items()} if self.guard else {},
+                "config": self._config_stats()}
+
+
+def token_rows(rows: list[int], num_tokens_no_spec, token_ids_cpu) -> tuple[np.ndarray, list[np.ndarray]]:
+    """n [R] committed tokens of each drafting row, and each row's committed tokens (views)."""
+    n = num_tokens_no_spec[np.asarray(rows, dtype=np.int64)]
+    return n, [token_ids_cpu[r, :int(k)] for r, k in zip(rows, n)]

@@ -1,0 +1,241 @@
+"""MultiBranchProposer: model-free candidate trees from several pools, verified as one token tree per request.
+
+Each step, for every decoding request, each configured pool (vllm_adaspec/pools/) proposes a small candidate tree
+rooted at the request's last token; the candidates go into one trie with calibrated probabilities
+(trees/trie.py). Nodes are then chosen across the whole batch by path probability, as many as the verification
+cost curve says pay for themselves (`best_prefix`: expected tokens per unit of step time), at most the request's
+budget (its policy's, capped by `tree.budget` and the speed guard). The chosen nodes of a request are verified as
+one tree (engine/tree_verification.py) or, where trees cannot be verified (a GPU engine, a request with
+penalties / logprobs / grammars), as a chain along the best path. Verification outcomes calibrate the pools.
+
+No drafting model: the only target outputs it reads are the logits of rows verification already computed (the
+`recycled` pool). Every draft is verified by the target, so output is exactly plain decoding's (greedy), and
+sampled output keeps the target distribution (sample-and-match over trees, vLLM's rejection sampler over chains).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_adaspec.pools.context import ContextIndex, propose_context
+from vllm_adaspec.pools.recycled import RecycleTable, propose_recycled
+from vllm_adaspec.proposers.base import AdaspecProposer
+from vllm_adaspec.policies.speed_guard import SpeedGuard
+from vllm_adaspec.trees.trie import Calibration, Trie, best_prefix, feedback, merge, ranked, subtree
+
+logger = logging.getLogger("vllm_adaspec")
+
+# Relative time of a verification step by the rows it verifies (index = rows; 1 = a plain decoding step of one
+# request), measured on the 2-core CPU of benchmarks/RESULTS.md (benchmarks/verify_cost.py). Beyond the table the
+# last slope continues. The proposer spends nodes only where their expected gain beats this curve.
+VERIFY_COST = [0.0, 1.0, 1.10, 1.13, 1.16, 1.45, 1.47, 1.49, 1.51, 1.53, 1.56, 1.6, 1.65, 1.7, 1.75, 1.8, 1.85, 2.0]
+
+
+def check_start_up(resolved, vllm_config) -> None:
+    """Front-end checks (the user's process, before any engine starts): the corpus table fits this tokenizer;
+    where trees cannot be verified, say once that requests draft chains."""
+    from vllm_adaspec.engine.plugin import tree_support
+
+    if "corpus" in resolved.pools:
+        from vllm_adaspec.pools.corpus import find_corpus
+
+        find_corpus(vllm_config.model_config.tokenizer, required=True)
+    reason = tree_support(vllm_config)
+    if reason:
+        logger.warning("vllm_adaspec: MultiBranchProposer proposes chains (the best path of each candidate tree): "
+                       "%s", reason)
+
+
+@dataclass
+class RequestPools:
+    """One request's pool state and its last proposal (for calibration once it is verified)."""
+    req_id: str
+    context: ContextIndex
+    seen: int = 0  # committed tokens fed to the suffix pool (the prompt went in at start)
+    last_token: int = -1  # the root of the last proposal
+    trie: Trie | None = None
+    chosen: list[int] = field(default_factory=list)  # trie nodes proposed, in proposal order
+
+
+class MultiBranchProposer(AdaspecProposer):
+    proposer = "multi_branch"
+
+    def __init__(self, vllm_config):
+        super().__init__(vllm_config)
+        from vllm_adaspec.engine.plugin import tree_support
+
+        self.tree_mode = tree_support(vllm_config) is None
+        pools = self.cfg.pools
+        self.wants_verified_logits = "recycled" in pools
+        hf = vllm_config.model_config.hf_text_config
+        self.recycled = RecycleTable(hf.vocab_size) if "recycled" in pools else None
+        self.suffix = None
+        if "suffix" in pools:
+            from vllm_adaspec.pools.suffix import SuffixPool
+
+            self.suffix = SuffixPool()
+        self.corpus = None
+        if "corpus" in pools:
+            from vllm_adaspec.pools.corpus import CorpusTable, find_corpus
+
+            self.corpus = CorpusTable.load(find_corpus(vllm_config.model_config.tokenizer, required=True))
+        self.calibration = Calibration()
+        self.cost = list(VERIFY_COST)
+        self.requests: dict[str, RequestPools] = {}
+        self.stats.update({"pool_nodes": {p: 0 for p in pools}, "trie_nodes": 0, "chosen_nodes": 0,
+                           "pool_accepted": {p: 0 for p in pools}})
+
+    # --- AdaspecProposer hooks ---
+    def _guard_max(self) -> int:
+        return 1  # the guard chooses between plain decoding (0) and drafting at the cost-aware budget (1)
+
+    def _make_guard(self):
+        return SpeedGuard(1, seed=self.base_seed) if self.cfg.speed_guard else None
+
+    def _cap_budget(self, cap: int) -> int:
+        return self.cfg.tree.budget if cap else 0
+
+    def _policy_max(self) -> int:
+        return self.cfg.tree.budget
+
+    def load_model(self, target_model) -> None:
+        """Model-free: nothing to load (vLLM calls this on every custom proposer)."""
+
+    def _on_finished(self, req_ids) -> None:
+        for r in req_ids:
+            if self.requests.pop(r, None) is not None and self.suffix is not None:
+                self.suffix.stop(r)
+
+    def _before_draft(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> None:
+        """Feed every decoding request's new tokens to its pools, and calibrate on its last proposal's outcome."""
+        batch = self.runner.input_batch
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:
+                continue
+            req_id, n = batch.req_ids[i], int(num_tokens_no_spec[i])
+            st = self.requests.get(req_id)
+            if st is None:
+                st = self.requests[req_id] = RequestPools(req_id, ContextIndex())
+                if self.suffix is not None:
+                    st.seen = int(batch.num_prompt_tokens[i])
+                    self.suffix.start(req_id, token_ids_cpu[i, :st.seen])
+            elif st.trie is not None:
+                self._calibrate(st, i, len(sampled), self.states.get(req_id).drafted_last)
+            if self.suffix is not None:
+                self.suffix.extend(req_id, token_ids_cpu[i, st.seen:n])
+                st.seen = n
+            st.context.extend(token_ids_cpu[i, len(st.context.tokens):n].tolist())
+            st.last_token = int(token_ids_cpu[i, n - 1])
+            st.trie, st.chosen = None, []
+
+    def _calibrate(self, st: RequestPools, row: int, num_sampled: int, scheduled: int) -> None:
+        """The last proposal of this request was verified: which of its nodes were tested, which passed."""
+        verified = st.chosen[:scheduled]  # the scheduler may have trimmed the proposal (breadth-first: still a tree)
+        if not verified:
+            return
+        if row in self._tree_paths:
+            path = [verified[j] for j in self._tree_paths[row]]
+        else:  # verified as a chain: nodes 0..a-1 were accepted
+            path = verified[:num_sampled - 1]
+        feedback(st.trie, verified, path, self.calibration)
+        for node in path:
+            for key in st.trie.keys[node]:
+                self.stats["pool_accepted"][key[0]] += 1
+
+    def _draft(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts) -> float:
+        if not rows:
+            return 0.0
+        req_ids = self.runner.input_batch.req_ids
+        treeish = self._tree_rows(rows, req_ids, num_tokens_no_spec) if self.tree_mode else [False] * len(rows)
+        tries, cands = [], []  # per drafting row: its trie, and its candidate nodes (best first, within budget)
+        for e, (i, budget) in enumerate(zip(rows, budgets)):
+            st = self.requests[req_ids[i]]
+            trie = merge(self._candidates(st, budget), self.calibration)
+            order = ranked(trie)[:budget] if treeish[e] else best_path(trie, budget)
+            tries.append(trie)
+            cands.append(order)
+            self.stats["trie_nodes"] += len(trie)
+        # Across the batch: the nodes with the highest path probability first, as many as the cost curve pays for.
+        flat = sorted(((tries[e].path[node], e, j) for e, order in enumerate(cands) for j, node in enumerate(order)),
+                      key=lambda x: -x[0])
+        decoding = sum(1 for s in sampled_token_ids if s)
+        keep = best_prefix([p for p, _, _ in flat], float(decoding), self.cost, decoding)
+        count = [0] * len(rows)
+        for _, e, j in flat[:keep]:
+            count[e] = max(count[e], j + 1)  # a prefix of a request's ranked nodes is closed under parents
+        for e, i in enumerate(rows):
+            st = self.requests[req_ids[i]]
+            chosen = cands[e][:count[e]]
+            if not chosen:
+                continue
+            tokens, parents, order = subtree(tries[e], chosen)
+            st.trie, st.chosen = tries[e], order
+            drafts[i] = tokens
+            if treeish[e]:
+                self.pending_trees[req_ids[i]] = (tokens, parents)
+                self.stats["tree_rounds"] += 1
+                self.stats["tree_nodes"] += len(tokens)
+            self.stats["chosen_nodes"] += len(tokens)
+        return 0.0
+
+    def _candidates(self, st: RequestPools, budget: int) -> list:
+        out = []
+        toks = st.context.tokens
+        if "context" in self.cfg.pools:
+            out.append(propose_context(st.context, depth=budget))
+        if self.suffix is not None:
+            out.append(self.suffix.propose(st.req_id, np.asarray(toks[-self.suffix.max_depth:]), max_nodes=budget))
+        if self.recycled is not None:
+            out.append(propose_recycled(self.recycled, toks[-1], depth=budget))
+        if self.corpus is not None:
+            from vllm_adaspec.pools.corpus import propose_corpus
+
+            out.append(propose_corpus(self.corpus, toks[-2:], depth=budget))
+        for pool, cand in zip(self.cfg.pools, out):
+            self.stats["pool_nodes"][pool] += len(cand)
+        return out
+
+    # --- target rows (the worker calls this after every verification, `wants_verified_logits`) ---
+    def on_verified_logits(self, logits: torch.Tensor, metadata) -> None:
+        """logits [rows, V] of a verification step; metadata: vLLM's SpecDecodeMetadata. Each request's rows are its
+        root (its last committed token) and its drafts; their top-k next tokens refresh the recycled table."""
+        if self.recycled is None or metadata is None:
+            return
+        batch = self.runner.input_batch
+        cu = [0] + metadata.cu_num_draft_tokens.tolist()
+        drafts = metadata.draft_token_ids.tolist()
+        target, bonus = metadata.target_logits_indices.tolist(), metadata.bonus_logits_indices.tolist()
+        rows, tokens = [], []
+        for i, req_id in enumerate(batch.req_ids[:len(cu) - 1]):
+            st = self.requests.get(req_id)
+            if st is None or cu[i + 1] == cu[i]:
+                continue
+            # rows: the root's (it verifies the first draft), each draft's but the last, then the bonus row (the
+            # last draft's); for trees the same rows hold the root and the nodes in order
+            rows += target[cu[i]:cu[i + 1]] + [bonus[i]]
+            tokens += [st.last_token] + drafts[cu[i]:cu[i + 1]]
+        if not rows:
+            return
+        x = logits[torch.tensor(rows, device=logits.device)].float()  # [R, V]
+        top, ids = x.topk(self.recycled.k, dim=-1)
+        probs = torch.exp(top - torch.logsumexp(x, dim=-1, keepdim=True))
+        self.recycled.update(np.asarray(tokens), ids.cpu().numpy(), probs.cpu().numpy())
+
+    def _config_stats(self) -> dict:
+        return {"pools": list(self.cfg.pools), "budget": self.cfg.tree.budget, "tree_mode": self.tree_mode}
+
+
+def best_path(trie: Trie, budget: int) -> list[int]:
+    """Chain fallback: from the root, always the child with the highest path probability, up to `budget` nodes."""
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(trie.parents):
+        kids.setdefault(p, []).append(i)
+    out, node = [], -1
+    while len(out) < budget and kids.get(node):
+        node = max(kids[node], key=lambda c: trie.path[c])
+        out.append(node)
+    return out

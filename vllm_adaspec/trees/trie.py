@@ -1,0 +1,120 @@
+"""One token trie per request from every pool's candidates, scored on one scale, and the nodes worth verifying.
+
+Each pool proposes nodes with its own probability that the target continues with them (given the parent was
+accepted). Those numbers are not comparable across pools (a suffix tree's frequency, a recycled softmax
+probability from another context), so each is calibrated against verification: `Calibration` counts, per
+calibration key (pool + its evidence, bucketed), how often a node whose parent was accepted was accepted itself.
+Nodes proposed by several pools are merged (shared prefixes are one node) and their calibrated probabilities
+combined. A node's path probability (the product along its path) is the chance verification accepts it, so the
+expected tokens of a step are 1 + the sum of the verified nodes' path probabilities; which and how many nodes to
+verify is then a trade against the cost of verifying rows (`best_prefix`). Pure Python: no vLLM, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from vllm_adaspec.pools import Candidates
+
+
+class Calibration:
+    """key -> [accepted, tested] over verified nodes whose parent was accepted; a Beta prior centred on the pool's
+    own probability with `strength` pseudo-observations until evidence accumulates."""
+
+    def __init__(self, strength: float = 4.0):
+        self.strength = strength
+        self.counts: dict[tuple, list[float]] = {}
+
+    def __call__(self, key: tuple, raw: float) -> float:
+        acc, tested = self.counts.get(key, (0.0, 0.0))
+        return (acc + self.strength * raw) / (tested + self.strength)
+
+    def observe(self, key: tuple, accepted: bool) -> None:
+        c = self.counts.setdefault(key, [0.0, 0.0])
+        c[0] += accepted
+        c[1] += 1
+
+
+@dataclass
+class Trie:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # -1 = child of the root
+    cond: list[float] = field(default_factory=list)  # calibrated P(accepted | parent accepted), pools combined
+    path: list[float] = field(default_factory=list)  # P(accepted): product of cond along the path
+    keys: list[list[tuple]] = field(default_factory=list)  # calibration keys of the pools that proposed it
+    depth: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def merge(pools: Sequence[Candidates], calibrate: Calibration) -> Trie:
+    """Insert every pool's candidates into one trie rooted at the last committed token. A node proposed by
+    several pools gets P = 1 - prod(1 - p_i) over their calibrated probabilities (any of them may be right)."""
+    t = Trie()
+    index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    miss: list[float] = []  # prod(1 - p_i) so far
+    for cand in pools:
+        where = [0] * len(cand)  # candidate node -> trie node
+        for i, (tok, parent, prob, key) in enumerate(zip(cand.tokens, cand.parents, cand.probs, cand.keys)):
+            tp = where[parent] if parent >= 0 else -1
+            node = index.get((tp, tok))
+            if node is None:
+                node = index[(tp, tok)] = len(t.tokens)
+                t.tokens.append(tok)
+                t.parents.append(tp)
+                t.keys.append([])
+                t.depth.append(1 if tp < 0 else t.depth[tp] + 1)
+                miss.append(1.0)
+            t.keys[node].append(key)
+            miss[node] *= 1.0 - calibrate(key, prob)
+            where[i] = node
+    t.cond = [1.0 - m for m in miss]
+    for i, parent in enumerate(t.parents):  # parents were created before their children
+        t.path.append(t.cond[i] * (t.path[parent] if parent >= 0 else 1.0))
+    return t
+
+
+def ranked(t: Trie) -> list[int]:
+    """Nodes by path probability, best first; a child never outranks its parent (ties: shallower first), so every
+    prefix of this order is closed under parents."""
+    return sorted(range(len(t)), key=lambda i: (-t.path[i], t.depth[i], i))
+
+
+def subtree(t: Trie, nodes: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """The chosen nodes (closed under parents) as a breadth-first tree: (tokens, parents, trie node of each)."""
+    order = sorted(nodes, key=lambda i: (t.depth[i], i))
+    new = {old: j for j, old in enumerate(order)}
+    return [t.tokens[i] for i in order], [new[t.parents[i]] if t.parents[i] >= 0 else -1 for i in order], order
+
+
+def best_prefix(gains: Sequence[float], base_tokens: float, cost: Sequence[float], base_rows: int) -> int:
+    """How many of the candidate nodes (sorted by gain, best first) to verify: the k that maximises expected tokens
+    per unit of time, (base_tokens + sum(gains[:k])) / cost[base_rows + k]. cost[r] is the relative time of a
+    verification step of r rows (cost[r] for r beyond the table: the last entry's slope)."""
+    best_k, best, total = 0, base_tokens / _cost(cost, base_rows), base_tokens
+    for k, g in enumerate(gains, start=1):
+        total += g
+        rate = total / _cost(cost, base_rows + k)
+        if rate > best:
+            best_k, best = k, rate
+    return best_k
+
+
+def _cost(cost: Sequence[float], rows: int) -> float:
+    if rows < len(cost):
+        return cost[rows]
+    slope = cost[-1] - cost[-2] if len(cost) > 2 else cost[-1]
+    return cost[-1] + slope * (rows - len(cost) + 1)
+
+
+def feedback(t: Trie, chosen: Sequence[int], path_nodes: Sequence[int], calibrate: Calibration) -> None:
+    """After verification: every chosen node whose parent was accepted (or is the root) was tested; it passed if
+    it lies on the accepted path (path_nodes: trie nodes, root to deepest)."""
+    on_path = set(path_nodes)
+    accepted_parents = {-1} | on_path
+    for i in chosen:
+        if t.parents[i] in accepted_parents:
+            for key in t.keys[i]:
+                calibrate.observe(key, i in on_path)
