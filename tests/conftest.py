@@ -104,14 +104,18 @@ TREE_MIX = {"prompts": PROMPTS[:6],
             + [{"temperature": 0.8, "top_p": 0.95, "seed": 7 + i, "max_tokens": 40} for i in range(2)]}
 
 
+# Four requests of equal length: one batch size throughout (the speed guard's known-answer test).
+GUARD_BATCH = {"prompts": PROMPTS[:4], "params": [{"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}]}
+
+
 @pytest.fixture(scope="session")
 def plain_greedy(smollm2, engines):
     """Reference: vLLM without speculation, same engine settings, every batch the engine tests compare with."""
     res = engines.run({"model": smollm2, "engine": ENGINE,
                        "batches": [greedy_batch(), greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS), SAMPLED_MIX, COUNTS,
-                                   TREE_MIX]})
+                                   TREE_MIX, GUARD_BATCH]})
     runs = [b["runs"][0] for b in res["batches"]]
-    return dict(zip(["mixed", "grow", "sampled_mix", "counts", "tree_mix"], runs))
+    return dict(zip(["mixed", "grow", "sampled_mix", "counts", "tree_mix", "guard"], runs))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,8 +5,8 @@ KV is owned by the engine and drafts well."""
 
 import pytest
 
-from conftest import (COUNTS, ENGINE, GROW_MAX_TOKENS, GROW_PROMPTS, MAX_TOKENS, PROMPTS, SAMPLED_MIX, SEEDED, SPEC,
-                      assert_identical, greedy_batch)
+from conftest import (COUNTS, ENGINE, GROW_MAX_TOKENS, GROW_PROMPTS, GUARD_BATCH, MAX_TOKENS, PROMPTS, SAMPLED_MIX,
+                      SEEDED, SPEC, assert_identical, greedy_batch)
 from stats import two_sample_chi2_pvalue
 from vllm_adaspec.harness import run_engine
 
@@ -29,7 +29,9 @@ OTHER_SEEDS = [{**p, "seed": p["seed"] + 7} for p in SEEDED]
 @pytest.fixture(scope="module")
 def head_runs(smollm2, engines):
     """One engine with the shipped head (K = 4) for every test of chains in the default mode."""
-    batches = {"mixed": greedy_batch(repeat=2), "sampled_mix": SAMPLED_MIX,
+    # "cached": the same prompts again, a few tokens each: every prompt hits the prefix cache (exit-layer KV too)
+    batches = {"mixed": greedy_batch(), "cached": greedy_batch(max_tokens=[min(m, 16) for m in MAX_TOKENS]),
+               "sampled_mix": SAMPLED_MIX,
                "seeded": {"prompts": PROMPTS[:6], "params": SEEDED, "repeat": 2},
                "other_seeds": {"prompts": PROMPTS[:6], "params": OTHER_SEEDS}, "counts": COUNTS}
     res = engines.run({"model": smollm2, "engine": head_engine(), "batches": list(batches.values())})
@@ -37,9 +39,9 @@ def head_runs(smollm2, engines):
 
 
 def test_greedy_identical_with_prefix_cache_hits_and_the_shipped_head_drafts_well(head_runs, plain_greedy):
-    first, second = head_runs["mixed"]
-    for run in (first, second):  # the second pass hits the prefix cache for every prompt (exit-layer KV included)
-        assert_identical(run, plain_greedy["mixed"])
+    first, second = head_runs["mixed"][0], head_runs["cached"][0]
+    assert_identical(first, plain_greedy["mixed"])
+    assert_identical(second, {"token_ids": [t[:16] for t in plain_greedy["mixed"]["token_ids"]]})
     cfg = first["adaspec"]["config"]
     assert cfg["exit_head"] and "heads" in cfg["exit_head"], cfg
     # The exit layer's KV is part of the engine's KV-cache spec (allocated and accounted by vLLM).
@@ -52,6 +54,8 @@ def test_greedy_identical_with_prefix_cache_hits_and_the_shipped_head_drafts_wel
     # Some rounds must accept more than one draft, or rollback of a partial acceptance was never exercised.
     assert m["vllm:spec_decode_num_accepted_tokens_per_pos"][1] > 0, m
     assert accept_rate(second["metrics"]) > 0.12, second["metrics"]
+    m2 = second["metrics"]
+    assert m2["vllm:prefix_cache_hits"] > 0.5 * m2["vllm:prefix_cache_queries"], m2  # the long prompts came cached
 
 
 def test_mixed_batches_draft_for_sampled_requests_and_keep_greedy_rows(head_runs, plain_greedy):
@@ -87,31 +91,24 @@ def test_seeded_sampling_repeats_itself(head_runs):
 SMALL_KV = dict(kv_cache_memory_bytes=19 * 2**20, block_size=32, max_model_len=320, max_num_batched_tokens=64)
 
 
-@pytest.mark.parametrize("exit_head", ["auto", "none"])
-def test_greedy_identical_under_preemption_and_chunked_prefill(smollm2, plain_greedy, engines, exit_head):
-    # "auto": the shipped head, whose exit layer has KV of its own that preemption drops and recompute rebuilds;
-    # "none": the untrained exit at layer 10 (the first N layers only).
-    engine = head_engine(k=3, **SMALL_KV)
-    engine["additional_config"]["adaspec"].update({} if exit_head == "auto" else {"exit_head": "none", "exit_layer": 10})
-    run = engines.run({"model": smollm2, "engine": engine,
+def test_greedy_identical_under_preemption_and_chunked_prefill(smollm2, plain_greedy, engines):
+    # The shipped head's exit layer has KV of its own that preemption drops and recompute rebuilds.
+    run = engines.run({"model": smollm2, "engine": head_engine(k=3, **SMALL_KV),
                        "batches": [greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS)]})["batches"][0]["runs"][0]
     assert_identical(run, plain_greedy["grow"])
     assert run["metrics"]["vllm:num_preemptions"] > 0, "no preemption happened: the test did not test it"
-    assert run["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
-    if exit_head == "auto":
-        assert accept_rate(run["metrics"]) > 0.12, run["metrics"]
+    assert accept_rate(run["metrics"]) > 0.12, run["metrics"]
 
 
-def test_shipped_head_in_compiled_mode(smollm2, plain_greedy):
-    # vLLM's default mode traces the model with torch.compile and splits the graph at attention: the forward hook
-    # that feeds the exit layer's KV (an attention layer itself) must survive both. The eager backend keeps the
-    # trace and the split (what could drop the hook) but skips code generation, so rounding matches eager decoding
-    # and the eager reference holds. Own process: a compiled engine leaves torch state behind that later eager
-    # engines in the same process trip over.
+def test_shipped_head_in_compiled_mode(smollm2, plain_greedy, engines):
+    # Without enforce_eager vLLM traces the model with torch.compile: the forward hook that feeds the exit layer's
+    # KV (an attention layer itself) must survive the trace. Traced once by dynamo (what could drop the hook) with
+    # the eager backend (no code generation: rounding matches eager decoding, so the eager reference holds, and the
+    # engine starts in ~40 s instead of several minutes of inductor compiles).
     compiled = {k: v for k, v in head_engine(k=3).items() if k != "enforce_eager"}
-    compiled["compilation_config"] = {"backend": "eager", "custom_ops": ["all"]}
+    compiled["compilation_config"] = {"mode": 2, "backend": "eager", "custom_ops": ["all"]}  # DYNAMO_TRACE_ONCE
     batch = greedy_batch(max_tokens=[min(m, 48) for m in MAX_TOKENS])
-    run = run_engine({"model": smollm2, "engine": compiled, "batches": [batch]})["batches"][0]["runs"][0]
+    run = engines.run({"model": smollm2, "engine": compiled, "batches": [batch]})["batches"][0]["runs"][0]
     want = {"token_ids": [t[:min(m, 48)] for t, m in zip(plain_greedy["mixed"]["token_ids"], MAX_TOKENS)]}
     assert_identical(run, want)
     assert accept_rate(run["metrics"]) > 0.12, run["metrics"]
@@ -127,14 +124,14 @@ def test_default_settings_are_lossless(smollm2, plain_greedy, engines):
     assert len(caps) == 4 and caps[0] > 0 and caps[1] > 0, caps  # the guard measured plain and drafting
 
 
-def test_speed_guard_settles_on_plain_decoding_when_drafts_never_pay(smollm2, engines):
+def test_speed_guard_settles_on_plain_decoding_when_drafts_never_pay(smollm2, plain_greedy, engines):
     """A workload whose answer is known on any machine: the untrained exit after 2 of 30 layers agrees with the
     model about 3% of the time, so every draft costs time and almost none is accepted. Four requests of equal
     length keep one batch size; after trying cap 1 for a few steps the guard must settle on cap 0 (plain)."""
     engine = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": 3},
               "additional_config": {"adaspec": {"exit_head": "none", "exit_layer": 2}}}
-    batch = {"prompts": PROMPTS[:4], "params": [{"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}]}
-    run = engines.run({"model": smollm2, "engine": engine, "batches": [batch]})["batches"][0]["runs"][0]
+    run = engines.run({"model": smollm2, "engine": engine, "batches": [GUARD_BATCH]})["batches"][0]["runs"][0]
+    assert_identical(run, plain_greedy["guard"])  # the untrained exit's drafts, and the guard's switches: lossless
     st = run["adaspec"]
     assert st["guard_best"] == {"4": 0}, st["guard_best"]  # one batch-size bucket (4-7 requests): plain wins
     caps = st["cap_steps"]
@@ -144,11 +141,12 @@ def test_speed_guard_settles_on_plain_decoding_when_drafts_never_pay(smollm2, en
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
 
-def test_ngram_seeded_sampling_repeats_itself(smollm2, engines):
+def test_ngram_seeded_sampling_repeats_itself(smollm2):
     """vLLM's own ngram drafter: seeded sampling did not repeat on CPU before our expand fix (garbage
-    temperatures); the plugin corrects the op for every speculative method."""
+    temperatures); the plugin corrects the op for every speculative method. Own process: vLLM's ngram JIT-compiles
+    with numba, after which later engines of the same process fail to start."""
     engine = {**ENGINE, "speculative_config": NGRAM}
-    res = engines.run({"model": smollm2, "engine": engine,
+    res = run_engine({"model": smollm2, "engine": engine,
                        "batches": [{"prompts": PROMPTS[:6], "params": SEEDED, "repeat": 2}]})
     a, b = res["batches"][0]["runs"]
     assert a["token_ids"] == b["token_ids"]

@@ -87,7 +87,7 @@ if __name__ == "__main__":
 
 
 def test_multiprocess_engine_discovers_the_plugin_and_mixed_tree_batches_stay_exact(smollm2, plain_greedy, tmp_path):
-    job = {"model": smollm2, "engine": tree_engine(), "batches": [TREE_MIX, COUNTS]}
+    job = {"model": smollm2, "engine": tree_engine(), "batches": [TREE_MIX, COUNTS]}  # (one multiprocess engine)
     env = default_env(multiprocess=True, workdir=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", AUTODISCOVERY], input=json.dumps(job), capture_output=True,
                           text=True, env=env, timeout=900)

@@ -16,7 +16,7 @@ from vllm_adaspec.harness import default_env
 
 pytestmark = pytest.mark.engine
 
-N = 4  # prompts checked through the server
+N = 2  # prompts checked through the server
 
 
 def free_port() -> int:

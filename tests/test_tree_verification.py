@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_adaspec.engine.tree_verification import (TreeRequest, batch_layout, compact_kv_cpu, gather_cpu_kv,
-                                                   gather_cpu_kv_at, masked_attention_batch, plan_step,
-                                                   tree_compatible)
+from vllm_adaspec.engine.tree_verification import (TreeRequest, compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at,
+                                                   masked_attention_batch, plan_step, tree_compatible)
 from vllm_adaspec.trees import DraftTree, ancestor_mask, paths
 
 BS, HKV, HQ, D = 32, 2, 6, 64
@@ -49,24 +48,22 @@ def test_gather_reads_the_paged_cpu_layout(isa, bs, d):
 
 @pytest.mark.parametrize("root_pos", [0, 5, 70])
 def test_tree_rows_equal_causal_attention_along_each_path(root_pos):
+    """verify_attention for one request: its rows' keys and values come from the layer's inputs, the prefix from
+    the paged cache; each row must equal causal attention over the prefix, the root and its own path."""
+    from vllm_adaspec.engine import tree_verification as tv
+
     g = torch.Generator().manual_seed(root_pos)
     tree = DraftTree(torch.arange(7), torch.tensor([-1, -1, 0, 0, 1, 2, 4]))
     n1 = len(tree) + 1
-    k = torch.randn(root_pos + n1, HKV, D, generator=g, dtype=torch.float64)
-    v = torch.randn(root_pos + n1, HKV, D, generator=g, dtype=torch.float64)
-    q = torch.randn(n1, HQ, D, generator=g, dtype=torch.float64)
-    scale = 1 / math.sqrt(D)
-    layout = batch_layout([TreeRequest(0, "r", 0, root_pos, tree, ancestor_mask(tree))])  # as verify_attention
-    assert layout.valid.all() and layout.rows.tolist() == [list(range(n1))]
-    out = masked_attention_batch(q[layout.rows], k[None], v[None], layout.visible, scale)[0]
-    rows_of = {-1: [root_pos]}
-    for path in paths(tree):
-        for i, node in enumerate(path):
-            rows_of[node] = [root_pos] + [root_pos + 1 + p for p in path[:i + 1]]
-    for node, rows in rows_of.items():
-        keys = list(range(root_pos)) + rows
-        want = _causal(q[node + 1], k[keys], v[keys], scale)
-        assert torch.allclose(out[node + 1], want, atol=1e-12), node
+    cache, row, k, v = _paged_cache(root_pos + n1, g)
+    q = torch.randn(n1, HQ, D, generator=g)
+    req = TreeRequest(0, "r", 0, root_pos, tree, ancestor_mask(tree))
+    tv.retain_sequence_kv(set())
+    output = torch.zeros(n1, HQ, D)
+    tv.verify_attention(tv.TreeStep(n1, [req]), q, k[root_pos:], v[root_pos:], output, cache, row[None], "vec",
+                        1 / math.sqrt(D))
+    _check_tree_rows(output, q, req, k, v, scale=1 / math.sqrt(D))
+    tv.retain_sequence_kv(set())
     # A chain is plain causal attention.
     chain = DraftTree(torch.arange(3), torch.tensor([-1, 0, 1]))
     causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))
@@ -82,7 +79,7 @@ def _write(cache, block_row, positions, k, v):
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
 
 
-def _check_tree_rows(output, query, req, kk, vv):
+def _check_tree_rows(output, query, req, kk, vv, scale=0.125):
     """Every row of a tree request == causal attention over the prefix, the root and the node's own path."""
     rows_of = {-1: [req.root_pos]}
     for path in paths(req.tree):
@@ -90,14 +87,15 @@ def _check_tree_rows(output, query, req, kk, vv):
             rows_of[node] = [req.root_pos] + [req.root_pos + 1 + p for p in path[:i + 1]]
     for node, rows in rows_of.items():
         keys = list(range(req.root_pos)) + rows
-        want = _causal(query[req.start + 1 + node], kk[keys], vv[keys], 0.125)
+        want = _causal(query[req.start + 1 + node], kk[keys], vv[keys], scale)
         torch.testing.assert_close(output[req.start + 1 + node], want, rtol=1e-5, atol=1e-5)
 
 
 def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_attention_along_each_path():
-    """What the CPU attention patch runs per layer (verify_attention): every tree request of the forward in one
-    masked attention, requests of different lengths and tree sizes packed between other rows; each request's KV
-    copied once and extended step by step, so a second step must see what changed after the first."""
+    """What the CPU attention patch runs per layer (verify_attention): tree requests of different lengths and tree
+    sizes packed between other rows; each request's prefix copied once and extended step by step (a second step
+    must see what changed after the first, and must not re-read final positions), the rows' own keys and values
+    taken from the layer's inputs; vLLM's seq_lens of tree requests cut to their rows."""
     from vllm_adaspec.engine import tree_verification as tv
 
     g = torch.Generator().manual_seed(11)
@@ -114,17 +112,23 @@ def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_atten
         k, v = torch.randn(n + 20, HKV, D, generator=g), torch.randn(n + 20, HKV, D, generator=g)
         _write(cache, table[batch_rows[b]], torch.arange(n), k[:n], v[:n])
         kv.append((k, v))
-    tv.retain_sequence_kv(None)
+    tv.retain_sequence_kv(set())
     for step_no in range(2):
         reqs = [TreeRequest(row, f"req-{row}", start, rp, tree, ancestor_mask(tree))
                 for row, start, rp, tree in zip(batch_rows, starts, root_pos, trees)]
         step = tv.TreeStep(20, reqs)
-        tv.retain_sequence_kv(step)
-        query = torch.randn(20, HQ, D, generator=g)
-        rows, out = tv.verify_attention(step, query, cache, table, "vec", 0.125)
-        assert not out.isnan().any()
+        tv.retain_sequence_kv({r.req_id for r in reqs})
+        seq_lens = torch.full((4,), 500)
+        tv.shrink_tree_seq_lens(step, seq_lens)
+        assert seq_lens.tolist() == [8, 500, 3, 5]
+        query, key, value = (torch.randn(20, h, D, generator=g) for h in (HQ, HKV, HKV))
+        for req, (kk, vv) in zip(reqs, kv):  # the layer's own keys and values of the tree rows
+            n1 = len(req.tree) + 1
+            key[req.start:req.start + n1], value[req.start:req.start + n1] = kk[req.root_pos:req.root_pos + n1], \
+                vv[req.root_pos:req.root_pos + n1]
         output = torch.zeros_like(query)
-        output[rows] = out
+        tv.verify_attention(step, query, key, value, output, cache, table, "vec", 0.125)
+        assert not output.isnan().any()
         for req, (kk, vv) in zip(reqs, kv):
             _check_tree_rows(output, query, req, kk, vv)
         assert output[8:12].abs().sum() == 0  # the chain request's rows are not touched
@@ -141,7 +145,7 @@ def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_atten
                 _write(cache, table[batch_rows[b]], torch.tensor([0]), torch.full((1, HKV, D), float("nan")),
                        torch.full((1, HKV, D), float("nan")))
         root_pos = [r + 3 for r in root_pos]
-    tv.retain_sequence_kv(None)
+    tv.retain_sequence_kv({"req-0"}, stale={"req-0"})  # resumed after preemption: its copy is dropped too
     assert not tv._SEQ_KV
 
 

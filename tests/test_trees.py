@@ -1,6 +1,7 @@
 """Tree core (no vLLM): structure, shapes, greedy verification, and that lossless modes keep the target's
 distribution (chi-square on a 4-token vocabulary; a biased verifier must fail the same test)."""
 
+import functools
 import itertools
 
 import pytest
@@ -186,6 +187,7 @@ def test_greedy_matches_sequential_argmax_on_random_trees():
 
 # --- stochastic: the committed text must follow the target's distribution ---
 
+@functools.lru_cache(maxsize=None)  # prefixes repeat: each distribution is drawn once
 def _dist(seed_base: int, prefix: tuple, temp: float = 1.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed_base * 1000 + hash(prefix) % 1000)
     return torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 1.5 / temp, 0)

@@ -20,8 +20,10 @@ CHILD = r"""
 import importlib, json, os, pkgutil, sys
 target, root, model = json.loads(sys.stdin.read())
 if __name__ == "__main__":
-    inside = lambda p: os.path.realpath(p).startswith(os.path.realpath(root) + os.sep)
-    leaked = [p for p in sys.path if p and (inside(p) or os.path.realpath(p) == os.path.realpath(root))]
+    # an entry that makes the checkout's own vllm_adaspec/ importable (its .venv may live inside the checkout)
+    leaked = [p for p in sys.path
+              if os.path.realpath(os.path.join(p or os.getcwd(), "vllm_adaspec")) == os.path.realpath(
+                  os.path.join(root, "vllm_adaspec"))]
     import vllm_adaspec
     names = sorted(m.name for m in pkgutil.walk_packages(vllm_adaspec.__path__, "vllm_adaspec."))
     files = {n: importlib.import_module(n).__file__ for n in ["vllm_adaspec"] + names}

@@ -7,7 +7,8 @@ how vLLM resolves `speculative_config.model = "vllm_adaspec.EarlyExitProposer"`.
 __version__ = "0.1.0"
 
 _LAZY = {"EarlyExitProposer": "vllm_adaspec.proposers.early_exit",
-         "MultiBranchProposer": "vllm_adaspec.proposers.multi_branch"}
+         "MultiBranchProposer": "vllm_adaspec.proposers.multi_branch",
+         "ProbeProposer": "vllm_adaspec.proposers.probe"}
 
 
 def __getattr__(name):

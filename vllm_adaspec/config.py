@@ -29,12 +29,14 @@ COMMON_KEYS = ("policy", "speed_guard", "tree")
 PROPOSER_KEYS = {
     "early_exit": ("exit_layer", "policy", "exit_head", "speed_guard", "tree"),
     "multi_branch": ("pools", "policy", "speed_guard", "tree"),
+    "probe": ("policy", "speed_guard", "tree"),
 }
-PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBranchProposer"}
+PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBranchProposer",
+                    "probe": "ProbeProposer"}
 # Tree keys per proposer: early exit grows its trees from the exit head (top_k, depth); the candidate trees of
 # multi_branch come from its pools.
 TREE_KEYS = {"early_exit": ("budget", "top_k", "depth", "kv_copy_tokens"),
-             "multi_branch": ("budget", "kv_copy_tokens")}
+             "multi_branch": ("budget", "kv_copy_tokens"), "probe": ("budget", "kv_copy_tokens")}
 # Candidate pools of MultiBranchProposer (vllm_adaspec/pools/); the default is the best measured set.
 POOLS = ("context", "suffix", "recycled", "corpus")
 DEFAULT_POOLS = ("context", "suffix", "recycled")
@@ -218,7 +220,7 @@ def resolve_config(
     With `hf_config` the exit head is resolved too: an explicit checkpoint must match the model's config and N
     (its weights are checked when the worker loads it); "auto" finds a shipped one.
     """
-    if proposer == "multi_branch":
+    if proposer in ("multi_branch", "probe"):
         return _resolve_multi_branch(cfg, num_layers, _check_k(num_speculative_tokens))
     archs = list(architectures or [])
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):

@@ -31,6 +31,8 @@ COUNTERS = (
     "vllm:num_preemptions",
     "vllm:generation_tokens",
     "vllm:prompt_tokens",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
 )
 
 

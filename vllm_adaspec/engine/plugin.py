@@ -23,6 +23,7 @@ logger = logging.getLogger("vllm_adaspec")
 PROPOSERS = {
     "vllm_adaspec.EarlyExitProposer": "early_exit",
     "vllm_adaspec.MultiBranchProposer": "multi_branch",
+    "vllm_adaspec.ProbeProposer": "probe",  # measures verification cost (benchmarks/verify_cost.py)
 }
 STOCK_WORKERS = {
     "cpu": "vllm.v1.worker.cpu_worker.CPUWorker",

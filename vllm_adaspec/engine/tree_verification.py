@@ -8,9 +8,11 @@ n + 1 contiguous slots (root + nodes) and verifies n + 1 rows. Per step:
 1. `plan_step` (after the runner's `_prepare_inputs`): for each request whose scheduled drafts are the tree the
    drafter proposed, rewrite its node rows' positions to root + depth (RoPE at depth; slots stay contiguous,
    they were computed before) and publish the step's tree plan.
-2. inside CPU attention (every layer, exit layers included): vLLM's kernel ran the rows causally; the rows of all
-   tree requests are recomputed together (`verify_attention`) with the prefix fully visible and, among the nodes,
-   only ancestors-or-self, over a contiguous copy of each request's KV that each step extends (`sequence_kv`).
+2. inside CPU attention (every layer, exit layers included): vLLM's kernel skips most of a tree request's work
+   (its seq_len is cut to its rows: `shrink_tree_seq_lens`), and the rows of each tree request are computed in one
+   SDPA call (`verify_attention`): the prefix fully visible (a contiguous copy of the request's KV that each step
+   extends: `sequence_kv`) and, among the rows, only ancestors-or-self (their keys and values straight from the
+   layer's inputs).
 3. `TreeRejectionSampler` (the runner's rejection sampler, wrapped): vLLM's output stands for chain requests;
    tree requests are verified node by node against their parent's row (trees/verify.py: greedy, or lossless
    sample-and-match), and get the accepted path + the bonus token from the last accepted node's row.
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from vllm_adaspec.trees import DraftTree, ancestor_mask, verify_greedy, verify_sample_match
 
@@ -39,6 +42,7 @@ class TreeRequest:
     root_pos: int
     tree: DraftTree
     mask: torch.Tensor  # [n + 1, n + 1] bool ancestor-or-self over verification rows
+    visible: torch.Tensor | None = None  # [1, 1, n + 1, root + n + 1] bool, built by the first layer
 
 
 @dataclass
@@ -47,7 +51,6 @@ class TreeStep:
     requests: list[TreeRequest]
     slot_mapping: torch.Tensor | None = None  # the forward's slots, seen by attention (for compaction)
     kv_caches: list = field(default_factory=list)  # (cache, isa) of every attention layer in the forward
-    layout: "BatchLayout | None" = None  # built by the first attention layer of the forward
 
 
 _STEP: TreeStep | None = None
@@ -141,6 +144,14 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tens
     return TreeStep(num_tokens, requests) if requests else None
 
 
+def shrink_tree_seq_lens(step: TreeStep, seq_lens: torch.Tensor) -> None:
+    """Cut each tree request's seq_len (the runner's buffer, read when the step's attention metadata is built) to
+    its own rows: vLLM's kernel then attends only over those few keys, work verify_attention overwrites anyway,
+    instead of the whole prefix. The KV cache writes go by slot mapping and are unaffected."""
+    for r in step.requests:
+        seq_lens[r.row] = len(r.tree) + 1
+
+
 # --- attention -------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
@@ -227,40 +238,17 @@ def masked_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vi
 
 
 @dataclass
-class BatchLayout:
-    """Where the tree requests of one verification forward read their queries, shared by every layer (built once
-    per step): R requests padded to S keys and M rows."""
-    rows: torch.Tensor  # [R, M] flattened query row (padding repeats the request's root row)
-    valid: torch.Tensor  # [R, M] bool, the real rows
-    visible: torch.Tensor  # [R, M, S] bool: prefix + ancestors-or-self; padding rows see what the root sees
-
-
-def batch_layout(requests: list[TreeRequest]) -> BatchLayout:
-    lengths = [r.root_pos + len(r.tree) + 1 for r in requests]
-    s, m = max(lengths), max(len(r.tree) + 1 for r in requests)
-    rows = torch.zeros(len(requests), m, dtype=torch.long)
-    valid = torch.zeros(len(requests), m, dtype=torch.bool)
-    visible = torch.zeros(len(requests), m, s, dtype=torch.bool)
-    for i, (r, length) in enumerate(zip(requests, lengths)):
-        n1 = len(r.tree) + 1
-        rows[i] = r.start
-        rows[i, :n1] = torch.arange(r.start, r.start + n1)
-        valid[i, :n1] = True
-        visible[i, :, :r.root_pos + 1] = True  # the prefix, and the root (padding rows = root's view)
-        visible[i, :n1, r.root_pos:length] = r.mask
-    return BatchLayout(rows, valid, visible)
-
-
-@dataclass
 class SequenceKV:
-    """One tree request's K, V in one attention layer, contiguous, positions 0..final-1 already final (committed
-    and compacted: never written again), so a step gathers only what came after them."""
+    """One tree request's K, V in one attention layer, contiguous: positions 0..final-1 are final (committed and
+    compacted: never written again), so a step gathers from the paged cache only what came after them; the rows of
+    the current forward (root + nodes) are written right after the prefix, as scratch."""
     k: torch.Tensor  # [capacity, H, D]
     v: torch.Tensor
     final: int = 0
 
 
-# (request id, cache address) -> SequenceKV; only requests verified as trees in consecutive steps keep theirs.
+# (request id, cache address) -> SequenceKV. Kept while the drafter keeps a request admitted to tree mode (chain
+# steps in between only make the next tree step gather more); dropped when it leaves (finished, preempted, capped).
 _SEQ_KV: dict[tuple[str, int], SequenceKV] = {}
 
 
@@ -277,50 +265,54 @@ def held_copy_tokens() -> int:
     return sum(held.values())
 
 
-def retain_sequence_kv(step: TreeStep | None) -> None:
-    """Drop the copies of requests that are not tree requests in this step (finished, preempted, chains)."""
-    keep = {r.req_id for r in step.requests} if step is not None else set()
-    for key in [key for key in _SEQ_KV if key[0] not in keep]:
+def retain_sequence_kv(keep: set[str], stale: set[str] = frozenset()) -> None:
+    """Keep the copies of requests in `keep` (the drafter's tree-mode requests), drop the others' and those in
+    `stale` (resumed after preemption: their KV was recomputed)."""
+    for key in [key for key in _SEQ_KV if key[0] not in keep or key[0] in stale]:
         del _SEQ_KV[key]
 
 
-def sequence_kv(cache: torch.Tensor, block_row: torch.Tensor, req_id: str, length: int, final: int,
-                isa: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V [length, H, D] of positions 0..length-1 of a request, gathering from the paged cache only the positions
-    not yet copied; afterwards positions < final count as final."""
+def sequence_kv(cache: torch.Tensor, block_row: torch.Tensor, req_id: str, root: int, rows: int,
+                isa: str) -> SequenceKV:
+    """The request's copy with positions 0..root-1 final and room for `rows` more (gathering from the paged cache
+    only positions not yet copied)."""
     key = (req_id, cache.data_ptr())
     seq = _SEQ_KV.get(key)
-    start = 0 if seq is None else min(seq.final, length)
-    k_new, v_new = gather_cpu_kv(cache, block_row, length, isa, start=start)
-    if seq is None or seq.k.shape[0] < length:
-        cap = copy_capacity(length)
-        k = k_new.new_empty((cap,) + k_new.shape[1:])
-        v = v_new.new_empty((cap,) + v_new.shape[1:])
+    start = 0 if seq is None else min(seq.final, root)
+    if seq is None or seq.k.shape[0] < root + rows:
+        _, h, _, d2 = cache.shape
+        cap = copy_capacity(root + rows)
+        k = cache.new_empty((cap, h, d2 // 2))
+        v = cache.new_empty((cap, h, d2 // 2))
         if seq is not None:
             k[:start], v[:start] = seq.k[:start], seq.v[:start]
         seq = _SEQ_KV[key] = SequenceKV(k, v)
-    seq.k[start:length], seq.v[start:length] = k_new, v_new
-    seq.final = final
-    return seq.k[:length], seq.v[:length]
+    if start < root:
+        seq.k[start:root], seq.v[start:root] = gather_cpu_kv(cache, block_row, root, isa, start=start)
+    seq.final = root
+    return seq
 
 
-def verify_attention(step: TreeStep, query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, isa: str,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tree rows of one attention layer of a verification forward, all tree requests in one masked attention:
-    query [T, Hq, D] the forward's queries; cache the layer's paged CPU cache; block_table [B, max_blocks].
-    Returns (flattened row indices [X], their outputs [X, Hq, D])."""
-    if step.layout is None:
-        step.layout = batch_layout(step.requests)
-    layout = step.layout
-    kvs = [sequence_kv(cache, block_table[r.row], r.req_id, r.root_pos + len(r.tree) + 1, r.root_pos + 1, isa)
-           for r in step.requests]
-    if len(kvs) == 1:
-        k, v = kvs[0][0][None], kvs[0][1][None]
-    else:  # [R, S, H, D], zero padded (masked off)
-        k = torch.nn.utils.rnn.pad_sequence([kv[0] for kv in kvs], batch_first=True)
-        v = torch.nn.utils.rnn.pad_sequence([kv[1] for kv in kvs], batch_first=True)
-    new = masked_attention_batch(query[layout.rows], k, v, layout.visible, scale)
-    return layout.rows[layout.valid], new[layout.valid]
+def verify_attention(step: TreeStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     output: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, isa: str,
+                     scale: float) -> None:
+    """The tree rows of one attention layer of a verification forward, written into `output` [T, Hq, D]: for each
+    tree request, its rows' queries (query [T, Hq, D]) attend to the prefix (its contiguous copy) and to the rows'
+    own keys and values of this forward (key, value [T, Hkv, D]) under the ancestor mask, in one SDPA call."""
+    for r in step.requests:
+        n1 = len(r.tree) + 1
+        rows = slice(r.start, r.start + n1)
+        seq = sequence_kv(cache, block_table[r.row], r.req_id, r.root_pos, n1, isa)
+        end = r.root_pos + n1
+        seq.k[r.root_pos:end], seq.v[r.root_pos:end] = key[rows], value[rows]
+        if r.visible is None:  # [1, 1, n1, root + n1]: the whole prefix, then ancestors-or-self among the rows
+            vis = torch.ones(n1, end, dtype=torch.bool)
+            vis[:, r.root_pos:] = r.mask
+            r.visible = vis[None, None]
+        out = F.scaled_dot_product_attention(
+            query[rows].transpose(0, 1)[None], seq.k[:end].transpose(0, 1)[None], seq.v[:end].transpose(0, 1)[None],
+            attn_mask=r.visible, scale=scale, enable_gqa=query.shape[1] != key.shape[1])  # [1, Hq, n1, D]
+        output[rows] = out[0].transpose(0, 1).to(output.dtype)
 
 
 def install_cpu_attention_patch() -> None:
@@ -352,8 +344,7 @@ def install_cpu_attention_patch() -> None:
         if step.slot_mapping is None:
             step.slot_mapping = attn_metadata.slot_mapping[:step.num_tokens].clone()
         step.kv_caches.append((kv_cache, layer.isa))
-        rows, new = verify_attention(step, query, kv_cache, attn_metadata.block_table, layer.isa, self.scale)
-        output[rows] = new.to(output.dtype)
+        verify_attention(step, query, key, value, output, kv_cache, attn_metadata.block_table, layer.isa, self.scale)
         return out
 
     forward._adaspec_tree = True  # type: ignore[attr-defined]

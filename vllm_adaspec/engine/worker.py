@@ -77,7 +77,10 @@ def _install_tree_verification(runner, drafter) -> None:
                 runner.input_batch.req_ids[:num_reqs], runner.query_start_loc.np[:num_reqs + 1], runner.positions,
                 scheduler_output.scheduled_spec_decode_tokens, drafter.pending_trees,
                 scheduler_output.total_num_scheduled_tokens)
-        tv.retain_sequence_kv(step)
+        keep = set(getattr(drafter, "tree_holders", ())) | ({r.req_id for r in step.requests} if step else set())
+        tv.retain_sequence_kv(keep, stale=set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
+        if step is not None:
+            tv.shrink_tree_seq_lens(step, runner.seq_lens)
         tv.set_step(step)
         return result
 

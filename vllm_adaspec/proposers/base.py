@@ -51,6 +51,7 @@ class AdaspecProposer:
             num_layers=hf.num_hidden_layers,
             num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens,
             hf_config=hf,
+            proposer=self.proposer,
         )
         k = self.cfg.num_speculative_tokens
         self.base_seed = vllm_config.model_config.seed or 0
@@ -61,7 +62,7 @@ class AdaspecProposer:
         self.tree = self.cfg.tree
         self.tree_mode = self.tree is not None
         self.pending_trees: dict[str, tuple[list[int], list[int]]] = {}
-        self._tree_holders: set[str] = set()  # requests admitted to tree mode last step (they hold KV copies)
+        self.tree_holders: set[str] = set()  # requests admitted to tree mode last step (they keep KV copies)
         self._tree_paths: dict[int, list[int]] = {}  # this step's accepted tree paths, by batch row
         self._target_hidden, self._verified_drafts = None, None
         self.guard = self._make_guard()
@@ -227,12 +228,12 @@ class AdaspecProposer:
         ok = [tv.tree_compatible(getattr(states.get(req_ids[i]), "sampling_params", None)) for i in rows]
         cand = [e for e, good in enumerate(ok) if good]
         lengths = [tv.copy_capacity(int(num_tokens_no_spec[rows[e]]) + self.tree.budget) for e in cand]
-        holding = [req_ids[rows[e]] in self._tree_holders for e in cand]
+        holding = [req_ids[rows[e]] in self.tree_holders for e in cand]
         admitted = admit_within(lengths, self._copy_cap(), holding)
         for e, a in zip(cand, admitted):
             ok[e] = a
         self.stats["tree_capped"] += len(cand) - sum(admitted)
-        self._tree_holders = {req_ids[rows[e]] for e, a in zip(cand, admitted) if a}
+        self.tree_holders = {req_ids[rows[e]] for e, a in zip(cand, admitted) if a}
         return ok
 
     def _copy_cap(self) -> int:
