@@ -44,6 +44,16 @@ def methods(args) -> dict[str, dict]:
         # same prompts at batch 1 then 8) that turns later runs into replays. 0 keeps every cell independent.
         out["suffix"] = {"speculative_config": {"method": "suffix",
                                                 "suffix_decoding_max_cached_requests": args.suffix_cached_requests}}
+    if "multibranch" in args.methods:
+        for spec in args.mb:
+            # MultiBranchProposer: K = the node budget; guard as given (default on).
+            settings = json.loads(spec)
+            budget = settings.get("tree", {}).get("budget", 16)
+            label = "multibranch " + "+".join(settings.get("pools", ["default"])) + f" B={budget}" + (
+                " guard off" if settings.get("speed_guard") is False else "")
+            out[label] = {"speculative_config": {"model": "vllm_adaspec.MultiBranchProposer",
+                                                 "num_speculative_tokens": budget},
+                          "additional_config": {"adaspec": settings}}
     if "adaspec" in args.methods:
         for n in args.exit_layers or [None]:
             head = args.exit_head.format(n=n) if "{n}" in args.exit_head else args.exit_head
@@ -200,7 +210,7 @@ def markdown(results: dict, args) -> str:
 def annotate_exit(rows: dict, runs: list[dict], model: str) -> None:
     """Add the exit settings the drafter reported and the FLOP share of its draft step to each row."""
     cfg_used = next((r.get("adaspec", {}).get("config") for r in runs if r.get("adaspec", {}).get("config")), None)
-    if not cfg_used:
+    if not cfg_used or "exit_layer" not in cfg_used:  # (model-free proposers have no draft model)
         return
     with open(Path(model) / "config.json") as f:
         hf = json.load(f)
@@ -253,6 +263,9 @@ def main(argv=None) -> int:
     p.add_argument("--policy-k", type=int, default=10)
     p.add_argument("--trees", nargs="*", default=[],
                    help='tree-mode rows, JSON each: \'{"budget": 8, "top_k": 2}\' (K = budget, guard off)')
+    p.add_argument("--mb", nargs="*", default=['{}'],
+                   help='MultiBranchProposer rows (method "multibranch"), JSON each: \'{"pools": ["context", "suffix"], '
+                        '"tree": {"budget": 8}}\' (K = budget; default settings: {})')
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seed = prompt index)")
     p.add_argument("--dtype", default="float32", help="float32: this CPU has no native bf16 (AVX2), where bf16 is several times slower")
     p.add_argument("--out", default="benchmarks/out/bench_e2e.json")

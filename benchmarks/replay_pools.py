@@ -24,11 +24,15 @@ import numpy as np
 from vllm_adaspec.pools import Candidates
 from vllm_adaspec.pools.context import ContextIndex, propose_context
 from vllm_adaspec.pools.recycled import RecycleTable, propose_recycled
-from vllm_adaspec.trees.trie import Calibration, best_prefix, feedback, merge, ranked
+from vllm_adaspec.trees.trie import Calibration, best_prefix, feedback, merge, ranked, streak_state
 
 OUT = Path(__file__).parent / "out"
-# Relative time of a verification step by rows (1 = plain decoding), batch 1; replaced by --cost.
-DEFAULT_COST = [0.0, 1.0, 1.10, 1.13, 1.16, 1.45, 1.47, 1.49, 1.51, 1.53, 1.56, 1.6, 1.65, 1.7, 1.75, 1.8, 1.85, 2.0]
+# Relative time of a verification step by rows (1 = plain decoding), batch 1 (chains; trees cost --tree-factor more);
+# from benchmarks/verify_cost.py on this CPU. Replaced by --cost.
+from vllm_adaspec.proposers.multi_branch import VERIFY_COST  # noqa: E402
+from vllm_adaspec.trees.trie import cost_curve  # noqa: E402
+
+DEFAULT_COST = cost_curve(VERIFY_COST)
 
 
 def reference(model: str, dataset: str, n: int, max_tokens: int, topk: int) -> list[dict]:
@@ -57,7 +61,8 @@ def reference(model: str, dataset: str, n: int, max_tokens: int, topk: int) -> l
 
 
 def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] | None, vocab_size: int,
-           corpus=None, strength: float = 4.0) -> dict:
+           corpus=None, strength: float = 4.0, streak: bool = True, tree_factor: float = 1.0,
+           vllm_suffix: bool = False) -> dict:
     """cost None: verify the `budget` most probable nodes every step; else choose the count on the cost curve."""
     from vllm_adaspec.pools.corpus import propose_corpus
     from vllm_adaspec.pools.suffix import SuffixPool
@@ -65,15 +70,15 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
     calib = Calibration(strength)
     table = RecycleTable(vocab_size)
     suffix = SuffixPool() if "suffix" in pools else None
-    steps = tokens = nodes = 0
-    time = 0.0
+    steps = tokens = nodes = accepted = 0
+    time = predicted = 0.0
     for rid, rec in enumerate(records):
         prompt, out = rec["prompt"], rec["output"]
         ctx = ContextIndex()
         ctx.extend(prompt)
         if suffix:
             suffix.start(rid, np.asarray(prompt))
-        g = 0
+        g, last_acc = 0, 0
         while g < len(out):
             context = prompt + out[:g]
             cands: list[Candidates] = []
@@ -85,10 +90,27 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
                 cands.append(propose_recycled(table, context[-1], depth=budget))
             if corpus is not None and "corpus" in pools:
                 cands.append(propose_corpus(corpus, context, depth=budget))
-            trie = merge(cands, calib)
+            if vllm_suffix:  # vLLM's `suffix` method: the path mode of the same cache at its defaults
+                d = suffix.cache.speculate(rid, np.asarray(context[-24:], dtype=np.int32), max_spec_tokens=budget,
+                                           max_spec_factor=1.0, min_token_prob=0.1, use_tree_spec=False)
+                cands = [Candidates(list(d.token_ids), list(range(-1, len(d.token_ids) - 1)),
+                                    [1.0] * len(d.token_ids), [("v",)] * len(d.token_ids))]
+            trie = merge(cands, calib, streak_state(last_acc) if streak else ())
             order = ranked(trie)[:budget]
-            k = len(order) if cost is None else best_prefix([trie.path[i] for i in order], 1.0, cost, 1)
+            if vllm_suffix:
+                k = len(order)
+            elif cost is None:
+                k = len(order)
+            else:
+                k = best_prefix([trie.path[i] for i in order], 1.0, cost, 1)
             chosen = order[:k]
+            if cost is not None and tree_factor > 1 and not vllm_suffix:
+                if _is_tree(trie, chosen):  # a real tree: worth its extra cost against its best chain?
+                    path_nodes = _best_chain(trie, chosen)
+                    t_gain = 1 + sum(trie.path[i] for i in chosen)
+                    c_gain = 1 + sum(trie.path[i] for i in path_nodes)
+                    if c_gain / _c(cost, 1 + len(path_nodes)) >= t_gain / (tree_factor * _c(cost, 1 + len(chosen))):
+                        chosen = path_nodes
             # greedy verification against the known continuation
             kids: dict[int, dict[int, int]] = {}
             for i in chosen:
@@ -101,6 +123,9 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
                 path.append(nxt)
                 node = nxt
             feedback(trie, chosen, path, calib)
+            last_acc = len(path)
+            predicted += sum(trie.path[i] for i in chosen)
+            accepted += len(path)
             commit = out[g:g + len(path) + 1]
             # the target's top-k at the rows it just verified on the accepted path: root and accepted nodes
             rows = [context[-1]] + commit[:-1]
@@ -113,10 +138,35 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
             steps += 1
             tokens += len(commit)
             nodes += len(chosen)
-            time += (cost or DEFAULT_COST)[min(1 + len(chosen), len(cost or DEFAULT_COST) - 1)]
+            rows_cost = (cost or DEFAULT_COST)(1 + len(chosen))
+            time += rows_cost * (tree_factor if _is_tree(trie, chosen) else 1.0)
         if suffix:
             suffix.stop(rid)
-    return {"tau": tokens / steps, "nodes_per_step": nodes / steps, "speedup_est": tokens / time}
+    return {"tau": tokens / steps, "nodes_per_step": nodes / steps, "speedup_est": tokens / time,
+            "predicted_accepted": predicted / steps, "accepted": accepted / steps}
+
+
+def _c(cost, rows):
+    return cost(rows)
+
+
+def _is_tree(trie, chosen) -> bool:
+    kids: dict[int, int] = {}
+    for i in chosen:
+        kids[trie.parents[i]] = kids.get(trie.parents[i], 0) + 1
+    return any(n > 1 for n in kids.values())
+
+
+def _best_chain(trie, chosen) -> list[int]:
+    """The chosen nodes' best root path (by path probability), as a chain."""
+    kids: dict[int, list[int]] = {}
+    for i in chosen:
+        kids.setdefault(trie.parents[i], []).append(i)
+    out, node = [], -1
+    while kids.get(node):
+        node = max(kids[node], key=lambda c: trie.path[c])
+        out.append(node)
+    return out
 
 
 def main() -> None:
@@ -128,13 +178,15 @@ def main() -> None:
     ap.add_argument("--pools", nargs="+", default=["context", "suffix", "recycled", "corpus"])
     ap.add_argument("--budgets", nargs="+", type=int, default=[4, 8, 16])
     ap.add_argument("--corpus", default=None, help="corpus table (.npz); default: the shipped one if any")
-    ap.add_argument("--cost", default=None, help="JSON list: relative step time by verified rows (index = rows)")
+    ap.add_argument("--cost", default=None, help='JSON {rows: relative step time}, e.g. \'{"1": 1.0, "9": 1.5}\'')
     ap.add_argument("--combos", action="store_true", help="every pool alone, all, and leave-one-out")
+    ap.add_argument("--tree-factor", type=float, default=1.15, help="tree verification cost over a chain's")
+    ap.add_argument("--no-streak", action="store_true", help="calibrate without the request's last acceptance")
     args = ap.parse_args()
     from vllm_adaspec.models import resolve_model
 
     model = resolve_model(args.model)
-    cost = json.loads(args.cost) if args.cost else DEFAULT_COST
+    cost = cost_curve({int(k): v for k, v in json.loads(args.cost).items()}) if args.cost else DEFAULT_COST
     corpus = None
     if "corpus" in args.pools:
         from vllm_adaspec.pools.corpus import CorpusTable, find_corpus
@@ -148,10 +200,15 @@ def main() -> None:
     print("| dataset | pools | budget | tau (fixed B) | nodes/step | est. speedup | tau (cost-aware) | nodes/step "
           "| est. speedup |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for ds in args.datasets:
+        recs = reference(model, ds, args.num_prompts, args.max_tokens, 8)
+        v = replay(recs, {"suffix"}, 24, cost, vocab, vllm_suffix=True)
+        print(f"| {ds} | vLLM suffix (chain, factor 1, min prob 0.1) | - | - | - | - | {v['tau']:.2f} | "
+              f"{v['nodes_per_step']:.1f} | {v['speedup_est']:.2f} |", flush=True)
     for ds, pools, b in itertools.product(args.datasets, sets, args.budgets):
         recs = reference(model, ds, args.num_prompts, args.max_tokens, 8)
-        fixed = replay(recs, pools, b, None, vocab, corpus)
-        aware = replay(recs, pools, b, cost, vocab, corpus)
+        fixed = replay(recs, pools, b, None, vocab, corpus, streak=not args.no_streak, tree_factor=args.tree_factor)
+        aware = replay(recs, pools, b, cost, vocab, corpus, streak=not args.no_streak, tree_factor=args.tree_factor)
         print(f"| {ds} | {'+'.join(sorted(pools))} | {b} | {fixed['tau']:.2f} | {fixed['nodes_per_step']:.1f} | "
               f"{fixed['speedup_est']:.2f} | {aware['tau']:.2f} | {aware['nodes_per_step']:.1f} | "
               f"{aware['speedup_est']:.2f} |", flush=True)

@@ -97,6 +97,11 @@ SAMPLED_MIX = {"prompts": PROMPTS[:6], "params": SEEDED[:3] + [{"temperature": 0
 COUNT_PROMPT = "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
 # 64 seeded samples of a 4-token continuation at T = 1.0: a coarse two-sample check of the output distribution.
 COUNTS = {"prompts": [COUNT_PROMPT] * 64, "params": [{"temperature": 1.0, "max_tokens": 4, "seed": i} for i in range(64)]}
+# The same check where model-free drafts exist: the prompt repeats itself, so the context pool proposes its
+# continuation (likely, not certain, at T = 1).
+COPY_PROMPT = "The cat sat on the mat. " * 4 + "The cat"
+COPY_COUNTS = {"prompts": [COPY_PROMPT] * 64,
+               "params": [{"temperature": 1.0, "max_tokens": 4, "seed": i} for i in range(64)]}
 # Greedy rows, chain-only rows (a penalty: vLLM's sampler applies it, trees cannot) and sampled rows in one batch.
 TREE_MIX = {"prompts": PROMPTS[:6],
             "params": [{"temperature": 0.0, "max_tokens": 40}] * 2
@@ -113,9 +118,9 @@ def plain_greedy(smollm2, engines):
     """Reference: vLLM without speculation, same engine settings, every batch the engine tests compare with."""
     res = engines.run({"model": smollm2, "engine": ENGINE,
                        "batches": [greedy_batch(), greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS), SAMPLED_MIX, COUNTS,
-                                   TREE_MIX, GUARD_BATCH]})
+                                   TREE_MIX, GUARD_BATCH, COPY_COUNTS]})
     runs = [b["runs"][0] for b in res["batches"]]
-    return dict(zip(["mixed", "grow", "sampled_mix", "counts", "tree_mix", "guard"], runs))
+    return dict(zip(["mixed", "grow", "sampled_mix", "counts", "tree_mix", "guard", "copy_counts"], runs))
 
 
 def pytest_collection_modifyitems(config, items):

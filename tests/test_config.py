@@ -132,3 +132,14 @@ def test_each_proposer_takes_the_common_keys_and_its_own():
     with pytest.raises(AdaspecConfigError, match=r"\['budget'\] = 8 needs .*>= 8"):
         resolve_config(parse_adaspec_config({"adaspec": {"tree": {"budget": 8}}}, proposer="multi_branch"),
                        **{**LLAMA, "num_speculative_tokens": 4}, proposer="multi_branch")
+
+
+def test_suffix_pool_without_arctic_inference_names_the_package(monkeypatch):
+    import vllm_adaspec.pools.suffix as suffix
+
+    monkeypatch.setattr(suffix, "suffix_available", lambda: False)
+    with pytest.raises(AdaspecConfigError, match=r"\['pools'\]: 'suffix' needs the package arctic-inference==0.1.1"):
+        resolve_config(parse_adaspec_config({}, proposer="multi_branch"), **LLAMA, proposer="multi_branch")
+    r = resolve_config(parse_adaspec_config({"adaspec": {"pools": ["context"]}}, proposer="multi_branch"), **LLAMA,
+                       proposer="multi_branch")
+    assert r.pools == ("context",)

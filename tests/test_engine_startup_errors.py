@@ -9,6 +9,7 @@ import pytest
 pytestmark = pytest.mark.engine
 
 EE = "vllm_adaspec.EarlyExitProposer"
+MB = "vllm_adaspec.MultiBranchProposer"
 CASES = {
     "unknown key": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_layr": 6}}, {},
                     ["unknown key(s) 'exit_layr'", "allowed keys: exit_layer, policy, exit_head, speed_guard"]),
@@ -26,10 +27,23 @@ CASES = {
                                    {"adaspec": {"exit_head": "none", "policy": "thompson-cali"}}, {},
                                    ["policy 'thompson-cali' needs a trained exit head"]),
     "unknown proposer": ({"model": "vllm_adaspec.EarlyExit", "num_speculative_tokens": 3}, {}, {},
-                         ["'vllm_adaspec.EarlyExit' is not an adaspec proposer; known: vllm_adaspec.EarlyExitProposer"]),
+                         ["'vllm_adaspec.EarlyExit' is not an adaspec proposer; known: vllm_adaspec.EarlyExitProposer, "
+                          "vllm_adaspec.MultiBranchProposer"]),
     "tree budget over K": ({"model": EE, "num_speculative_tokens": 4}, {"adaspec": {"tree": {"budget": 8}}}, {},
                            ["['tree']['budget'] = 8 needs speculative_config['num_speculative_tokens'] >= 8", "got 4"]),
     "K below 1": ({"model": EE, "num_speculative_tokens": 0}, {}, {}, ["num_speculative_tokens"]),
+    "unknown pool": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"pools": ["context", "ngram"]}}, {},
+                     ["['pools']: unknown pool(s) 'ngram'; known: context, suffix, recycled, corpus"]),
+    "early-exit key for multibranch": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"exit_layer": 6}},
+                                       {}, ["unknown key(s) 'exit_layer' for MultiBranchProposer",
+                                            "allowed keys: pools, policy, speed_guard, tree"]),
+    "model policy for multibranch": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"policy": "adaedl"}},
+                                     {}, ["'adaedl' reads a drafting model's distribution"]),
+    "no corpus for this tokenizer": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"pools": ["corpus"]}},
+                                     {}, ["'corpus' has no table for this tokenizer",
+                                                      "adaspec build corpus"]),
+    "multibranch budget over K": ({"model": MB, "num_speculative_tokens": 4}, {"adaspec": {"tree": {"budget": 8}}},
+                                  {}, ["['tree']['budget'] = 8 needs speculative_config['num_speculative_tokens'] >= 8"]),
     "foreign worker": ({"model": EE, "num_speculative_tokens": 3}, {}, {"worker_cls": "my.Worker"},
                        ["installs its own worker", "worker_cls='my.Worker'", "Remove --worker-cls"]),
     "unsupported model": ({"model": EE, "num_speculative_tokens": 3}, {}, {"gpt2": True},

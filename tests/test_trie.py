@@ -6,7 +6,8 @@ import pytest
 
 from vllm_adaspec.pools import Candidates
 from vllm_adaspec.trees import DraftTree
-from vllm_adaspec.trees.trie import Calibration, best_prefix, feedback, merge, ranked, subtree
+from vllm_adaspec.trees.trie import (PRIOR_SCALE, Calibration, best_prefix, cost_curve, feedback, merge, ranked,
+                                     subtree)
 
 
 def cands(*paths, key="a"):
@@ -21,12 +22,14 @@ def cands(*paths, key="a"):
 def test_shared_prefixes_merge_and_probabilities_combine():
     a = cands(((5,), 0.5), ((5, 6), 0.8), ((7,), 0.2), key="a")
     b = cands(((5,), 0.5), ((5, 9), 0.4), key="b")
-    t = merge([a, b], Calibration(strength=1e9))  # a huge prior strength: calibrated = the pools' own numbers
+    t = merge([a, b], Calibration(strength=1e9), state=(1,))  # a huge prior strength: calibrated = the prior
     nodes = {tuple(t.tokens[j] for j in path(t, i)): i for i in range(len(t))}
     assert set(nodes) == {(5,), (5, 6), (7,), (5, 9)}  # one node for "5"
     five = nodes[(5,)]
-    assert t.cond[five] == pytest.approx(1 - 0.5 * 0.5) and sorted(k[0] for k in t.keys[five]) == ["a", "b"]
-    assert t.path[nodes[(5, 6)]] == pytest.approx(0.75 * 0.8)
+    # one key per node: which pools proposed it, their best probability's tenth, competing siblings, evidence, state
+    assert t.keys[five] == [(("a", "b"), 5, 2, 0, 1)]
+    assert t.cond[five] == pytest.approx(PRIOR_SCALE * 0.5)
+    assert t.path[nodes[(5, 6)]] == pytest.approx(PRIOR_SCALE * 0.5 * PRIOR_SCALE * 0.8)
     assert t.depth[nodes[(5, 9)]] == 2
 
 
@@ -70,11 +73,13 @@ def test_feedback_counts_only_nodes_whose_parent_was_accepted():
     chosen = list(range(len(t)))
     n = {tuple(t.tokens[j] for j in path(t, i)): i for i in range(len(t))}
     feedback(t, chosen, [n[(1,)], n[(1, 2)]], cal)  # accepted 1, 2; rejected 3 (tested), 4 and 5 (tested)
-    assert cal.counts[("a", 0)] == [2, 5]  # 1, 2 passed; 3, 4, 5 were tested and failed
+    assert [sum(c[0] for c in cal.counts.values()), sum(c[1] for c in cal.counts.values())] == [2, 5]
+    assert cal.counts[t.keys[n[(1, 2, 3)]][0]] == [0, 1]  # (1 and 1-2 share a key: [2, 2])
 
 
 def test_best_prefix_buys_nodes_only_while_they_pay_for_their_rows():
-    cost = [0, 1.0, 1.1, 1.15, 1.2, 1.6, 1.62, 1.64, 1.66]  # rows -> step time: a jump at 5 rows
+    cost = cost_curve({1: 1.0, 2: 1.1, 3: 1.15, 4: 1.2, 5: 1.6, 8: 1.66})  # rows -> step time: a jump at 5 rows
+    assert cost(6) == pytest.approx(1.62) and cost(10) == pytest.approx(1.70)  # between anchors, past the last
     assert best_prefix([0.9, 0.8, 0.7, 0.6, 0.5], 1.0, cost, 1) == 3  # a 4th node would cross into 5 rows
     assert best_prefix([0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9], 1.0, cost, 1) == 7  # certain copies pay the jump
     assert best_prefix([0.05, 0.04], 1.0, cost, 1) == 0  # not worth a single row

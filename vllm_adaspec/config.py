@@ -299,8 +299,9 @@ def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int) -> Resolv
         from vllm_adaspec.pools.suffix import suffix_available
 
         if not suffix_available():
-            raise _fail("pools", "'suffix' needs arctic-inference (pip install 'arctic-inference==0.1.1', or the "
-                                 "project's [suffix] extra); remove 'suffix' from pools to run without it")
+            raise _fail("pools", "'suffix' needs the package arctic-inference==0.1.1, which is not installed (its "
+                                 "sdist must be built against the installed torch: scripts/setup.sh shows how); "
+                                 "remove 'suffix' from pools to run without it")
     return ResolvedConfig(exit_layer=0, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
                           policy_params=cfg.policy_params, speed_guard=cfg.speed_guard, exit_head_setting="none",
                           tree=tree, pools=cfg.pools)

@@ -63,10 +63,25 @@ def load_mtbench_first_turns(n: int | None = None, cache_dir: str | os.PathLike 
     return _first([r["turns"][0] for r in rows], n)
 
 
+REPETITIVE_INSTRUCTION = ("Add type hints to this Python function and rewrite its docstring in Google style. Reply "
+                          "with the full function in one code block.\n\n```python\n{src}\n```")
+
+
+def load_repetitive(n: int | None = None) -> list[str]:
+    """A copy-heavy, repetitive workload, as an agent pipeline sends it: one instruction applied to many different
+    functions of this Python's standard library (short ones, spread over the library, in a fixed order)."""
+    from vllm_adaspec.training.corpus import stdlib_functions
+
+    funcs = [f for f in stdlib_functions() if len(f[3]) <= 1200]
+    step = max(1, len(funcs) // 200)
+    return _first([REPETITIVE_INSTRUCTION.format(src=f[3]) for f in funcs[::step]], n)
+
+
 # Name -> (loader, wants chat template). For CLIs and benchmarks that take a prompt-set name.
 PROMPT_SETS = {
     "humaneval": (load_humaneval, False),
     "mtbench": (load_mtbench_first_turns, True),
+    "repetitive": (load_repetitive, True),
 }
 
 

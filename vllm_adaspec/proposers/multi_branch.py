@@ -25,14 +25,19 @@ from vllm_adaspec.pools.context import ContextIndex, propose_context
 from vllm_adaspec.pools.recycled import RecycleTable, propose_recycled
 from vllm_adaspec.proposers.base import AdaspecProposer
 from vllm_adaspec.policies.speed_guard import SpeedGuard
-from vllm_adaspec.trees.trie import Calibration, Trie, best_prefix, feedback, merge, ranked, subtree
+from vllm_adaspec.trees.trie import (Calibration, Trie, best_prefix, cost_curve, feedback, merge, ranked,
+                                     streak_state, subtree)
 
 logger = logging.getLogger("vllm_adaspec")
 
-# Relative time of a verification step by the rows it verifies (index = rows; 1 = a plain decoding step of one
-# request), measured on the 2-core CPU of benchmarks/RESULTS.md (benchmarks/verify_cost.py). Beyond the table the
-# last slope continues. The proposer spends nodes only where their expected gain beats this curve.
-VERIFY_COST = [0.0, 1.0, 1.10, 1.13, 1.16, 1.45, 1.47, 1.49, 1.51, 1.53, 1.56, 1.6, 1.65, 1.7, 1.75, 1.8, 1.85, 2.0]
+# Relative time of a verification step by the rows it verifies in all (the batch's requests + their draft nodes;
+# 1 = a plain decoding step of one request), measured on the 2-core CPU of benchmarks/RESULTS.md with
+# benchmarks/verify_cost.py at batch 1 (1-17 rows) and 8 (8-136 rows): one curve fits both. Past it, its last slope.
+# The proposer spends nodes only where their expected gain beats it.
+VERIFY_COST = {1: 1.0, 2: 1.07, 3: 1.14, 4: 1.29, 5: 1.38, 8: 1.47, 10: 1.55, 16: 1.79, 24: 2.02, 32: 2.4,
+               40: 2.62, 48: 3.3, 56: 3.55, 64: 4.17, 80: 4.81, 96: 5.78, 136: 7.45}
+# Tree verification over chain verification of the same rows (the tree path's own attention and bookkeeping).
+TREE_COST = 1.15
 
 
 def check_start_up(resolved, vllm_config) -> None:
@@ -59,6 +64,7 @@ class RequestPools:
     last_token: int = -1  # the root of the last proposal
     trie: Trie | None = None
     chosen: list[int] = field(default_factory=list)  # trie nodes proposed, in proposal order
+    accepted_last: int = 0  # drafts its last verified proposal got accepted (calibration state)
 
 
 class MultiBranchProposer(AdaspecProposer):
@@ -84,7 +90,7 @@ class MultiBranchProposer(AdaspecProposer):
 
             self.corpus = CorpusTable.load(find_corpus(vllm_config.model_config.tokenizer, required=True))
         self.calibration = Calibration()
-        self.cost = list(VERIFY_COST)
+        self.cost = cost_curve(VERIFY_COST)
         self.requests: dict[str, RequestPools] = {}
         self.stats.update({"pool_nodes": {p: 0 for p in pools}, "trie_nodes": 0, "chosen_nodes": 0,
                            "pool_accepted": {p: 0 for p in pools}})
@@ -142,9 +148,10 @@ class MultiBranchProposer(AdaspecProposer):
         else:  # verified as a chain: nodes 0..a-1 were accepted
             path = verified[:num_sampled - 1]
         feedback(st.trie, verified, path, self.calibration)
+        st.accepted_last = len(path)
         for node in path:
-            for key in st.trie.keys[node]:
-                self.stats["pool_accepted"][key[0]] += 1
+            for pool in st.trie.keys[node][0][0]:  # the pools that proposed it
+                self.stats["pool_accepted"][pool] += 1
 
     def _draft(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts) -> float:
         if not rows:
@@ -154,7 +161,7 @@ class MultiBranchProposer(AdaspecProposer):
         tries, cands = [], []  # per drafting row: its trie, and its candidate nodes (best first, within budget)
         for e, (i, budget) in enumerate(zip(rows, budgets)):
             st = self.requests[req_ids[i]]
-            trie = merge(self._candidates(st, budget), self.calibration)
+            trie = merge(self._candidates(st, budget), self.calibration, streak_state(st.accepted_last))
             order = ranked(trie)[:budget] if treeish[e] else best_path(trie, budget)
             tries.append(trie)
             cands.append(order)
@@ -172,6 +179,8 @@ class MultiBranchProposer(AdaspecProposer):
             chosen = cands[e][:count[e]]
             if not chosen:
                 continue
+            if treeish[e] and is_tree(tries[e], chosen):
+                chosen = tree_or_chain(tries[e], chosen, self.cost)
             tokens, parents, order = subtree(tries[e], chosen)
             st.trie, st.chosen = tries[e], order
             drafts[i] = tokens
@@ -228,12 +237,36 @@ class MultiBranchProposer(AdaspecProposer):
     def _config_stats(self) -> dict:
         return {"pools": list(self.cfg.pools), "budget": self.cfg.tree.budget, "tree_mode": self.tree_mode}
 
+    def get_stats(self) -> dict:
+        from vllm_adaspec.engine.tree_verification import held_copy_tokens
 
-def best_path(trie: Trie, budget: int) -> list[int]:
-    """Chain fallback: from the root, always the child with the highest path probability, up to `budget` nodes."""
+        return {**super().get_stats(), "pool_requests": len(self.requests),
+                "suffix_active": len(self.suffix.cache.active_requests) if self.suffix is not None else 0,
+                "kv_copies": held_copy_tokens()}
+
+
+def is_tree(trie: Trie, nodes: list[int]) -> bool:
+    """Whether some chosen node has a chosen sibling (else the nodes form a chain)."""
+    parents = [trie.parents[i] for i in nodes]
+    return len(set(parents)) < len(parents)
+
+
+def tree_or_chain(trie: Trie, nodes: list[int], cost) -> list[int]:
+    """A tree costs TREE_COST more to verify than a chain of as many rows: keep it only if its expected tokens per
+    unit of time beat those of its best path alone."""
+    chain = best_path(trie, len(nodes), among=set(nodes))
+    tree_rate = (1 + sum(trie.path[i] for i in nodes)) / (TREE_COST * cost(1 + len(nodes)))
+    chain_rate = (1 + sum(trie.path[i] for i in chain)) / cost(1 + len(chain))
+    return nodes if tree_rate > chain_rate else chain
+
+
+def best_path(trie: Trie, budget: int, among: set[int] | None = None) -> list[int]:
+    """Chain fallback: from the root, always the child with the highest path probability, up to `budget` nodes
+    (only `among` these nodes, when given)."""
     kids: dict[int, list[int]] = {}
     for i, p in enumerate(trie.parents):
-        kids.setdefault(p, []).append(i)
+        if among is None or i in among:
+            kids.setdefault(p, []).append(i)
     out, node = [], -1
     while len(out) < budget and kids.get(node):
         node = max(kids[node], key=lambda c: trie.path[c])

@@ -1,0 +1,73 @@
+"""MultiBranchProposer inside vLLM (CPU, float32, SmolLM2): model-free candidate trees verified as token trees.
+
+- greedy output equals plain decoding on the mixed batch (prompt lengths, prefix-cache hits on the second pass,
+  requests finishing at different lengths), with trees actually verified and every pool contributing accepted
+  tokens; the second pass also meets a global suffix tree and recycled table that already know its text;
+- a batch mixing greedy tree requests, chain-only requests (a penalty: they draft the best path as a chain) and
+  seeded sampling keeps greedy rows identical, and 64 seeded samples keep the target distribution;
+- under preemption and chunked prefill (a tiny KV cache) the output is still plain decoding's, and the per-request
+  pool state of every finished request is gone."""
+
+import pytest
+from stats import two_sample_chi2_pvalue
+
+from conftest import COPY_COUNTS, ENGINE, GROW_MAX_TOKENS, GROW_PROMPTS, TREE_MIX, assert_identical, greedy_batch
+
+pytestmark = pytest.mark.engine
+
+MB = "vllm_adaspec.MultiBranchProposer"
+
+
+def mb_engine(budget=8, **extra):
+    settings = {"speed_guard": False, "tree": {"budget": budget}, **extra.pop("settings", {})}
+    return {**ENGINE, "speculative_config": {"model": MB, "num_speculative_tokens": budget},
+            "additional_config": {"adaspec": settings}, **extra}
+
+
+@pytest.fixture(scope="module")
+def mb_runs(smollm2, tree_engines):
+    batches = {"mixed": greedy_batch(), "again": greedy_batch(), "tree_mix": TREE_MIX, "counts": COPY_COUNTS}
+    # at most 8 requests at a time: with 64 at once this CPU is compute-bound and no draft pays for its row
+    res = tree_engines.run({"model": smollm2, "engine": mb_engine(max_num_seqs=8), "batches": list(batches.values())})
+    return {name: b["runs"][0] for name, b in zip(batches, res["batches"])}
+
+
+def test_greedy_identical_and_every_pool_is_accepted(mb_runs, plain_greedy):
+    first, again = mb_runs["mixed"], mb_runs["again"]
+    assert_identical(first, plain_greedy["mixed"])
+    assert_identical(again, plain_greedy["mixed"])
+    st = again["adaspec"]
+    assert st["config"]["pools"] == ["context", "suffix", "recycled"] and st["config"]["tree_mode"], st["config"]
+    assert st["tree_verified"] > 5 and st["tree_kv_moves"] >= 0, st
+    for pool in ("context", "suffix", "recycled"):  # recycled: the verified rows' logits reached the drafter
+        assert first["adaspec"]["pool_accepted"][pool] + st["pool_accepted"][pool] > 0, (pool, st["pool_accepted"])
+    m1, m2 = first["metrics"], again["metrics"]
+    assert m1["vllm:spec_decode_num_accepted_tokens"] > 100, m1
+    # The second pass meets outputs it has seen (the global suffix tree): it must accept more per draft.
+    assert (m2["vllm:spec_decode_num_accepted_tokens"] / m2["vllm:spec_decode_num_drafts"]
+            > m1["vllm:spec_decode_num_accepted_tokens"] / m1["vllm:spec_decode_num_drafts"]), (m1, m2)
+
+
+def test_mixed_tree_chain_and_sampled_rows(mb_runs, plain_greedy):
+    mix = mb_runs["tree_mix"]
+    assert mix["token_ids"][:4] == plain_greedy["tree_mix"]["token_ids"][:4]  # greedy trees, penalised chains
+    counts = mb_runs["counts"]
+    assert counts["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 64, counts["metrics"]  # drafts went through
+    p = two_sample_chi2_pvalue(counts["texts"], plain_greedy["copy_counts"]["texts"])
+    assert p > 1e-3, (p, counts["texts"][:8], plain_greedy["copy_counts"]["texts"][:8])
+
+
+def test_preemption_and_chunked_prefill_stay_exact_and_state_is_freed(smollm2, plain_greedy, tree_engines):
+    engine = mb_engine(kv_cache_memory_bytes=19 * 2**20, block_size=32, max_model_len=320, max_num_batched_tokens=64)
+    flush = {"prompts": ["Hi"], "params": [{"temperature": 0.0, "max_tokens": 2}]}  # steps once more after them
+    res = tree_engines.run({"model": smollm2, "engine": engine,
+                            "batches": [greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS), flush]})["batches"]
+    run, after = res[0]["runs"][0], res[1]["runs"][0]
+    assert_identical(run, plain_greedy["grow"])
+    assert run["metrics"]["vllm:num_preemptions"] > 0, "no preemption happened: the test did not test it"
+    assert run["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    st = after["adaspec"]
+    # every request of the batch finished and the engine stepped again: nothing per request is left of them
+    # (policies, pools, suffix trees, KV copies); only the flush request may still be counted
+    assert st["tracked_requests"] <= 1 and st["pool_requests"] <= 1 and st["suffix_active"] <= 1, st
+    assert st["kv_copies"] == 0, st
