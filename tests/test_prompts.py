@@ -49,12 +49,22 @@ def test_apply_chat_template_one_user_turn():
 
 
 def test_load_prompts_by_name():
-    assert set(PROMPT_SETS) == {"humaneval", "mtbench"}
+    assert set(PROMPT_SETS) == {"humaneval", "mtbench", "repetitive"}
     assert load_prompts("humaneval", 2, EchoTokenizer()) == load_humaneval(2)  # completions: raw
     assert load_prompts("mtbench", 2, EchoTokenizer())[0].startswith("user:Compose")
     assert load_prompts("mtbench", 2) == load_mtbench_first_turns(2)
     with pytest.raises(ValueError, match="humaneval"):
         load_prompts("gsm8k")
+
+
+def test_repetitive_workload_is_one_instruction_over_many_stdlib_functions():
+    from vllm_adaspec.data.prompts import REPETITIVE_INSTRUCTION
+
+    ps = load_prompts("repetitive", None)
+    head = REPETITIVE_INSTRUCTION.split("{src}")[0]
+    assert len(ps) >= 100 and all(p.startswith(head) for p in ps)
+    assert len(set(ps)) == len(ps)  # different functions
+    assert load_prompts("repetitive", 3, EchoTokenizer())[0].startswith("user:Add type hints")  # a chat set
 
 
 def test_real_chat_template_smollm2():

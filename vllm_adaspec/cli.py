@@ -40,16 +40,17 @@ def cmd_fetch(args) -> int:
     return 0
 
 
-DEMO_K = 2  # the K the benchmark found best with the shipped head (benchmarks/RESULTS.md)
+DEMO_K = {"multibranch": 16, "early-exit": 2}  # the best measured K of each (benchmarks/RESULTS.md)
 
 
 def add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="generate with and without adaspec; print tau and speedup")
+    p = sub.add_parser("demo", help="plain decoding, vLLM's suffix decoding and adaspec in one run: tau, speedup")
     p.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
+    p.add_argument("--proposer", choices=("multibranch", "early-exit"), default="multibranch")
     p.add_argument("--exit-layer", type=int, default=None,
                    help="N: target layers the drafter runs (default: the shipped exit head's N)")
     p.add_argument("--exit-head", default="auto", help="'auto' (shipped head), 'none' (untrained), or a folder")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=DEMO_K)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="default: the best measured")
     p.add_argument("--max-tokens", type=int, default=96)
     p.set_defaults(func=cmd_demo)
 
@@ -57,8 +58,10 @@ def add_demo(sub) -> None:
 def cmd_demo(args) -> int:
     from vllm_adaspec.demo import print_demo, run_demo
 
-    res = run_demo(args.model, args.exit_layer, args.num_speculative_tokens, args.max_tokens, exit_head=args.exit_head)
-    print_demo(res, args.num_speculative_tokens)
+    k = args.num_speculative_tokens or DEMO_K[args.proposer]
+    res = run_demo(args.model, args.exit_layer, k, args.max_tokens, exit_head=args.exit_head,
+                   proposer=args.proposer)
+    print_demo(res, k)
     return 0
 
 
