@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.entropy_topk import entropy_topk_reference, entropy_topk_triton  # noqa: E402
+from vllm_adaspec.kernels.entropy_topk import entropy_topk_reference, entropy_topk_triton  # noqa: E402
 
 
 def torch_ops(logits, temps, k):

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from kernels.tree_attention import tree_attention_reference, tree_attention_triton  # noqa: E402
+from vllm_adaspec.kernels.tree_attention import tree_attention_reference, tree_attention_triton  # noqa: E402
 from test_kernel_tree_attention import make_case  # noqa: E402
 
 
