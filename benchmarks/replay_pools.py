@@ -182,6 +182,7 @@ def main() -> None:
     ap.add_argument("--combos", action="store_true", help="every pool alone, all, and leave-one-out")
     ap.add_argument("--tree-factor", type=float, default=1.15, help="tree verification cost over a chain's")
     ap.add_argument("--no-streak", action="store_true", help="calibrate without the request's last acceptance")
+    ap.add_argument("--out", default=str(OUT / "replay_pools.json"), help="results (JSON); a plot goes next to it")
     args = ap.parse_args()
     from vllm_adaspec.models import resolve_model
 
@@ -205,6 +206,7 @@ def main() -> None:
         v = replay(recs, {"suffix"}, 24, cost, vocab, vllm_suffix=True)
         print(f"| {ds} | vLLM suffix (chain, factor 1, min prob 0.1) | - | - | - | - | {v['tau']:.2f} | "
               f"{v['nodes_per_step']:.1f} | {v['speedup_est']:.2f} |", flush=True)
+    rows = []
     for ds, pools, b in itertools.product(args.datasets, sets, args.budgets):
         recs = reference(model, ds, args.num_prompts, args.max_tokens, 8)
         fixed = replay(recs, pools, b, None, vocab, corpus, streak=not args.no_streak, tree_factor=args.tree_factor)
@@ -212,6 +214,35 @@ def main() -> None:
         print(f"| {ds} | {'+'.join(sorted(pools))} | {b} | {fixed['tau']:.2f} | {fixed['nodes_per_step']:.1f} | "
               f"{fixed['speedup_est']:.2f} | {aware['tau']:.2f} | {aware['nodes_per_step']:.1f} | "
               f"{aware['speedup_est']:.2f} |", flush=True)
+        rows.append({"dataset": ds, "pools": "+".join(sorted(pools)), "budget": b, "fixed": fixed, "cost_aware": aware})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    plot(rows, Path(args.out).with_suffix(".png"))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Estimated speedup against budget, one line per pool set, per dataset (cost-aware choice solid, fixed dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = sorted({r["dataset"] for r in rows})
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
+    for ax, ds in zip(axes[0], datasets):
+        for pools in sorted({r["pools"] for r in rows if r["dataset"] == ds}):
+            pts = sorted((r["budget"], r["cost_aware"]["speedup_est"], r["fixed"]["speedup_est"]) for r in rows
+                         if r["dataset"] == ds and r["pools"] == pools)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pools)
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], ls="--", color=line.get_color(), alpha=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("node budget B")
+        ax.set_ylabel("estimated speedup over plain (replay)")
+        ax.set_title(f"{ds}: cost-aware (solid) vs all B nodes (dashed)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

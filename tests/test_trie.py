@@ -44,7 +44,7 @@ def path(t, i):
 def test_ranked_prefixes_are_closed_under_parents_and_subtree_is_breadth_first():
     rng = random.Random(0)
     for _ in range(50):
-        c, paths = Candidates(), []
+        c = Candidates()
         for _ in range(rng.randint(1, 20)):
             parent = rng.randrange(-1, len(c)) if len(c) else -1
             c.add(parent, rng.randrange(50), rng.random(), ("a", 0))

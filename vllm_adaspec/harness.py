@@ -176,7 +176,7 @@ def _host_loop() -> None:
 
 
 def _child(job: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     engine = {"kv_cache_memory_bytes": 2**30, **job.get("engine", {})}
     llm = LLM(model=job["model"], disable_log_stats=False, **engine)
