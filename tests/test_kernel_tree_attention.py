@@ -13,7 +13,7 @@ ta = load_interpreted("tree_attention")
 
 def random_tree(n: int, g: torch.Generator) -> DraftTree:
     """n draft nodes, breadth-first: each node's parent drawn among the previous depth's nodes (or the root)."""
-    parents, depth_of, prev, cur = [], [], [-1], []
+    parents, prev, cur = [], [-1], []
     for i in range(n):
         if cur and (not prev or torch.rand((), generator=g) < 0.4):  # start the next depth
             prev, cur = cur, []
