@@ -27,16 +27,19 @@ def prompts(smollm2):
 
 @pytest.fixture(scope="module")
 def dtype_runs(smollm2, engines, tree_engines, prompts):
-    """Chains in every dtype; tree drafting (its root draft is the head's argmax too) in bfloat16."""
+    """Chains in every dtype; in bfloat16 also tree drafting (its root draft is the head's argmax too) under
+    thompson-cali, whose predictor reads the target's and the drafter's hidden states."""
     out = {}
     batch = {"prompts": prompts, "params": [{"temperature": 0.0, "max_tokens": 64}]}
     for dtype in DTYPES + ["bfloat16-tree"]:
         tree = dtype.endswith("-tree")
-        settings = {"speed_guard": False, **({"tree": {"budget": 4, "top_k": 2}} if tree else {})}
+        settings = {"speed_guard": False,
+                    **({"tree": {"budget": 4, "top_k": 2}, "policy": "thompson-cali"} if tree else {})}
         engine = {**ENGINE, "dtype": dtype.removesuffix("-tree"), "additional_config": {"adaspec": settings},
                   "speculative_config": {"model": SPEC, "num_speculative_tokens": 4 if tree else 3}}
         res = (tree_engines if tree else engines).run({"model": smollm2, "engine": engine, "batches": [batch],
-                                                       "env": {"VLLM_ADASPEC_RECORD_DRAFTS": "1"}})
+                                                       "env": {"VLLM_ADASPEC_RECORD_DRAFTS": "1",
+                                                               "VLLM_ADASPEC_CHECK_TARGET_ROWS": "1"}})
         out[dtype] = res["batches"][0]["runs"][0]
     return out
 
@@ -68,3 +71,12 @@ def test_half_precision_acceptance_stays_near_float32(dtype_runs):
         # Different text in each dtype (near-ties) makes a few hundred drafts a noisy sample: the benchmark checks
         # the 15% target on more prompts; this catches a broken head (1 in 249 accepted in the first report).
         assert rate(dtype_runs[dtype]) > 0.6 * f32, (dtype, rate(dtype_runs[dtype]), f32)
+
+
+def test_thompson_cali_reads_exact_rows_and_drafts_in_bfloat16(dtype_runs):
+    # The predictor's target side: the row that sampled each request's last token re-produces that token under the
+    # LM head in bfloat16 too (same logits op as the sampler), and the policy still drafts.
+    st = dtype_runs["bfloat16-tree"]["adaspec"]
+    assert st["policy"] == "thompson-cali", st["policy"]
+    assert st["row_checks"] > 20 and st["row_mismatches"] == 0, st
+    assert st["tree_verified"] > 10, st
