@@ -88,3 +88,19 @@ def test_suffix_pool_returns_a_tree_with_conditional_probabilities():
     assert paths[(4, 1)] == pytest.approx(0.5) and paths[(4, 9)] == pytest.approx(0.5)  # given the parent
     pool.stop("a")
     assert "a" not in pool.cache.active_requests
+
+
+def test_recycled_rows_cover_plain_steps_requests_without_drafts_and_every_verified_row():
+    # The recycled table must fill from steps without drafts too: otherwise "pools": ["recycled"] never drafts.
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_adaspec.proposers.multi_branch import recycled_rows
+
+    reqs = {"a": SimpleNamespace(last_token=7), "b": SimpleNamespace(last_token=9), "p": SimpleNamespace(last_token=-1)}
+    assert recycled_rows(["a", "p", "b"], reqs, None, 3) == ([0, 2], [7, 9])  # plain step: one row per request
+    # a: 2 drafts (rows 0, 1, bonus 2); p: prefill, none; b: no drafts (bonus row 4 only)
+    meta = SimpleNamespace(cu_num_draft_tokens=torch.tensor([2, 2, 2]), draft_token_ids=torch.tensor([11, 12]),
+                           target_logits_indices=torch.tensor([0, 1]), bonus_logits_indices=torch.tensor([2, 3, 4]))
+    assert recycled_rows(["a", "p", "b"], reqs, meta, 5) == ([0, 1, 2, 4], [7, 11, 12, 9])

@@ -37,6 +37,8 @@ class _AdaspecWorkerMixin:
                                sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest, **kw)
 
             runner.propose_draft_token_ids = propose_with_hidden
+        if getattr(drafter, "wants_verified_logits", False):  # steps without drafts feed the drafter's table too
+            runner.sampler = SamplerTap(runner.sampler, drafter.on_verified_logits)
         if getattr(drafter, "tree_mode", False):
             _install_tree_verification(runner, drafter)
         elif getattr(drafter, "wants_verified_logits", False):  # chains, but the drafter reads verified rows
@@ -96,6 +98,20 @@ def tv_sampler(stock, drafter):
     return tv.TreeRejectionSampler(stock, drafter.on_tree_paths,
                                    drafter.on_verified_logits if getattr(drafter, "wants_verified_logits", False)
                                    else None)
+
+
+class SamplerTap:
+    """vLLM's sampler for steps without drafts, its logits [requests, V] handed to the drafter first."""
+
+    def __init__(self, stock, on_logits):
+        self.stock, self.on_logits = stock, on_logits
+
+    def __call__(self, logits, sampling_metadata, *args, **kw):
+        self.on_logits(logits, None)  # before sampling, which may scale or mask the logits in place
+        return self.stock(logits, sampling_metadata, *args, **kw)
+
+    def __getattr__(self, name):  # everything else (warm-up, logprobs modes) is vLLM's
+        return getattr(self.stock, name)
 
 
 class AdaspecCPUWorker(_AdaspecWorkerMixin, CPUWorker):

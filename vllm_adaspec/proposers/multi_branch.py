@@ -210,23 +210,12 @@ class MultiBranchProposer(AdaspecProposer):
 
     # --- target rows (the worker calls this after every verification, `wants_verified_logits`) ---
     def on_verified_logits(self, logits: torch.Tensor, metadata) -> None:
-        """logits [rows, V] of a verification step; metadata: vLLM's SpecDecodeMetadata. Each request's rows are its
-        root (its last committed token) and its drafts; their top-k next tokens refresh the recycled table."""
-        if self.recycled is None or metadata is None:
+        """logits [rows, V] of a step's sampled rows; metadata: vLLM's SpecDecodeMetadata, or None for a step
+        without drafts (one row per request). Each request's rows are its root (its last committed token) and its
+        drafts; their top-k next tokens refresh the recycled table, so the table fills from plain steps too."""
+        if self.recycled is None or self.runner is None:
             return
-        batch = self.runner.input_batch
-        cu = [0] + metadata.cu_num_draft_tokens.tolist()
-        drafts = metadata.draft_token_ids.tolist()
-        target, bonus = metadata.target_logits_indices.tolist(), metadata.bonus_logits_indices.tolist()
-        rows, tokens = [], []
-        for i, req_id in enumerate(batch.req_ids[:len(cu) - 1]):
-            st = self.requests.get(req_id)
-            if st is None or cu[i + 1] == cu[i]:
-                continue
-            # rows: the root's (it verifies the first draft), each draft's but the last, then the bonus row (the
-            # last draft's); for trees the same rows hold the root and the nodes in order
-            rows += target[cu[i]:cu[i + 1]] + [bonus[i]]
-            tokens += [st.last_token] + drafts[cu[i]:cu[i + 1]]
+        rows, tokens = recycled_rows(self.runner.input_batch.req_ids, self.requests, metadata, logits.shape[0])
         if not rows:
             return
         x = logits[torch.tensor(rows, device=logits.device)].float()  # [R, V]
@@ -272,3 +261,30 @@ def best_path(trie: Trie, budget: int, among: set[int] | None = None) -> list[in
         node = max(kids[node], key=lambda c: trie.path[c])
         out.append(node)
     return out
+
+
+def recycled_rows(req_ids: list[str], requests: dict, metadata, num_rows: int) -> tuple[list[int], list[int]]:
+    """Which sampled rows feed the recycled table, and the token each row's logits follow.
+
+    metadata None (a step without drafts): row i is request i's last committed token. Otherwise, per request: the
+    root's row (it verifies the first draft), each draft's row, in order (trees: the nodes breadth-first), the last
+    being the bonus row; a request without drafts has only its bonus row, its root's. Requests that have not
+    committed a token yet (prefill) are skipped."""
+    rows, tokens = [], []
+    if metadata is None:
+        for i, req_id in enumerate(req_ids[:num_rows]):
+            st = requests.get(req_id)
+            if st is not None and st.last_token >= 0:
+                rows.append(i)
+                tokens.append(st.last_token)
+        return rows, tokens
+    cu = [0] + metadata.cu_num_draft_tokens.tolist()
+    drafts = metadata.draft_token_ids.tolist()
+    target, bonus = metadata.target_logits_indices.tolist(), metadata.bonus_logits_indices.tolist()
+    for i, req_id in enumerate(req_ids[:len(cu) - 1]):
+        st = requests.get(req_id)
+        if st is None or st.last_token < 0:
+            continue
+        rows += target[cu[i]:cu[i + 1]] + [bonus[i]]
+        tokens += [st.last_token] + drafts[cu[i]:cu[i + 1]]
+    return rows, tokens
