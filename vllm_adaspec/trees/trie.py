@@ -42,7 +42,7 @@ class Trie:
     parents: list[int] = field(default_factory=list)  # -1 = child of the root
     cond: list[float] = field(default_factory=list)  # calibrated P(accepted | parent accepted), pools combined
     path: list[float] = field(default_factory=list)  # P(accepted): product of cond along the path
-    keys: list[list[tuple]] = field(default_factory=list)  # calibration keys of the pools that proposed it
+    keys: list[list[tuple]] = field(default_factory=list)  # per node: [its calibration key] (merge)
     depth: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -122,17 +122,23 @@ def best_prefix(gains: Sequence[float], base_tokens: float, cost: Callable[[int]
 
 def cost_curve(anchors: dict[int, float]) -> Callable[[int], float]:
     """Step time by rows, linear between measured anchors {rows: relative time} and along the last slope past
-    them."""
+    them. Tabulated once up to the last anchor: the proposer asks for it per candidate node every step."""
     xs = sorted(anchors)
     ys = [anchors[x] for x in xs]
 
-    def cost(rows: int) -> float:
+    def between(rows: int) -> float:
         if rows <= xs[0]:
             return ys[0]
         for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
             if rows <= x1:
                 return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
-        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (rows - xs[-1])
+        raise AssertionError(rows)
+
+    table = [between(r) for r in range(xs[-1] + 1)]  # [rows] -> relative time
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+
+    def cost(rows: int) -> float:
+        return table[max(rows, 0)] if rows < len(table) else ys[-1] + slope * (rows - xs[-1])
 
     return cost
 
