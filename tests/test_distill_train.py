@@ -90,3 +90,32 @@ def test_train_exit_layer_writes_a_checkpoint_that_learned(distilled, smollm2):
     bad = cli(["train", "exit-layer", "--model", smollm2, "--data", str(distilled["out"]), "-N", "30",
                "--out", str(head)], distilled["dir"])
     assert bad.returncode == 2 and "1 <= N < 30" in bad.stderr
+
+
+def test_build_corpus_counts_the_distilled_text_for_this_tokenizer(distilled, smollm2):
+    from collections import Counter
+
+    from vllm_adaspec.pools.corpus import CorpusTable, find_corpus
+
+    out = distilled["dir"] / "corpus"
+    p = cli(["build", "corpus", "--model", smollm2, "--data", str(distilled["out"]), "--no-stdlib", "--out", str(out),
+             "--min-count", "2"], distilled["dir"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "one-token and" in p.stdout and "self-distilled text (data," in p.stdout
+    table = CorpusTable.load(str(out / "corpus.npz"))
+    assert find_corpus(smollm2, str(out)) == str(out / "corpus.npz")  # built for this tokenizer
+    # The table is the counts of the text: recount one context by hand.
+    data = load_shards(str(distilled["out"]))
+    seqs = [data.tokens[a:b].tolist() for a, b in zip(data.offsets[:-1], data.offsets[1:])]
+    after = {}
+    for s in seqs:
+        for a, b in zip(s, s[1:]):
+            after.setdefault(a, Counter())[b] += 1
+    ctx = max(after, key=lambda t: sum(after[t].values()))
+    ids, probs, n = table.successors(-1, ctx)
+    total = sum(after[ctx].values())
+    assert n == 1 and ids[0] == min(after[ctx], key=lambda t: (-after[ctx][t], t))
+    assert probs[0] == pytest.approx(after[ctx].most_common(1)[0][1] / total, abs=1e-3)
+    assert len(table.keys1) == sum(1 for c in after.values() if sum(c.values()) >= 2)
+    bad = cli(["build", "corpus", "--model", smollm2, "--data", str(distilled["dir"] / "nope")], distilled["dir"])
+    assert bad.returncode == 2 and "no such folder" in bad.stderr

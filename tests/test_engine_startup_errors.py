@@ -36,12 +36,9 @@ CASES = {
                      ["['pools']: unknown pool(s) 'ngram'; known: context, suffix, recycled, corpus"]),
     "early-exit key for multibranch": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"exit_layer": 6}},
                                        {}, ["unknown key(s) 'exit_layer' for MultiBranchProposer",
-                                            "allowed keys: pools, policy, speed_guard, tree"]),
+                                            "allowed keys: pools, corpus, policy, speed_guard, tree"]),
     "model policy for multibranch": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"policy": "adaedl"}},
                                      {}, ["'adaedl' reads a drafting model's distribution"]),
-    "no corpus for this tokenizer": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"pools": ["corpus"]}},
-                                     {}, ["'corpus' has no table for this tokenizer",
-                                                      "adaspec build corpus"]),
     "multibranch budget over K": ({"model": MB, "num_speculative_tokens": 4}, {"adaspec": {"tree": {"budget": 8}}},
                                   {}, ["['tree']['budget'] = 8 needs speculative_config['num_speculative_tokens'] >= 8"]),
     "foreign worker": ({"model": EE, "num_speculative_tokens": 3}, {}, {"worker_cls": "my.Worker"},
@@ -85,6 +82,16 @@ def head_cases(tmp_path_factory, smollm2):
     d = tmp_path_factory.mktemp("no_calibration")
     for f in ("exit_head.safetensors", "exit_head.json"):
         shutil.copy(f"{shipped}/{f}", d)
+    # A corpus table built for another tokenizer (the shipped one, its fingerprint edited).
+    from vllm_adaspec.pools.corpus import CorpusTable, find_corpus
+
+    table = CorpusTable.load(find_corpus(smollm2))
+    table.meta = {**table.meta, "tokenizer": "0123456789abcdef", "model": "other-model"}
+    other = tmp_path_factory.mktemp("corpus_other") / "corpus.npz"
+    table.save(str(other))
+    out["corpus for another tokenizer"] = (
+        {"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"pools": ["context", "corpus"], "corpus": str(other)}},
+        {}, [f"['corpus']: {other} was built for another tokenizer (other-model", "adaspec build corpus"])
     out["cali without predictor"] = (spec, {"adaspec": {"exit_head": str(d), "policy": "thompson-cali"}}, {},
                                      ["needs a calibration predictor in the exit head folder", "no calibration.json",
                                       "adaspec train calibration"])

@@ -104,3 +104,44 @@ def test_recycled_rows_cover_plain_steps_requests_without_drafts_and_every_verif
     meta = SimpleNamespace(cu_num_draft_tokens=torch.tensor([2, 2, 2]), draft_token_ids=torch.tensor([11, 12]),
                            target_logits_indices=torch.tensor([0, 1]), bonus_logits_indices=torch.tensor([2, 3, 4]))
     assert recycled_rows(["a", "p", "b"], reqs, meta, 5) == ([0, 1, 2, 4], [7, 11, 12, 9])
+
+
+def test_find_corpus_matches_the_tokenizer_and_names_what_is_wrong(tmp_path, monkeypatch, smollm2):
+    from transformers import AutoTokenizer
+
+    from vllm_adaspec.config import AdaspecConfigError
+    from vllm_adaspec.pools import corpus
+
+    fp = corpus.tokenizer_fingerprint(AutoTokenizer.from_pretrained(smollm2))
+    mine = build_table([[1, 2, 3]] * 3, vocab_size=49152, meta={"tokenizer": fp, "model": "mine"})
+    other = build_table([[1, 2, 3]] * 3, vocab_size=49152, meta={"tokenizer": "0123456789abcdef", "model": "other"})
+    (tmp_path / "shipped" / "a").mkdir(parents=True)
+    (tmp_path / "shipped" / "b").mkdir()
+    other.save(str(tmp_path / "shipped" / "a" / "corpus.npz"))
+    monkeypatch.setattr(corpus, "SHIPPED_DIR", str(tmp_path / "shipped"))
+    monkeypatch.setenv("ADASPEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(AdaspecConfigError, match=r"'corpus' has no table for this tokenizer .*shipped or built: a "
+                                                 r"\(tokenizer 0123456789abcdef\).*adaspec build corpus"):
+        corpus.find_corpus(smollm2)
+    # `adaspec build corpus` writes to the cache, where "auto" finds it too.
+    built = corpus.built_dir(smollm2)
+    import os
+    os.makedirs(built)
+    mine.save(os.path.join(built, "corpus.npz"))
+    assert corpus.find_corpus(smollm2) == os.path.join(built, "corpus.npz")
+    # An explicit path: a folder or the file, checked against the tokenizer.
+    assert corpus.find_corpus(smollm2, built) == os.path.join(built, "corpus.npz")
+    with pytest.raises(AdaspecConfigError, match=r"\['corpus'\]: .*a/corpus.npz was built for another tokenizer "
+                                                 r"\(other, fingerprint 0123456789abcdef; this model's is " + fp):
+        corpus.find_corpus(smollm2, str(tmp_path / "shipped" / "a"))
+    with pytest.raises(AdaspecConfigError, match=r"cannot read a corpus table at '/no/such.npz'"):
+        corpus.find_corpus(smollm2, "/no/such.npz")
+
+
+def test_stdlib_sources_leave_out_tests_and_third_party_code():
+    from vllm_adaspec.training.corpus_table import stdlib_sources
+
+    files = stdlib_sources()
+    assert len(files) > 300 and any(f.endswith("/json/decoder.py") for f in files)
+    assert not any("/site-packages/" in f or "/test/" in f or "/idlelib/" in f for f in files)
+    assert files == sorted(files)

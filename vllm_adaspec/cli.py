@@ -202,6 +202,55 @@ def cmd_train_calibration(args) -> int:
     return _run_trainer(train_calibration, st)
 
 
+def add_build(sub) -> None:
+    p = sub.add_parser("build", help="build what a pool needs")
+    bsub = p.add_subparsers(dest="what", required=True)
+    c = bsub.add_parser("corpus", help="the corpus pool's n-gram table for one tokenizer, from offline text")
+    c.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
+    c.add_argument("--data", default=None, help="`adaspec distill` folder to include (default: its default folder "
+                   "for --model, seed 0, when it exists; 'none' = leave it out)")
+    c.add_argument("--no-stdlib", action="store_true", help="leave out the Python standard library's sources")
+    c.add_argument("--out", default=None, help="folder for corpus.npz (default: <cache>/corpus/<model>, where the "
+                   "corpus pool finds it)")
+    c.add_argument("--k", type=int, default=4, help="successors kept per context (default 4)")
+    c.add_argument("--min-count", type=int, default=3, help="contexts seen fewer times are left out (default 3)")
+    c.set_defaults(func=cmd_build_corpus)
+
+
+def cmd_build_corpus(args) -> int:
+    from vllm_adaspec.models import resolve_model
+    from vllm_adaspec.pools.corpus import built_dir
+    from vllm_adaspec.training.corpus_table import build_corpus
+
+    if args.k < 1 or args.min_count < 1:
+        print("adaspec build corpus: --k and --min-count must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        model = resolve_model(args.model)
+    except ValueError as e:
+        print(f"adaspec build corpus: {e}", file=sys.stderr)
+        return 2
+    data = args.data
+    if data is None:
+        data = default_distill_dir(args.model, 0)
+        data = data if os.path.isdir(data) else None
+    elif data == "none":
+        data = None
+    elif not os.path.isdir(data):
+        print(f"adaspec build corpus: --data {data}: no such folder (run `adaspec distill` first)", file=sys.stderr)
+        return 2
+    try:
+        summary = build_corpus(model, args.out or built_dir(model), data, stdlib=not args.no_stdlib, k=args.k,
+                               min_count=args.min_count)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"adaspec build corpus: {e}", file=sys.stderr)
+        return 2
+    print(f"{summary['path']}: {summary['tokens']} tokens from {'; '.join(summary['sources'])}; "
+          f"{summary['contexts'][0]} one-token and {summary['contexts'][1]} two-token contexts, "
+          f"{summary['bytes'] / 1e6:.1f} MB")
+    return 0
+
+
 def add_serve(sub) -> None:
     # Listed for `adaspec --help`; `main` hands everything after `serve` to vLLM untouched (its own --help too).
     p = sub.add_parser("serve", add_help=False, help="`vllm serve MODEL [flags]` on every vLLM build, CPU included "
@@ -217,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo(sub)
     add_distill(sub)
     add_train(sub)
+    add_build(sub)
     return parser
 
 

@@ -28,7 +28,7 @@ class AdaspecConfigError(ValueError):
 COMMON_KEYS = ("policy", "speed_guard", "tree")
 PROPOSER_KEYS = {
     "early_exit": ("exit_layer", "policy", "exit_head", "speed_guard", "tree"),
-    "multi_branch": ("pools", "policy", "speed_guard", "tree"),
+    "multi_branch": ("pools", "corpus", "policy", "speed_guard", "tree"),
     "probe": ("policy", "speed_guard", "tree"),
 }
 PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBranchProposer",
@@ -62,6 +62,9 @@ class AdaspecConfig:
     tree: "TreeSettings | None" = None
     # MultiBranchProposer: the candidate pools that feed its trees.
     pools: tuple[str, ...] = DEFAULT_POOLS
+    # The corpus pool's table: "auto" = the one shipped or built (`adaspec build corpus`) for this tokenizer;
+    # else a corpus.npz or its folder.
+    corpus: str = "auto"
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -157,7 +160,16 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None, proposer: 
         raise _fail("speed_guard", f"must be true or false, got {type(speed_guard).__name__} {speed_guard!r}")
     return AdaspecConfig(exit_layer=exit_layer, policy=policy, policy_params=policy_params, exit_head=exit_head,
                          speed_guard=speed_guard, tree=_parse_tree(section.get("tree"), proposer),
-                         pools=_parse_pools(section.get("pools", DEFAULT_POOLS)))
+                         pools=_parse_pools(section.get("pools", DEFAULT_POOLS)),
+                         corpus=_parse_corpus(section.get("corpus", "auto"), section.get("pools", DEFAULT_POOLS)))
+
+
+def _parse_corpus(value: Any, pools: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail("corpus", f"must be 'auto' or the path of a corpus table (corpus.npz or its folder), got {value!r}")
+    if value != "auto" and "corpus" not in pools:
+        raise _fail("corpus", f"names a table but 'corpus' is not in pools ({list(pools)!r}); add it or drop 'corpus'")
+    return value
 
 
 def _parse_pools(value: Any) -> tuple[str, ...]:
@@ -204,6 +216,7 @@ class ResolvedConfig:
     exit_head_setting: str = "auto"  # what the user asked for: "auto", "none" or a folder
     tree: TreeSettings | None = None
     pools: tuple[str, ...] = DEFAULT_POOLS
+    corpus: str = "auto"
 
 
 def resolve_config(
@@ -304,7 +317,7 @@ def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int) -> Resolv
                                  "remove 'suffix' from pools to run without it")
     return ResolvedConfig(exit_layer=0, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
                           policy_params=cfg.policy_params, speed_guard=cfg.speed_guard, exit_head_setting="none",
-                          tree=tree, pools=cfg.pools)
+                          tree=tree, pools=cfg.pools, corpus=cfg.corpus)
 
 
 DEFAULT_BUDGET = 16  # MultiBranchProposer's node budget when `tree` is not given (capped at K)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import json
-from collections import Counter, defaultdict
-
 import numpy as np
 
 from vllm_adaspec.pools import Candidates, prob_bucket
@@ -66,30 +64,45 @@ class CorpusTable:
 
 
 def build_table(sequences, vocab_size: int, k: int = 4, min_count: int = 3, meta: dict | None = None) -> CorpusTable:
-    """Count successors of every one- and two-token context over `sequences` (iterables of token ids)."""
-    c1: dict[int, Counter] = defaultdict(Counter)
-    c2: dict[int, Counter] = defaultdict(Counter)
+    """Count successors of every one- and two-token context over `sequences` (iterables of token ids); keep
+    contexts seen at least `min_count` times, each with its `k` most frequent successors."""
+    firsts, seconds, nexts = [], [], []
     for seq in sequences:
-        seq = [int(t) for t in seq]
-        for i in range(1, len(seq)):
-            c1[seq[i - 1]][seq[i]] += 1
-            if i >= 2:
-                c2[seq[i - 2] * vocab_size + seq[i - 1]][seq[i]] += 1
+        seq = np.asarray(seq, dtype=np.int64)
+        if len(seq) < 2:
+            continue
+        firsts.append(np.concatenate([[-1], seq[:-2]]))  # -1: the pair (first, second) does not exist at i = 1
+        seconds.append(seq[:-1])
+        nexts.append(seq[1:])
+    if not nexts:
+        empty = np.zeros(0, np.int64), np.zeros((0, k), np.int32), np.zeros((0, k), np.float32)
+        return CorpusTable(vocab_size, *empty, *empty, meta=meta)
+    first, second, nxt = np.concatenate(firsts), np.concatenate(seconds), np.concatenate(nexts)
+    has2 = first >= 0
+    return CorpusTable(vocab_size, *_top_successors(second, nxt, vocab_size, k, min_count),
+                       *_top_successors(first[has2] * vocab_size + second[has2], nxt[has2], vocab_size, k, min_count),
+                       meta=meta)
 
-    def pack(counts):
-        keys, ids, probs = [], [], []
-        for key in sorted(counts):
-            total = sum(counts[key].values())
-            if total < min_count:
-                continue
-            top = counts[key].most_common(k)
-            keys.append(key)
-            ids.append([t for t, _ in top] + [-1] * (k - len(top)))
-            probs.append([n / total for _, n in top] + [0.0] * (k - len(top)))
-        return (np.asarray(keys, dtype=np.int64), np.asarray(ids, dtype=np.int32).reshape(-1, k),
-                np.asarray(probs, dtype=np.float32).reshape(-1, k))
 
-    return CorpusTable(vocab_size, *pack(c1), *pack(c2), meta=meta)
+def _top_successors(ctx: np.ndarray, nxt: np.ndarray, vocab_size: int, k: int, min_count: int):
+    """ctx, nxt [N] (context key, next token) pairs -> keys [C] sorted, ids [C, k] (-1 padded), probs [C, k]:
+    each context's k most frequent successors and their shares of its count, for contexts seen >= min_count."""
+    pairs, counts = np.unique(ctx * vocab_size + nxt, return_counts=True)  # sorted by context, then token
+    pctx, ptok = pairs // vocab_size, pairs % vocab_size
+    keys, start, per_ctx = np.unique(pctx, return_index=True, return_counts=True)
+    totals = np.add.reduceat(counts, start)
+    # Within each context, most frequent first (ties: smaller token id first, for determinism).
+    order = np.lexsort((ptok, -counts, pctx))
+    rank = np.arange(len(pairs)) - np.repeat(start, per_ctx)
+    row = np.repeat(np.arange(len(keys)), per_ctx)
+    keep = rank < k
+    ids = np.full((len(keys), k), -1, np.int32)
+    probs = np.zeros((len(keys), k), np.float32)
+    o = order[keep]
+    ids[row[keep], rank[keep]] = ptok[o]
+    probs[row[keep], rank[keep]] = counts[o] / totals[row[keep]]
+    seen = totals >= min_count
+    return keys[seen], ids[seen], probs[seen]
 
 
 def propose_corpus(table: CorpusTable, context: list[int], depth: int, width: int = 2, max_nodes: int = 32,
@@ -116,27 +129,48 @@ def propose_corpus(table: CorpusTable, context: list[int], depth: int, width: in
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "corpus")
 
 
-def find_corpus(tokenizer_path: str, required: bool = False) -> str | None:
-    """The shipped corpus table built for this tokenizer (matched by its vocabulary's fingerprint), or None;
-    `required`: raise AdaspecConfigError naming what is missing instead."""
-    import os
+def built_dir(model: str) -> str:
+    """Where `adaspec build corpus` writes a table by default: <cache>/corpus/<model folder name>."""
+    from vllm_adaspec._pkgcache import cache_root
 
+    return str(cache_root() / "corpus" / os.path.basename(os.path.normpath(model)))
+
+
+def find_corpus(tokenizer_path: str, setting: str = "auto") -> str:
+    """The corpus table to load for this tokenizer: `setting` "auto" = the shipped one or one that
+    `adaspec build corpus` wrote to the cache (matched by the vocabulary's fingerprint); else a corpus.npz or a
+    folder holding one, which must have been built for this tokenizer. Raises AdaspecConfigError naming what is
+    missing or mismatched."""
     from transformers import AutoTokenizer
 
     from vllm_adaspec.config import SECTION, AdaspecConfigError
 
     want = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_path))
+    key = f"additional_config['{SECTION}']"
+    if setting != "auto":
+        path = os.path.join(setting, "corpus.npz") if os.path.isdir(setting) else setting
+        try:
+            meta = CorpusTable.load(path).meta
+        except (OSError, ValueError, KeyError) as e:
+            raise AdaspecConfigError(f"{key}['corpus']: cannot read a corpus table at {path!r} ({e})") from None
+        if meta.get("tokenizer") != want:
+            raise AdaspecConfigError(
+                f"{key}['corpus']: {path} was built for another tokenizer ({meta.get('model', '?')}, fingerprint "
+                f"{meta.get('tokenizer')}; this model's is {want}). Build one with `adaspec build corpus --model "
+                f"MODEL`")
+        return path
     found = []
-    if os.path.isdir(SHIPPED_DIR):
-        for name in sorted(os.listdir(SHIPPED_DIR)):
-            path = os.path.join(SHIPPED_DIR, name, "corpus.npz")
+    roots = [SHIPPED_DIR, os.path.dirname(built_dir("x"))]
+    for root in roots:
+        if not os.path.isdir(root):
+            continue
+        for name in sorted(os.listdir(root)):
+            path = os.path.join(root, name, "corpus.npz")
             if os.path.isfile(path):
                 meta = CorpusTable.load(path).meta
                 if meta.get("tokenizer") == want:
                     return path
                 found.append(f"{name} (tokenizer {meta.get('tokenizer')})")
-    if required:
-        raise AdaspecConfigError(
-            f"additional_config['{SECTION}']['pools']: 'corpus' has no table for this tokenizer ({want}); shipped: "
-            f"{', '.join(found) or 'none'}. Build one with `adaspec build corpus --model MODEL`, or drop 'corpus'")
-    return None
+    raise AdaspecConfigError(
+        f"{key}['pools']: 'corpus' has no table for this tokenizer ({want}); shipped or built: "
+        f"{', '.join(found) or 'none'}. Build one with `adaspec build corpus --model MODEL`, or drop 'corpus'")

@@ -48,7 +48,7 @@ def check_start_up(resolved, vllm_config) -> None:
     if "corpus" in resolved.pools:
         from vllm_adaspec.pools.corpus import find_corpus
 
-        find_corpus(vllm_config.model_config.tokenizer, required=True)
+        find_corpus(vllm_config.model_config.tokenizer, resolved.corpus)
     reason = tree_support(vllm_config)
     if reason:
         logger.warning("vllm_adaspec: MultiBranchProposer proposes chains (the best path of each candidate tree): "
@@ -88,7 +88,7 @@ class MultiBranchProposer(AdaspecProposer):
         if "corpus" in pools:
             from vllm_adaspec.pools.corpus import CorpusTable, find_corpus
 
-            self.corpus = CorpusTable.load(find_corpus(vllm_config.model_config.tokenizer, required=True))
+            self.corpus = CorpusTable.load(find_corpus(vllm_config.model_config.tokenizer, self.cfg.corpus))
         self.calibration = Calibration()
         self.cost = cost_curve(VERIFY_COST)
         self.requests: dict[str, RequestPools] = {}
