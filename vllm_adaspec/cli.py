@@ -126,6 +126,19 @@ def add_train(sub) -> None:
     e.add_argument("--init", choices=("last", "next", "identity"), default="identity",
                    help="exit layer start: copy of the last layer (EESD), of layer N, or an identity")
     e.set_defaults(func=cmd_train_exit)
+    m = tsub.add_parser("medusa", help="Medusa-1 heads on the frozen target, by self-distillation")
+    m.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
+    m.add_argument("--data", default=None, help="`adaspec distill` folder (default: its default for --model, seed 0)")
+    m.add_argument("--out", required=True, help="checkpoint folder to write")
+    m.add_argument("--heads", type=int, default=4, help="K: heads, head k drafts the token k after the next")
+    m.add_argument("--draft-vocab", type=int, default=4096, help="V': rows of the shared LM head the heads use")
+    m.add_argument("--epochs", type=float, default=3.0)
+    m.add_argument("--lr", type=float, default=1e-3)
+    m.add_argument("--batch", type=int, default=512, help="positions per optimizer step")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--export-vllm", default=None, metavar="DIR",
+                   help="also write the heads in the layout vLLM's built-in `medusa` method loads")
+    m.set_defaults(func=cmd_train_medusa)
     c = tsub.add_parser("calibration", help="acceptance predictor of the thompson-cali policy, for one exit head")
     c.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
     c.add_argument("--data", default=None, help="`adaspec distill` folder (default: its default for --model, seed 0)")
@@ -136,6 +149,34 @@ def add_train(sub) -> None:
     c.add_argument("--epochs", type=int, default=6)
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=cmd_train_calibration)
+
+
+def cmd_train_medusa(args) -> int:
+    from vllm_adaspec.training.medusa_trainer import MedusaTrainSettings, train_medusa
+
+    model = _train_model(args.model)
+    if model is None:
+        return 2
+    data = args.data or default_distill_dir(args.model, 0)
+    if not os.path.isdir(data):
+        print(f"adaspec train: --data {data}: no such folder (run `adaspec distill` first)", file=sys.stderr)
+        return 2
+    st = MedusaTrainSettings(model=model, data=data, out=args.out, num_heads=args.heads, draft_vocab=args.draft_vocab,
+                             epochs=args.epochs, lr=args.lr, batch=args.batch, seed=args.seed,
+                             name=os.path.basename(os.path.normpath(args.model)))
+    code = _run_trainer(train_medusa, st)
+    if code == 0 and args.export_vllm:
+        from vllm_adaspec.heads.medusa import export_vllm_medusa
+        from vllm_adaspec.training.layers import read_hf_tensors
+        import json
+
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+        name = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
+        out = export_vllm_medusa(args.out, args.export_vllm, read_hf_tensors(model, [name])[name], cfg["vocab_size"])
+        print(f"vLLM medusa layout: {out} (speculative_config={{\"method\": \"medusa\", \"model\": \"{out}\", "
+              f"\"num_speculative_tokens\": {args.heads}}})")
+    return code
 
 
 def _run_trainer(train, settings) -> int:

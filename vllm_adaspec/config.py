@@ -28,7 +28,7 @@ class AdaspecConfigError(ValueError):
 COMMON_KEYS = ("policy", "speed_guard", "tree")
 PROPOSER_KEYS = {
     "early_exit": ("exit_layer", "policy", "exit_head", "speed_guard", "tree"),
-    "multi_branch": ("pools", "corpus", "policy", "speed_guard", "tree"),
+    "multi_branch": ("pools", "corpus", "medusa", "policy", "speed_guard", "tree"),
     "probe": ("policy", "speed_guard", "tree"),
 }
 PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBranchProposer",
@@ -38,7 +38,7 @@ PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBra
 TREE_KEYS = {"early_exit": ("budget", "top_k", "depth", "kv_copy_tokens"),
              "multi_branch": ("budget", "kv_copy_tokens"), "probe": ("budget", "kv_copy_tokens")}
 # Candidate pools of MultiBranchProposer (vllm_adaspec/pools/); the default is the best measured set.
-POOLS = ("context", "suffix", "recycled", "corpus")
+POOLS = ("context", "suffix", "recycled", "corpus", "medusa")
 DEFAULT_POOLS = ("context", "suffix", "recycled")
 
 
@@ -65,6 +65,8 @@ class AdaspecConfig:
     # The corpus pool's table: "auto" = the one shipped or built (`adaspec build corpus`) for this tokenizer;
     # else a corpus.npz or its folder.
     corpus: str = "auto"
+    # The medusa pool's heads: "auto" = the ones shipped for this model; else a folder from `adaspec train medusa`.
+    medusa: str = "auto"
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -161,14 +163,18 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None, proposer: 
     return AdaspecConfig(exit_layer=exit_layer, policy=policy, policy_params=policy_params, exit_head=exit_head,
                          speed_guard=speed_guard, tree=_parse_tree(section.get("tree"), proposer),
                          pools=_parse_pools(section.get("pools", DEFAULT_POOLS)),
-                         corpus=_parse_corpus(section.get("corpus", "auto"), section.get("pools", DEFAULT_POOLS)))
+                         corpus=_parse_artifact("corpus", section, "a corpus table (corpus.npz or its folder)"),
+                         medusa=_parse_artifact("medusa", section, "a Medusa heads folder (`adaspec train medusa`)"))
 
 
-def _parse_corpus(value: Any, pools: Any) -> str:
+def _parse_artifact(pool: str, section: Mapping, what: str) -> str:
+    """The file a pool loads (setting named like the pool): "auto" or a path, and only with the pool in use."""
+    value = section.get(pool, "auto")
+    pools = section.get("pools", DEFAULT_POOLS)
     if not isinstance(value, str) or not value:
-        raise _fail("corpus", f"must be 'auto' or the path of a corpus table (corpus.npz or its folder), got {value!r}")
-    if value != "auto" and "corpus" not in pools:
-        raise _fail("corpus", f"names a table but 'corpus' is not in pools ({list(pools)!r}); add it or drop 'corpus'")
+        raise _fail(pool, f"must be 'auto' or the path of {what}, got {value!r}")
+    if value != "auto" and pool not in pools:
+        raise _fail(pool, f"names a file but {pool!r} is not in pools ({list(pools)!r}); add it or drop {pool!r}")
     return value
 
 
@@ -217,6 +223,7 @@ class ResolvedConfig:
     tree: TreeSettings | None = None
     pools: tuple[str, ...] = DEFAULT_POOLS
     corpus: str = "auto"
+    medusa: str = "auto"
 
 
 def resolve_config(
@@ -317,7 +324,7 @@ def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int) -> Resolv
                                  "remove 'suffix' from pools to run without it")
     return ResolvedConfig(exit_layer=0, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
                           policy_params=cfg.policy_params, speed_guard=cfg.speed_guard, exit_head_setting="none",
-                          tree=tree, pools=cfg.pools, corpus=cfg.corpus)
+                          tree=tree, pools=cfg.pools, corpus=cfg.corpus, medusa=cfg.medusa)
 
 
 DEFAULT_BUDGET = 16  # MultiBranchProposer's node budget when `tree` is not given (capped at K)

@@ -9,8 +9,9 @@ one tree (engine/tree_verification.py) or, where trees cannot be verified (a GPU
 penalties / logprobs / grammars), as a chain along the best path. Verification outcomes calibrate the pools.
 
 No drafting model: the only target outputs it reads are the logits of rows verification already computed (the
-`recycled` pool). Every draft is verified by the target, so output is exactly plain decoding's (greedy), and
-sampled output keeps the target distribution (sample-and-match over trees, vLLM's rejection sampler over chains).
+`recycled` pool) and, for the `medusa` pool, the final hidden state of the row that produced each request's last
+token, on which the Medusa heads (heads/medusa.py) draft in one batched matmul. Every draft is verified by the
+target, so output is exactly plain decoding's (greedy), and sampled output keeps the target distribution (sample-and-match over trees, vLLM's rejection sampler over chains).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def check_start_up(resolved, vllm_config) -> None:
         from vllm_adaspec.pools.corpus import find_corpus
 
         find_corpus(vllm_config.model_config.tokenizer, resolved.corpus)
+    if "medusa" in resolved.pools:
+        from vllm_adaspec.heads.medusa import find_medusa
+
+        find_medusa(vllm_config.model_config.hf_text_config, resolved.medusa)
     reason = tree_support(vllm_config)
     if reason:
         logger.warning("vllm_adaspec: MultiBranchProposer proposes chains (the best path of each candidate tree): "
@@ -89,6 +94,14 @@ class MultiBranchProposer(AdaspecProposer):
             from vllm_adaspec.pools.corpus import CorpusTable, find_corpus
 
             self.corpus = CorpusTable.load(find_corpus(vllm_config.model_config.tokenizer, self.cfg.corpus))
+        self.medusa = None  # engine/medusa_heads.MedusaHeads, once load_model has the target
+        self.medusa_folder = None
+        if "medusa" in pools:
+            from vllm_adaspec.heads.medusa import find_medusa
+
+            self.medusa_folder = find_medusa(hf, self.cfg.medusa)
+            self.wants_target_hidden = True  # the worker hands over the sampled rows' final hidden states
+        self.medusa_trees: dict[int, object] = {}  # budget -> pools.medusa.SparseTree, built once
         self.calibration = Calibration()
         self.cost = cost_curve(VERIFY_COST)
         self.requests: dict[str, RequestPools] = {}
@@ -109,7 +122,13 @@ class MultiBranchProposer(AdaspecProposer):
         return self.cfg.tree.budget
 
     def load_model(self, target_model) -> None:
-        """Model-free: nothing to load (vLLM calls this on every custom proposer)."""
+        """vLLM calls this on every custom proposer; only the medusa pool needs the target (its LM head rows)."""
+        if self.medusa_folder is not None:
+            from vllm_adaspec.engine.medusa_heads import load_medusa_heads
+
+            self.medusa = load_medusa_heads(target_model, self.vllm_config, self.medusa_folder)
+            logger.info("vllm_adaspec: Medusa heads %s (K=%d, draft vocabulary %d)", self.medusa_folder,
+                        self.medusa.w.shape[0], len(self.medusa.vocab))
 
     def _on_finished(self, req_ids) -> None:
         for r in req_ids:
@@ -159,9 +178,11 @@ class MultiBranchProposer(AdaspecProposer):
         req_ids = self.runner.input_batch.req_ids
         treeish = self._tree_rows(rows, req_ids, num_tokens_no_spec) if self.tree_mode else [False] * len(rows)
         tries, cands = [], []  # per drafting row: its trie, and its candidate nodes (best first, within budget)
+        medusa = self._medusa_candidates(rows, budgets, sampled_token_ids) if self.medusa is not None else None
         for e, (i, budget) in enumerate(zip(rows, budgets)):
             st = self.requests[req_ids[i]]
-            trie = merge(self._candidates(st, budget), self.calibration, streak_state(st.accepted_last))
+            pools = self._candidates(st, budget) + ([medusa[e]] if medusa is not None else [])
+            trie = merge(pools, self.calibration, streak_state(st.accepted_last))
             order = ranked(trie)[:budget] if treeish[e] else best_path(trie, budget)
             tries.append(trie)
             cands.append(order)
@@ -192,20 +213,46 @@ class MultiBranchProposer(AdaspecProposer):
         return 0.0
 
     def _candidates(self, st: RequestPools, budget: int) -> list:
-        out = []
+        """The model-free pools' candidates for one request (medusa's come batched, `_medusa_candidates`)."""
+        out = {}
         toks = st.context.tokens
         if "context" in self.cfg.pools:
-            out.append(propose_context(st.context, depth=budget))
+            out["context"] = propose_context(st.context, depth=budget)
         if self.suffix is not None:
-            out.append(self.suffix.propose(st.req_id, np.asarray(toks[-self.suffix.max_depth:]), max_nodes=budget))
+            out["suffix"] = self.suffix.propose(st.req_id, np.asarray(toks[-self.suffix.max_depth:]), max_nodes=budget)
         if self.recycled is not None:
-            out.append(propose_recycled(self.recycled, toks[-1], depth=budget))
+            out["recycled"] = propose_recycled(self.recycled, toks[-1], depth=budget)
         if self.corpus is not None:
             from vllm_adaspec.pools.corpus import propose_corpus
 
-            out.append(propose_corpus(self.corpus, toks[-2:], depth=budget))
-        for pool, cand in zip(self.cfg.pools, out):
+            out["corpus"] = propose_corpus(self.corpus, toks[-2:], depth=budget)
+        for pool, cand in out.items():
             self.stats["pool_nodes"][pool] += len(cand)
+        return list(out.values())
+
+    def _medusa_candidates(self, rows: list[int], budgets: list[int], sampled_token_ids) -> list:
+        """Every drafting row's Medusa candidates: the heads on the final hidden state of the row that produced its
+        last token, all rows and heads in one matmul; the tree's shape is the sparse tree of its budget."""
+        from vllm_adaspec.heads.medusa import head_logits
+        from vllm_adaspec.pools.medusa import propose_medusa, sparse_tree
+
+        if self._target_hidden is None:
+            raise RuntimeError("medusa pool: the worker did not hand over the target's hidden states")
+        m = self.medusa
+        h = self._target_hidden[torch.tensor(self._bonus_rows(rows, sampled_token_ids),
+                                             device=self._target_hidden.device)]  # [R, H]
+        trees = []
+        for budget in budgets:
+            if budget not in self.medusa_trees:
+                self.medusa_trees[budget] = sparse_tree(m.accuracy, budget)
+            trees.append(self.medusa_trees[budget])
+        width = max(t.max_rank for t in trees)
+        probs = head_logits(h.to(m.w.dtype), m.w, m.b, m.lm_rows).float().softmax(-1)  # [R, K, V']
+        top_p, top_i = probs.topk(width, dim=-1)  # [R, K, width]
+        top_ids = m.vocab[top_i].cpu().numpy()
+        top_p = top_p.cpu().numpy()
+        out = [propose_medusa(t, top_ids[e], top_p[e]) for e, t in enumerate(trees)]
+        self.stats["pool_nodes"]["medusa"] += sum(map(len, out))
         return out
 
     # --- target rows (the worker calls this after every verification, `wants_verified_logits`) ---

@@ -1,0 +1,89 @@
+"""Medusa heads (heads/medusa.py), their sparse tree and pool (pools/medusa.py): pure torch / Python, no vLLM."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_adaspec.config import AdaspecConfigError
+from vllm_adaspec.heads.medusa import (export_vllm_medusa, find_medusa, head_logits, init_heads, load_medusa,
+                                       save_medusa)
+from vllm_adaspec.pools.medusa import propose_medusa, sparse_tree
+
+
+def test_head_logits_are_each_heads_residual_block_then_the_shared_rows():
+    g = torch.Generator().manual_seed(0)
+    r, k, h, v = 3, 4, 8, 11
+    x, w, b = torch.randn(r, h, generator=g), torch.randn(k, h, h, generator=g), torch.randn(k, h, generator=g)
+    rows = torch.randn(v, h, generator=g)
+    got = head_logits(x, w, b, rows)
+    assert got.shape == (r, k, v)
+    for j in range(k):  # one head at a time, as vLLM's ResidualBlock + LM head compute it
+        z = x + torch.nn.functional.silu(torch.nn.functional.linear(x, w[j], b[j]))
+        torch.testing.assert_close(got[:, j], z @ rows.T)
+    zero = init_heads(k, h)  # Medusa's init: every head is the LM head on the hidden state itself
+    torch.testing.assert_close(head_logits(x, zero["w"], zero["b"], rows), (x @ rows.T)[:, None].expand(r, k, v))
+
+
+def test_sparse_tree_takes_the_paths_of_highest_accuracy_product():
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.0], [0.4, 0.1, 0.0]]
+    t = sparse_tree(acc, budget=5)
+    # values: (0) .6, (0,0) .3, (1) .2, (0,1) .18, (0,0,0) .12, (2) .1, (1,0) .1 ...
+    paths = []
+    for i in range(len(t)):
+        p, node = [], i
+        while node >= 0:
+            p.append(t.rank[node])
+            node = t.parents[node]
+        paths.append(tuple(reversed(p)))
+    assert paths == [(0,), (0, 0), (1,), (0, 1), (0, 0, 0)]
+    assert t.estimate == pytest.approx((0.6, 0.3, 0.2, 0.18, 0.12))
+    assert all(t.parents[i] < i for i in range(len(t)))  # parents first
+    assert t.depth == (1, 2, 1, 2, 3) and t.max_rank == 2
+    assert len(sparse_tree(acc, budget=100)) == 3 + 3 * 2 + 3 * 2 * 2  # ranks of accuracy 0 are never drafted
+
+
+def test_propose_medusa_fills_the_tree_with_each_heads_ranked_tokens():
+    t = sparse_tree([[0.6, 0.2], [0.5, 0.3]], budget=4)  # (0), (0,0), (1), (0,1)
+    ids = np.array([[10, 11], [20, 21]])
+    probs = np.array([[0.7, 0.2], [0.55, 0.25]])
+    c = propose_medusa(t, ids, probs)
+    assert c.tokens == [10, 20, 11, 21] and c.parents == [-1, 0, -1, 0]
+    assert c.probs == pytest.approx([0.7, 0.55, 0.2, 0.25])
+    assert c.keys == [("medusa", 1, 7), ("medusa", 2, 5), ("medusa", 1, 2), ("medusa", 2, 2)]
+
+
+def test_checkpoint_round_trip_lookup_and_errors(tmp_path, monkeypatch):
+    from vllm_adaspec import heads
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "intermediate_size": 16, "vocab_size": 32}
+    w = init_heads(2, 8)
+    meta = {"base_model": {"name": "tiny", "config_hash": heads.config_hash(cfg), "weights_fingerprint": []},
+            "num_heads": 2, "accuracy_by_rank": [[0.5, 0.1], [0.3, 0.1]]}
+    folder = tmp_path / "shipped" / "tiny"
+    save_medusa(str(folder), w["w"] + 1, w["b"], torch.arange(5), meta)
+    got_meta, t = load_medusa(str(folder))
+    assert got_meta["num_heads"] == 2 and torch.equal(t["w"], w["w"] + 1) and t["draft_vocab"].tolist() == [0, 1, 2, 3, 4]
+    monkeypatch.setattr(heads, "SHIPPED_DIR", str(tmp_path / "shipped"))
+    assert find_medusa(cfg) == str(folder)  # "auto": shipped for this config
+    other = {**cfg, "hidden_size": 16}
+    with pytest.raises(AdaspecConfigError, match=r"\['pools'\]: 'medusa' has no heads shipped for this model"):
+        find_medusa(other)
+    with pytest.raises(AdaspecConfigError, match=r"\['medusa'\]: .*tiny was trained for tiny .*not for this model"):
+        find_medusa(other, str(folder))
+    with pytest.raises(AdaspecConfigError, match=r"holds no Medusa heads \(no medusa.json\).*adaspec train medusa"):
+        find_medusa(cfg, str(tmp_path))
+    # vLLM's built-in `medusa` layout: one residual layer per head, the shared LM head, the draft vocabulary map.
+    from safetensors.torch import load_file
+
+    lm = torch.randn(32, 8)
+    out = export_vllm_medusa(str(folder), str(tmp_path / "vllm"), lm, 32)
+    c = json.load(open(f"{out}/config.json"))
+    assert (c["model_type"], c["num_heads"], c["num_hidden_layers"], c["truncated_vocab_size"]) == ("medusa", 2, 1, 5)
+    assert c["original_lm_head"] and c["medusa_fc_bias"]
+    st = load_file(f"{out}/model.safetensors")
+    assert sorted(st) == ["blocks.0.layers.0.bias", "blocks.0.layers.0.weight", "blocks.1.layers.0.bias",
+                          "blocks.1.layers.0.weight", "lm_heads.0.weight", "token_map"]
+    assert torch.equal(st["blocks.1.layers.0.weight"], w["w"][1] + 1) and torch.equal(st["lm_heads.0.weight"], lm)

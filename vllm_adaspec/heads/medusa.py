@@ -1,0 +1,123 @@
+"""Medusa-1 heads (Cai et al. 2024, paper 002): K residual blocks on the target's final hidden state, each followed
+by the target's own LM head restricted to a draft vocabulary. Head k (1-based) at position t predicts the token at
+t + k + 1: the target's LM head at t predicts t + 1, which becomes the request's last committed token, so head k
+drafts depth k of the tree below it. Pure torch: no vLLM.
+
+Checkpoint (`adaspec train medusa`): OUT/medusa.safetensors (w [K, H, H], b [K, H], draft_vocab [V'] int64) and
+OUT/medusa.json (base model, K, per-head held-out accuracy by rank: the calibrated accuracies the sparse tree is
+built from). `export_vllm_medusa` writes the layout vLLM's built-in `medusa` method loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from vllm_adaspec.config import SECTION, AdaspecConfigError
+
+FORMAT = "vllm-adaspec/medusa/1"
+
+
+def init_heads(num_heads: int, hidden: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Zero blocks (Medusa's init): every head starts as the LM head on the target's own hidden state."""
+    return {"w": torch.zeros(num_heads, hidden, hidden, dtype=dtype), "b": torch.zeros(num_heads, hidden, dtype=dtype)}
+
+
+def head_states(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """h [R, H] final hidden states; w [K, H, H] (out x in), b [K, H] -> [R, K, H]: h + SiLU(W_k h + b_k) per head."""
+    return h[:, None, :] + torch.nn.functional.silu(torch.einsum("rh,kgh->rkg", h, w) + b)
+
+
+def head_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
+    """h [R, H], lm_rows [V', H] (the LM head's rows of the draft vocabulary) -> logits [R, K, V'], all heads in
+    one matmul."""
+    return head_states(h, w, b) @ lm_rows.T
+
+
+def save_medusa(folder: str, w: torch.Tensor, b: torch.Tensor, draft_vocab: torch.Tensor, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    save_file({"w": w.detach().float().contiguous(), "b": b.detach().float().contiguous(),
+               "draft_vocab": draft_vocab.to(torch.int64).contiguous()}, os.path.join(folder, "medusa.safetensors"))
+    with open(os.path.join(folder, "medusa.json"), "w") as f:
+        json.dump({"format": FORMAT, **meta}, f, indent=1, sort_keys=True)
+
+
+def load_medusa(folder: str, tensors: bool = True) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    folder = os.path.expanduser(folder)
+    path = os.path.join(folder, "medusa.json")
+    if not os.path.isfile(path):
+        raise AdaspecConfigError(f"additional_config['{SECTION}']['medusa']: {folder!r} holds no Medusa heads (no "
+                                 "medusa.json); train them with `adaspec train medusa`")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise AdaspecConfigError(f"{path}: format {meta.get('format')!r}, this vllm_adaspec reads {FORMAT!r}")
+    if not tensors:
+        return meta, None
+    from safetensors.torch import load_file
+
+    return meta, load_file(os.path.join(folder, "medusa.safetensors"))
+
+
+def find_medusa(hf_config, setting: str = "auto") -> str:
+    """The Medusa heads folder for this model: "auto" = the one shipped for it; else a folder, whose heads must
+    have been trained for this model's config. Raises AdaspecConfigError naming what is missing or mismatched."""
+    from vllm_adaspec.heads import SHIPPED_DIR, config_hash
+
+    want = config_hash(hf_config)
+    if setting != "auto":
+        meta, _ = load_medusa(setting, tensors=False)
+        base = meta["base_model"]
+        if base["config_hash"] != want:
+            raise AdaspecConfigError(
+                f"additional_config['{SECTION}']['medusa']: {setting} was trained for {base.get('name')} (config hash "
+                f"{base['config_hash']}), not for this model (config hash {want}); train heads for it with "
+                "`adaspec train medusa --model MODEL`")
+        return setting
+    for name in sorted(os.listdir(SHIPPED_DIR)):
+        folder = os.path.join(SHIPPED_DIR, name)
+        if os.path.isfile(os.path.join(folder, "medusa.json")):
+            if load_medusa(folder, tensors=False)[0]["base_model"]["config_hash"] == want:
+                return folder
+    raise AdaspecConfigError(
+        f"additional_config['{SECTION}']['pools']: 'medusa' has no heads shipped for this model (config hash {want}); "
+        "train them with `adaspec train medusa --model MODEL` and pass the folder as 'medusa', or drop 'medusa'")
+
+
+def check_weights(meta: dict, folder: str, hf_config, get_weights) -> None:
+    """The loaded target's weights are the ones the heads were trained on (tolerant fingerprint, any dtype)."""
+    from vllm_adaspec.heads import fingerprint_mismatch, hf_num_layers, weights_fingerprint
+
+    base = meta["base_model"]
+    off = fingerprint_mismatch(base["weights_fingerprint"],
+                               weights_fingerprint(get_weights, hf_num_layers(hf_config), hf_config.vocab_size))
+    if off is not None:
+        raise AdaspecConfigError(
+            f"Medusa heads {folder} were trained for {base.get('name')} with other weights (its weights fingerprint is "
+            f"{off:.3g}x the tolerance away); train heads for these weights with `adaspec train medusa`")
+
+
+def export_vllm_medusa(folder: str, out: str, lm_head: torch.Tensor, vocab_size: int) -> str:
+    """Write `folder`'s heads in the layout vLLM's `medusa` method loads (config.json + model.safetensors: one
+    residual layer per head with bias, the original LM head shared, `token_map` = the draft vocabulary)."""
+    from safetensors.torch import save_file
+
+    meta, t = load_medusa(folder)
+    k, hidden = t["w"].shape[0], t["w"].shape[1]
+    tensors = {f"blocks.{i}.layers.0.weight": t["w"][i].contiguous() for i in range(k)}
+    tensors.update({f"blocks.{i}.layers.0.bias": t["b"][i].contiguous() for i in range(k)})
+    tensors["lm_heads.0.weight"] = lm_head.detach().float().contiguous()
+    tensors["token_map"] = t["draft_vocab"].contiguous()
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    cfg = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": hidden, "vocab_size": vocab_size,
+           "num_heads": k, "num_hidden_layers": 1, "medusa_fc_bias": True, "original_lm_head": True,
+           "truncated_vocab_size": int(t["draft_vocab"].numel()), "torch_dtype": "float32",
+           "adaspec_source": {"folder": os.path.abspath(folder), "base_model": meta["base_model"].get("name")}}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return out

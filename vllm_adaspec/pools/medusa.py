@@ -1,0 +1,64 @@
+"""Medusa pool: the candidate tree drawn from Medusa heads' top-ranked tokens (heads/medusa.py computes them).
+
+The tree's shape is Medusa's sparse tree (paper 002, 3.3.3): a node is a path of ranks (r_1, ..., r_d) = "head d's
+r_d-th choice below the node (r_1, ..., r_{d-1})", and its chance of acceptance is estimated as the product of the
+heads' held-out accuracies acc[d][r_d] along the path. The `budget` nodes of highest estimate (a tree: a child never
+beats its parent) are chosen once per budget and kept (`SparseTree`); each step only fills in the tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_adaspec.pools import Candidates, prob_bucket
+
+
+@dataclass(frozen=True)
+class SparseTree:
+    """Nodes in parent-before-child order: parents [N] (-1 = child of the root), depth [N] (1 = head 1), rank [N]
+    (which of that head's top tokens), estimate [N] (product of accuracies along the path)."""
+    parents: tuple[int, ...]
+    depth: tuple[int, ...]
+    rank: tuple[int, ...]
+    estimate: tuple[float, ...]
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def max_rank(self) -> int:
+        return 1 + max(self.rank, default=-1)
+
+
+def sparse_tree(accuracy: list[list[float]], budget: int) -> SparseTree:
+    """accuracy[d][r]: P(head d + 1's rank-r token is the target's token). The `budget` rank paths of highest
+    product of accuracies; greedy by a heap is exact because a path's value never exceeds its parent's."""
+    heap = [(-accuracy[0][r], (r,), -1) for r in range(len(accuracy[0])) if accuracy[0][r] > 0]
+    heapq.heapify(heap)
+    parents, depth, rank, est = [], [], [], []
+    while heap and len(parents) < budget:
+        neg, path, parent = heapq.heappop(heap)
+        node = len(parents)
+        parents.append(parent)
+        depth.append(len(path))
+        rank.append(path[-1])
+        est.append(-neg)
+        if len(path) < len(accuracy):
+            for r, a in enumerate(accuracy[len(path)]):
+                if a > 0:
+                    heapq.heappush(heap, (neg * a, path + (r,), node))
+    return SparseTree(tuple(parents), tuple(depth), tuple(rank), tuple(est))
+
+
+def propose_medusa(tree: SparseTree, top_ids: np.ndarray, top_probs: np.ndarray) -> Candidates:
+    """top_ids / top_probs [K, R]: each head's R best tokens (full vocabulary ids) and their probabilities under
+    the head. Candidates in the tree's shape; each node's probability is its head's own, its calibration evidence
+    the head (depth). Siblings can repeat a token only if a head ranks it twice, which it cannot."""
+    out = Candidates()
+    for parent, d, r in zip(tree.parents, tree.depth, tree.rank):
+        p = float(top_probs[d - 1, r])
+        out.add(parent, int(top_ids[d - 1, r]), p, ("medusa", d, prob_bucket(p)))
+    return out
