@@ -60,13 +60,41 @@ def reference(model: str, dataset: str, n: int, max_tokens: int, topk: int) -> l
     return recs
 
 
+def medusa_tops(model: str, folder: str, records: list[dict], width: int = 10) -> None:
+    """Per record, each generated position g's Medusa top-`width` tokens and probabilities per head, from the
+    target's final hidden state at the token before it (plain torch, float32): rec["medusa"] = (ids, probs),
+    [G, K, width] each. What the engine's heads compute at the row that produced each step's root."""
+    import torch
+
+    from vllm_adaspec.heads.medusa import head_logits, load_medusa
+    from vllm_adaspec.training.layers import read_hf_tensors, rms_norm, target_prefix_layers
+
+    cfg = json.load(open(f"{model}/config.json"))
+    _, t = load_medusa(folder)
+    stack = target_prefix_layers(model, cfg["num_hidden_layers"])
+    lm_name = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
+    hf = read_hf_tensors(model, ["model.norm.weight", lm_name])
+    vocab = t["draft_vocab"]
+    rows = hf[lm_name][vocab].float()
+    with torch.inference_mode():
+        for rec in records:
+            seq = rec["prompt"] + rec["output"]
+            ids = torch.tensor([seq])
+            h = stack(ids, torch.arange(len(seq))[None], (cfg["num_hidden_layers"],))[cfg["num_hidden_layers"]][0]
+            h = rms_norm(h, hf["model.norm.weight"], cfg["rms_norm_eps"])[len(rec["prompt"]) - 1:len(seq) - 1]
+            p, i = head_logits(h, t["w"], t["b"], rows).softmax(-1).topk(width, dim=-1)
+            rec["medusa"] = (vocab[i].numpy(), p.numpy())
+
+
 def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] | None, vocab_size: int,
            corpus=None, strength: float = 4.0, streak: bool = True, tree_factor: float = 1.0,
-           vllm_suffix: bool = False) -> dict:
+           vllm_suffix: bool = False, medusa_acc: list | None = None) -> dict:
     """cost None: verify the `budget` most probable nodes every step; else choose the count on the cost curve."""
     from vllm_adaspec.pools.corpus import propose_corpus
+    from vllm_adaspec.pools.medusa import propose_medusa, sparse_tree
     from vllm_adaspec.pools.suffix import SuffixPool
 
+    trees: dict = {}
     calib = Calibration(strength)
     table = RecycleTable(vocab_size)
     suffix = SuffixPool() if "suffix" in pools else None
@@ -90,6 +118,9 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
                 cands.append(propose_recycled(table, context[-1], depth=budget))
             if corpus is not None and "corpus" in pools:
                 cands.append(propose_corpus(corpus, context, depth=budget))
+            if medusa_acc is not None and "medusa" in pools:
+                tree = trees.get(budget) or trees.setdefault(budget, sparse_tree(medusa_acc, budget))
+                cands.append(propose_medusa(tree, rec["medusa"][0][g], rec["medusa"][1][g]))
             if vllm_suffix:  # vLLM's `suffix` method: the path mode of the same cache at its defaults
                 d = suffix.cache.speculate(rid, np.asarray(context[-24:], dtype=np.int32), max_spec_tokens=budget,
                                            max_spec_factor=1.0, min_token_prob=0.1, use_tree_spec=False)
@@ -178,8 +209,10 @@ def main() -> None:
     ap.add_argument("--pools", nargs="+", default=["context", "suffix", "recycled", "corpus"])
     ap.add_argument("--budgets", nargs="+", type=int, default=[4, 8, 16])
     ap.add_argument("--corpus", default=None, help="corpus table (.npz); default: the shipped one if any")
+    ap.add_argument("--medusa", default=None, help="Medusa heads folder (default: the shipped ones)")
     ap.add_argument("--cost", default=None, help='JSON {rows: relative step time}, e.g. \'{"1": 1.0, "9": 1.5}\'')
     ap.add_argument("--combos", action="store_true", help="every pool alone, all, and leave-one-out")
+    ap.add_argument("--sets", nargs="+", default=None, help="pool sets to replay, e.g. context+suffix medusa")
     ap.add_argument("--tree-factor", type=float, default=1.15, help="tree verification cost over a chain's")
     ap.add_argument("--no-streak", action="store_true", help="calibrate without the request's last acceptance")
     ap.add_argument("--out", default=str(OUT / "replay_pools.json"), help="results (JSON); a plot goes next to it")
@@ -188,15 +221,23 @@ def main() -> None:
 
     model = resolve_model(args.model)
     cost = cost_curve({int(k): v for k, v in json.loads(args.cost).items()}) if args.cost else DEFAULT_COST
+    sets = [set(args.pools)]
+    if args.sets:
+        sets = [set(x.split("+")) for x in args.sets]
+    elif args.combos:
+        sets = [{p} for p in args.pools] + [set(args.pools)] + [set(args.pools) - {p} for p in args.pools]
+    used = set().union(*sets)
     corpus = None
-    if "corpus" in args.pools:
+    if "corpus" in used:
         from vllm_adaspec.pools.corpus import CorpusTable, find_corpus
 
-        path = args.corpus or find_corpus(model)
-        corpus = CorpusTable.load(path) if path else None
-    sets = [set(args.pools)]
-    if args.combos:
-        sets = [{p} for p in args.pools] + [set(args.pools)] + [set(args.pools) - {p} for p in args.pools]
+        corpus = CorpusTable.load(args.corpus or find_corpus(model))
+    medusa_acc = None
+    if "medusa" in used:
+        from vllm_adaspec.heads.medusa import find_medusa, load_medusa
+
+        folder = find_medusa(json.load(open(f"{model}/config.json")), args.medusa or "auto")
+        medusa_acc = load_medusa(folder, tensors=False)[0]["accuracy_by_rank"]
     vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
     print("| dataset | pools | budget | tau (fixed B) | nodes/step | est. speedup | tau (cost-aware) | nodes/step "
           "| est. speedup |")
@@ -207,10 +248,16 @@ def main() -> None:
         print(f"| {ds} | vLLM suffix (chain, factor 1, min prob 0.1) | - | - | - | - | {v['tau']:.2f} | "
               f"{v['nodes_per_step']:.1f} | {v['speedup_est']:.2f} |", flush=True)
     rows = []
+    refs = {}
+    for ds in args.datasets:
+        refs[ds] = reference(model, ds, args.num_prompts, args.max_tokens, 8)
+        if medusa_acc is not None:
+            medusa_tops(model, folder, refs[ds])
     for ds, pools, b in itertools.product(args.datasets, sets, args.budgets):
-        recs = reference(model, ds, args.num_prompts, args.max_tokens, 8)
-        fixed = replay(recs, pools, b, None, vocab, corpus, streak=not args.no_streak, tree_factor=args.tree_factor)
-        aware = replay(recs, pools, b, cost, vocab, corpus, streak=not args.no_streak, tree_factor=args.tree_factor)
+        recs = refs[ds]
+        kw = dict(streak=not args.no_streak, tree_factor=args.tree_factor, medusa_acc=medusa_acc)
+        fixed = replay(recs, pools, b, None, vocab, corpus, **kw)
+        aware = replay(recs, pools, b, cost, vocab, corpus, **kw)
         print(f"| {ds} | {'+'.join(sorted(pools))} | {b} | {fixed['tau']:.2f} | {fixed['nodes_per_step']:.1f} | "
               f"{fixed['speedup_est']:.2f} | {aware['tau']:.2f} | {aware['nodes_per_step']:.1f} | "
               f"{aware['speedup_est']:.2f} |", flush=True)

@@ -1,5 +1,7 @@
 """The `adaspec` settings: parsing and validation, without vLLM."""
 
+import re
+
 import pytest
 
 from vllm_adaspec.config import AdaspecConfig, AdaspecConfigError, parse_adaspec_config, resolve_config
@@ -152,3 +154,19 @@ def test_suffix_pool_without_arctic_inference_names_the_package(monkeypatch):
     r = resolve_config(parse_adaspec_config({"adaspec": {"pools": ["context"]}}, proposer="multi_branch"), **LLAMA,
                        proposer="multi_branch")
     assert r.pools == ("context",)
+
+
+def test_acceptance_is_exact_unless_typical_is_asked_for_with_valid_thresholds():
+    from vllm_adaspec.config import Acceptance
+
+    assert parse_adaspec_config({}).acceptance == Acceptance("exact")
+    got = parse_adaspec_config({"adaspec": {"acceptance": {"name": "typical", "epsilon": 0.2}, "tree": {"budget": 4}}})
+    assert got.acceptance == Acceptance("typical", 0.2, 0.3)
+    assert parse_adaspec_config({"adaspec": {"acceptance": "typical"}}, proposer="multi_branch").acceptance.name == "typical"
+    for bad, words in (("lossy", "must be 'exact', 'typical'"), ({"name": "typical", "epsilon": 0}, "epsilon must be"),
+                       ({"name": "typical", "delta": True}, "delta must be"),
+                       ({"name": "typical", "eps": 0.1}, "unknown key(s) 'eps'")):
+        with pytest.raises(AdaspecConfigError, match=r"\['acceptance'\]: " + re.escape(words)):
+            parse_adaspec_config({"adaspec": {"acceptance": bad}}, proposer="multi_branch")
+    with pytest.raises(AdaspecConfigError, match=r"\['acceptance'\]: 'typical' applies to token trees"):
+        resolve_config(parse_adaspec_config({"adaspec": {"acceptance": "typical"}}), **LLAMA)

@@ -296,3 +296,23 @@ def test_the_distribution_test_catches_biased_verifiers():
                          (lambda t, p, q, g: verify_typical(t, p, generator=g), topk_tree)):
         counts = _sample_text(biased, make, N // 2, LENGTH, g)
         assert chi2_pvalue(counts, exact) < 1e-6, biased
+
+
+def test_typical_acceptance_moves_mass_onto_drafted_plausible_tokens():
+    """What the opt-in `"acceptance": "typical"` does to the output (README: not lossless): a drafted token the target
+    finds plausible (above min(eps, delta * exp(-H))) is taken whenever it is drafted, so drafted text gains mass
+    over the target's distribution and undrafted text loses it. Measured on the first token, where the tree's root
+    children are the drafter's top-2: their share rises above the target's."""
+    g = torch.Generator().manual_seed(11)
+    n = N // 2
+    typical = _sample_text(lambda t, p, q, g: verify_typical(t, p, 0.09, 0.3, generator=g), topk_tree, n, 1, g)
+    exact = _exact(1)
+    drafted = torch.topk(drafter(()), 2).indices
+    p = target(()).double()
+    threshold = min(0.09, 0.3 * float(torch.exp((p * p.log()).sum())))
+    plausible = [int(t) for t in drafted if p[t] > threshold]
+    assert plausible, "the toy drafter's top-2 must include a plausible token for this test to say anything"
+    share = float(typical[plausible].sum() / n)
+    assert share > float(exact[plausible].sum()) + 0.05, (share, float(exact[plausible].sum()))
+    tv = 0.5 * (typical / n - exact).abs().sum()
+    assert tv > 0.05, float(tv)  # far beyond sampling noise at n = 6000 (the lossless modes stay under 0.04 at 3 tokens)

@@ -27,8 +27,8 @@ class AdaspecConfigError(ValueError):
 # its own. Keys of another proposer are refused like unknown keys.
 COMMON_KEYS = ("policy", "speed_guard", "tree")
 PROPOSER_KEYS = {
-    "early_exit": ("exit_layer", "policy", "exit_head", "speed_guard", "tree"),
-    "multi_branch": ("pools", "corpus", "medusa", "policy", "speed_guard", "tree"),
+    "early_exit": ("exit_layer", "policy", "exit_head", "speed_guard", "tree", "acceptance"),
+    "multi_branch": ("pools", "corpus", "medusa", "policy", "speed_guard", "tree", "acceptance"),
     "probe": ("policy", "speed_guard", "tree"),
 }
 PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBranchProposer",
@@ -40,6 +40,13 @@ TREE_KEYS = {"early_exit": ("budget", "top_k", "depth", "kv_copy_tokens"),
 # Candidate pools of MultiBranchProposer (vllm_adaspec/pools/); the default is the best measured set.
 POOLS = ("context", "suffix", "recycled", "corpus", "medusa")
 DEFAULT_POOLS = ("context", "suffix", "recycled")
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    name: str = "exact"  # or "typical"
+    epsilon: float = 0.09  # typical: accept a node whose target probability exceeds min(epsilon, delta * exp(-H))
+    delta: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -67,10 +74,34 @@ class AdaspecConfig:
     corpus: str = "auto"
     # The medusa pool's heads: "auto" = the ones shipped for this model; else a folder from `adaspec train medusa`.
     medusa: str = "auto"
+    # How tree nodes are accepted at temperature > 0: "exact" (lossless, the default) or Medusa's typical acceptance
+    # (paper 002, 3.3.1), LOSSY: {"name": "typical", "epsilon": 0.09, "delta": 0.3}. Greedy is exact either way.
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
     @classmethod
     def keys(cls) -> list[str]:
         return [f.name for f in fields(cls) if f.name != "policy_params"]  # parameters live inside `policy`
+
+
+def _parse_acceptance(value: Any) -> Acceptance:
+    if value is None or value == "exact":
+        return Acceptance()
+    if value == "typical":
+        return Acceptance("typical")
+    if not isinstance(value, Mapping) or value.get("name") not in ("exact", "typical"):
+        raise _fail("acceptance", f"must be 'exact', 'typical' or {{\"name\": \"typical\", \"epsilon\": 0.09, "
+                                  f"\"delta\": 0.3}}; got {value!r}")
+    unknown = sorted(set(value) - {"name", "epsilon", "delta"})
+    if unknown or (value["name"] == "exact" and len(value) > 1):
+        raise _fail("acceptance", f"unknown key(s) {', '.join(map(repr, unknown or sorted(set(value) - {'name'})))}; "
+                                  "typical takes epsilon and delta")
+    out = {}
+    for key, default in (("epsilon", 0.09), ("delta", 0.3)):
+        v = value.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise _fail("acceptance", f"{key} must be a number in (0, 1], got {v!r}")
+        out[key] = float(v)
+    return Acceptance(value["name"], **out)
 
 
 @dataclass(frozen=True)
@@ -164,7 +195,8 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None, proposer: 
                          speed_guard=speed_guard, tree=_parse_tree(section.get("tree"), proposer),
                          pools=_parse_pools(section.get("pools", DEFAULT_POOLS)),
                          corpus=_parse_artifact("corpus", section, "a corpus table (corpus.npz or its folder)"),
-                         medusa=_parse_artifact("medusa", section, "a Medusa heads folder (`adaspec train medusa`)"))
+                         medusa=_parse_artifact("medusa", section, "a Medusa heads folder (`adaspec train medusa`)"),
+                         acceptance=_parse_acceptance(section.get("acceptance")))
 
 
 def _parse_artifact(pool: str, section: Mapping, what: str) -> str:
@@ -224,6 +256,7 @@ class ResolvedConfig:
     pools: tuple[str, ...] = DEFAULT_POOLS
     corpus: str = "auto"
     medusa: str = "auto"
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
 
 def resolve_config(
@@ -274,6 +307,8 @@ def resolve_config(
             f"additional_config['{SECTION}']['tree']['budget'] = {cfg.tree.budget} needs "
             f"speculative_config['num_speculative_tokens'] >= {cfg.tree.budget} (every tree node is a draft vLLM "
             f"verifies), got {k}")
+    if cfg.acceptance.name == "typical" and cfg.tree is None:
+        raise _fail("acceptance", "'typical' applies to token trees; set 'tree' (e.g. {\"budget\": 4}) or drop it")
     if exit_layer is None:
         exit_layer = max(1, num_layers // 4)
     if not 1 <= exit_layer < num_layers:
@@ -284,7 +319,7 @@ def resolve_config(
     return ResolvedConfig(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
                           policy_params=cfg.policy_params,
                           exit_head=head, speed_guard=cfg.speed_guard, exit_head_setting=cfg.exit_head,
-                          tree=cfg.tree)
+                          tree=cfg.tree, acceptance=cfg.acceptance)
 
 
 def _check_k(num_speculative_tokens) -> int:
@@ -324,7 +359,8 @@ def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int) -> Resolv
                                  "remove 'suffix' from pools to run without it")
     return ResolvedConfig(exit_layer=0, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
                           policy_params=cfg.policy_params, speed_guard=cfg.speed_guard, exit_head_setting="none",
-                          tree=tree, pools=cfg.pools, corpus=cfg.corpus, medusa=cfg.medusa)
+                          tree=tree, pools=cfg.pools, corpus=cfg.corpus, medusa=cfg.medusa,
+                          acceptance=cfg.acceptance)
 
 
 DEFAULT_BUDGET = 16  # MultiBranchProposer's node budget when `tree` is not given (capped at K)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vllm_adaspec.trees import DraftTree, ancestor_mask, verify_greedy, verify_sample_match
+from vllm_adaspec.trees import DraftTree, ancestor_mask, verify_greedy, verify_sample_match, verify_typical
 
 
 @dataclass
@@ -384,7 +384,8 @@ def compaction_slots(step: TreeStep, paths: dict[int, list[int]]) -> tuple[list[
 # --- sampling ----------------------------------------------------------------------------------------------
 
 def verify_tree_request(tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int | None,
-                        top_p: float | None, generator: torch.Generator | None) -> tuple[list[int], int]:
+                        top_p: float | None, generator: torch.Generator | None,
+                        acceptance=None) -> tuple[list[int], int]:
     """logits [n + 1, V] at the request's verification rows -> (accepted nodes, bonus token).
 
     Sampling uses sample-and-match, not recursive rejection sampling: the drafters pick a node's children
@@ -401,14 +402,17 @@ def verify_tree_request(tree: DraftTree, logits: torch.Tensor, temperature: floa
     p = None if top_p is None else torch.full((rows,), top_p, dtype=torch.float32)
     if k is not None or p is not None:
         x = apply_top_k_top_p(x, k, p)
+    if acceptance is not None and acceptance.name == "typical":
+        return verify_typical(tree, torch.softmax(x, dim=-1), acceptance.epsilon, acceptance.delta, generator)
     return verify_sample_match(tree, torch.softmax(x, dim=-1), generator)
 
 
 class TreeRejectionSampler:
     """Stands in for the runner's rejection sampler: vLLM's for chain rows, tree verification for tree rows."""
 
-    def __init__(self, stock, on_paths=None, on_logits=None):
+    def __init__(self, stock, on_paths=None, on_logits=None, acceptance=None):
         self.stock = stock
+        self.acceptance = acceptance  # config.Acceptance: "exact" (lossless) or "typical" (lossy, opt-in)
         self.on_paths = on_paths  # callback({row: (path, bonus)}, kv slot moves) for statistics
         self.on_logits = on_logits  # callback(logits [rows, V], metadata): every verified row, for drafters
 
@@ -439,7 +443,8 @@ class TreeRejectionSampler:
             t = 0.0 if sampling_metadata.all_greedy or temps is None else float(temps[i])
             k = None if sampling_metadata.top_k is None else int(sampling_metadata.top_k[i])
             p = None if sampling_metadata.top_p is None else float(sampling_metadata.top_p[i])
-            path, bonus = verify_tree_request(r.tree, logits[rows], t, k, p, sampling_metadata.generators.get(i))
+            path, bonus = verify_tree_request(r.tree, logits[rows], t, k, p, sampling_metadata.generators.get(i),
+                                              self.acceptance)
             node_tokens = r.tree.tokens[path].tolist()
             tokens[i].fill_(-1)
             tokens[i, :len(path) + 1] = torch.tensor(node_tokens + [bonus], dtype=tokens.dtype)

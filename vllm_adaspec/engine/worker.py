@@ -97,7 +97,7 @@ def tv_sampler(stock, drafter):
 
     return tv.TreeRejectionSampler(stock, drafter.on_tree_paths,
                                    drafter.on_verified_logits if getattr(drafter, "wants_verified_logits", False)
-                                   else None)
+                                   else None, acceptance=drafter.cfg.acceptance)
 
 
 class SamplerTap:

@@ -55,6 +55,11 @@ def check_start_up(resolved, vllm_config) -> None:
 
         find_medusa(vllm_config.model_config.hf_text_config, resolved.medusa)
     reason = tree_support(vllm_config)
+    if reason and resolved.acceptance.name == "typical":
+        from vllm_adaspec.config import SECTION, AdaspecConfigError
+
+        raise AdaspecConfigError(f"additional_config['{SECTION}']['acceptance']: 'typical' needs tree verification, "
+                                 f"which this engine lacks: {reason}")
     if reason:
         logger.warning("vllm_adaspec: MultiBranchProposer proposes chains (the best path of each candidate tree): "
                        "%s", reason)
