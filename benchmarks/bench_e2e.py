@@ -44,6 +44,14 @@ def methods(args) -> dict[str, dict]:
         # same prompts at batch 1 then 8) that turns later runs into replays. 0 keeps every cell independent.
         out["suffix"] = {"speculative_config": {"method": "suffix",
                                                 "suffix_decoding_max_cached_requests": args.suffix_cached_requests}}
+    if "medusa" in args.methods:
+        # vLLM's own Medusa (a top-1 chain of the heads) on our heads exported to its layout
+        # (`adaspec train medusa --export-vllm DIR`).
+        if not args.vllm_medusa:
+            raise SystemExit("method 'medusa' needs --vllm-medusa DIR (heads in vLLM's medusa layout)")
+        k = json.load(open(f"{args.vllm_medusa}/config.json"))["num_heads"]
+        out["vllm medusa"] = {"speculative_config": {"method": "medusa", "model": args.vllm_medusa,
+                                                     "num_speculative_tokens": k}}
     if "multibranch" in args.methods:
         for spec in args.mb:
             # MultiBranchProposer: K = the node budget; guard as given (default on).
@@ -263,6 +271,7 @@ def main(argv=None) -> int:
     p.add_argument("--policy-k", type=int, default=10)
     p.add_argument("--trees", nargs="*", default=[],
                    help='tree-mode rows, JSON each: \'{"budget": 8, "top_k": 2}\' (K = budget, guard off)')
+    p.add_argument("--vllm-medusa", default=None, help="folder of heads in vLLM's medusa layout (method 'medusa')")
     p.add_argument("--mb", nargs="*", default=['{}'],
                    help='MultiBranchProposer rows (method "multibranch"), JSON each: \'{"pools": ["context", "suffix"], '
                         '"tree": {"budget": 8}}\' (K = budget; default settings: {})')

@@ -103,20 +103,26 @@ def check_weights(meta: dict, folder: str, hf_config, get_weights) -> None:
 
 def export_vllm_medusa(folder: str, out: str, lm_head: torch.Tensor, vocab_size: int) -> str:
     """Write `folder`'s heads in the layout vLLM's `medusa` method loads (config.json + model.safetensors: one
-    residual layer per head with bias, the original LM head shared, `token_map` = the draft vocabulary)."""
+    residual layer per head with bias, one LM head shared by all heads).
+
+    vLLM 0.32 cannot load a truncated vocabulary (its loader registers `token_map` as a parameter and then reports
+    it as never loaded), so the shared head spans the whole vocabulary with the rows outside the draft vocabulary
+    zeroed: a token outside it scores 0, so vLLM's top-1 equals ours whenever the best draft-vocabulary logit is
+    positive."""
     from safetensors.torch import save_file
 
     meta, t = load_medusa(folder)
     k, hidden = t["w"].shape[0], t["w"].shape[1]
     tensors = {f"blocks.{i}.layers.0.weight": t["w"][i].contiguous() for i in range(k)}
     tensors.update({f"blocks.{i}.layers.0.bias": t["b"][i].contiguous() for i in range(k)})
-    tensors["lm_heads.0.weight"] = lm_head.detach().float().contiguous()
-    tensors["token_map"] = t["draft_vocab"].contiguous()
+    head = torch.zeros(vocab_size, hidden)
+    head[t["draft_vocab"]] = lm_head[:vocab_size][t["draft_vocab"]].detach().float()
+    tensors["lm_heads.0.weight"] = head
     os.makedirs(out, exist_ok=True)
     save_file(tensors, os.path.join(out, "model.safetensors"))
     cfg = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": hidden, "vocab_size": vocab_size,
            "num_heads": k, "num_hidden_layers": 1, "medusa_fc_bias": True, "original_lm_head": True,
-           "truncated_vocab_size": int(t["draft_vocab"].numel()), "torch_dtype": "float32",
+           "truncated_vocab_size": vocab_size, "torch_dtype": "float32",
            "adaspec_source": {"folder": os.path.abspath(folder), "base_model": meta["base_model"].get("name")}}
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
