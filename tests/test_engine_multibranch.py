@@ -71,3 +71,41 @@ def test_preemption_and_chunked_prefill_stay_exact_and_state_is_freed(smollm2, p
     # (policies, pools, suffix trees, KV copies); only the flush request may still be counted
     assert st["tracked_requests"] <= 1 and st["pool_requests"] <= 1 and st["suffix_active"] <= 1, st
     assert st["kv_copies"] == 0, st
+
+
+@pytest.fixture(scope="module")
+def medusa_runs(smollm2, tree_engines):
+    """Medusa heads alone (the shipped ones), with typical acceptance turned on: greedy requests are untouched by
+    it, tree-verified sampled requests use it, penalised requests verify chains with vLLM's sampler."""
+    engine = mb_engine(budget=4, max_num_seqs=8, settings={"pools": ["medusa"], "acceptance": "typical"})
+    batches = [greedy_batch(), TREE_MIX]
+    res = tree_engines.run({"model": smollm2, "engine": engine, "batches": batches,
+                            "env": {"VLLM_ADASPEC_RECORD_DRAFTS": "1", "VLLM_ADASPEC_CHECK_TARGET_ROWS": "1"}})
+    return [b["runs"][0] for b in res["batches"]]
+
+
+def test_medusa_heads_draft_from_the_right_rows_and_greedy_stays_exact(smollm2, medusa_runs, plain_greedy):
+    from vllm_adaspec.heads.medusa import find_medusa
+    from vllm_adaspec.training.medusa_trainer import medusa_top1
+
+    run, mix = medusa_runs
+    assert_identical(run, plain_greedy["mixed"])
+    assert mix["token_ids"][:4] == plain_greedy["tree_mix"]["token_ids"][:4]  # greedy and penalised rows
+    st = mix["adaspec"]
+    assert st["config"]["acceptance"] == "typical" and st["config"]["pools"] == ["medusa"], st["config"]
+    # The hidden state each step drafts from is the row that sampled the request's last token (the LM head on it
+    # re-produces that token), in chains and trees alike ...
+    assert st["row_checks"] > 200 and st["row_mismatches"] == 0, (st["row_checks"], st["row_mismatches"])
+    # ... and the heads on it compute what a plain-torch reference computes.
+    folder = find_medusa(__import__("json").load(open(f"{smollm2}/config.json")))
+    agree = total = 0
+    for req_id, recs in st["medusa_top1"].items():
+        tokens = st["first_drafts"][req_id]["tokens"]
+        ref = medusa_top1(smollm2, folder, tokens)
+        for n, top in recs:
+            if n <= len(tokens):
+                agree, total = agree + (ref[n - 1] == top), total + 1
+    assert total > 200 and agree / total > 0.97, (agree, total)
+    # Medusa drafts are accepted (the heads predict): a broken row or head would sit near 0.
+    m = run["metrics"]
+    assert m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"] > 0.3, m

@@ -57,8 +57,10 @@ def test_wheel_holds_every_module_and_runs_outside_the_checkout(tmp_path, smollm
     subprocess.run(pip + ["install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True)
 
     assert source_modules(site / "vllm_adaspec") == source_modules(ROOT / "vllm_adaspec")
-    for shipped in (ROOT / "vllm_adaspec" / "heads").glob("*/*"):  # heads, predictors: package data
-        assert (site / shipped.relative_to(ROOT)).is_file(), shipped
+    shipped = [*(ROOT / "vllm_adaspec" / "heads").glob("*/*"), *(ROOT / "vllm_adaspec" / "corpus").glob("*/*")]
+    assert any(f.name == "medusa.safetensors" for f in shipped) and any(f.name == "corpus.npz" for f in shipped)
+    for f in shipped:  # exit heads, predictors, Medusa heads, corpus tables: package data
+        assert (site / f.relative_to(ROOT)).is_file(), f
 
     env = default_env(workdir=str(tmp_path))
     env["PYTHONPATH"] = str(site)  # ahead of the checkout's editable install (a finder appended to sys.meta_path)

@@ -17,6 +17,7 @@ target, so output is exactly plain decoding's (greedy), and sampled output keeps
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,6 +133,7 @@ class MultiBranchProposer(AdaspecProposer):
             from vllm_adaspec.engine.medusa_heads import load_medusa_heads
 
             self.medusa = load_medusa_heads(target_model, self.vllm_config, self.medusa_folder)
+            self._target = target_model  # for the row check below (tests)
             logger.info("vllm_adaspec: Medusa heads %s (K=%d, draft vocabulary %d)", self.medusa_folder,
                         self.medusa.w.shape[0], len(self.medusa.vocab))
 
@@ -246,6 +248,11 @@ class MultiBranchProposer(AdaspecProposer):
         m = self.medusa
         h = self._target_hidden[torch.tensor(self._bonus_rows(rows, sampled_token_ids),
                                              device=self._target_hidden.device)]  # [R, H]
+        if os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1":  # greedy tests: the row re-produces its token
+            got = self._target.compute_logits(h).argmax(-1).tolist()
+            self.stats["row_checks"] = self.stats.get("row_checks", 0) + len(rows)
+            self.stats["row_mismatches"] = self.stats.get("row_mismatches", 0) + sum(
+                g != sampled_token_ids[i][-1] for g, i in zip(got, rows))
         trees = []
         for budget in budgets:
             if budget not in self.medusa_trees:
@@ -257,6 +264,11 @@ class MultiBranchProposer(AdaspecProposer):
         top_ids = m.vocab[top_i].cpu().numpy()
         top_p = top_p.cpu().numpy()
         out = [propose_medusa(t, top_ids[e], top_p[e]) for e, t in enumerate(trees)]
+        if self._record:  # tests: head 1's top token after each committed length, against a plain-torch reference
+            rec = self.stats.setdefault("medusa_top1", {})
+            batch = self.runner.input_batch
+            for e, i in enumerate(rows):  # [committed tokens, head 1's top token]
+                rec.setdefault(batch.req_ids[i], []).append([int(batch.num_tokens_no_spec[i]), int(top_ids[e][0][0])])
         self.stats["pool_nodes"]["medusa"] += sum(map(len, out))
         return out
 
@@ -276,7 +288,8 @@ class MultiBranchProposer(AdaspecProposer):
         self.recycled.update(np.asarray(tokens), ids.cpu().numpy(), probs.cpu().numpy())
 
     def _config_stats(self) -> dict:
-        return {"pools": list(self.cfg.pools), "budget": self.cfg.tree.budget, "tree_mode": self.tree_mode}
+        return {"pools": list(self.cfg.pools), "budget": self.cfg.tree.budget, "tree_mode": self.tree_mode,
+                "acceptance": self.cfg.acceptance.name, "medusa": self.medusa_folder}
 
     def get_stats(self) -> dict:
         from vllm_adaspec.engine.tree_verification import held_copy_tokens

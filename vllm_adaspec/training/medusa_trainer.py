@@ -2,10 +2,11 @@
 
     h_t   = the target's final (normed) hidden state at position t (computed once per data set, cached on disk)
     q_k   = softmax(W[V'] . (h_t + SiLU(A_k h_t + b_k)))      W = the target's LM head (shared, frozen)
-    loss  = sum_k 0.8^(k-1) CE(q_k, x_{t+k+1})                 on every t whose next token x_{t+1} was generated
+    loss  = sum_k 0.8^(k-1) CE(q_k, y_{t+k+1})                 on every t whose next token x_{t+1} was generated
 
-The labels are the target's own text (`adaspec distill`: greedy and sampled continuations), so head k learns what
-the target writes k tokens after its next one. A seeded 1/20 of the sequences is held out; the report gives each
+y_j is the target's own argmax at position j given the text before it (`adaspec distill` records it, on greedy
+and sampled continuations alike): on sampled text it is the token greedy decoding would accept there, not the
+sampled one, so head k learns what the target would write k tokens after its next one without sampling noise. A seeded 1/20 of the sequences is held out; the report gives each
 head's top-1 / top-5 there and its accuracy by rank, which the sparse tree is built from (pools/medusa.py).
 """
 
@@ -48,15 +49,18 @@ class MedusaTrainSettings:
 
 def medusa_positions(seqs: Sequences, idx: np.ndarray, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
     """Positions t (indices into seqs.tokens) of the sequences `idx` whose next token was generated, and labels
-    [P, K]: the token at t + k + 1 for head k, -1 past the sequence's end."""
+    [P, K]: for head k, the target's argmax at position t + k + 1 (a generated position), -1 past the end."""
+    go = seqs.gen_offsets()
+    argmax = seqs.topk_ids[:, 0]  # [G] the target's top token at every generated position
     pos, labels = [], []
     for s in idx:
         a, b = int(seqs.offsets[s]), int(seqs.offsets[s + 1])
-        t = np.arange(a + int(seqs.prompt_lens[s]) - 1, b - 1)
+        first_gen = a + int(seqs.prompt_lens[s])
+        t = np.arange(first_gen - 1, b - 1)
         if not len(t):
             continue
-        at = t[:, None] + np.arange(2, num_heads + 2)[None]  # [P, K]
-        lab = np.where(at < b, seqs.tokens[np.minimum(at, b - 1)], -1)
+        at = t[:, None] + np.arange(2, num_heads + 2)[None]  # [P, K] positions predicted
+        lab = np.where(at < b, argmax[go[s] + np.minimum(at, b - 1) - first_gen], -1)
         pos.append(t)
         labels.append(lab)
     return np.concatenate(pos), np.concatenate(labels).astype(np.int64)
@@ -180,3 +184,21 @@ def train_medusa(st: MedusaTrainSettings, progress: bool = True, log=print) -> d
             "training": {**{k: v for k, v in asdict(st).items() if k not in ("model", "data", "out")}, **report}}
     save_medusa(st.out, w.detach(), b.detach(), torch.as_tensor(vocab_ids), meta)
     return {**report, "out": st.out}
+
+
+@torch.inference_mode()
+def medusa_top1(model_dir: str, folder: str, token_ids: list[int]) -> list[int]:
+    """Plain-torch reference of Medusa head 1: for every position t of `token_ids`, its top token (a full id) for
+    position t + 2, from the target's final hidden state at t. What the engine's medusa pool must reproduce."""
+    from vllm_adaspec.heads.medusa import load_medusa
+    from vllm_adaspec.training.layers import target_prefix_layers
+
+    cfg = _read_config(model_dir)
+    n = cfg["num_hidden_layers"]
+    _, t = load_medusa(folder)
+    lm_name = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
+    hf = read_hf_tensors(model_dir, ["model.norm.weight", lm_name])
+    h = target_prefix_layers(model_dir, n)(torch.tensor([token_ids]), torch.arange(len(token_ids))[None], (n,))[n][0]
+    h = rms_norm(h, hf["model.norm.weight"], cfg["rms_norm_eps"])
+    vocab = t["draft_vocab"]
+    return vocab[head_logits(h, t["w"][:1], t["b"][:1], hf[lm_name][vocab].float())[:, 0].argmax(-1)].tolist()
