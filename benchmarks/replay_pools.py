@@ -62,7 +62,7 @@ def reference(model: str, dataset: str, n: int, max_tokens: int, topk: int) -> l
 
 def medusa_tops(model: str, folder: str, records: list[dict], width: int = 10) -> None:
     """Per record, each generated position g's Medusa top-`width` tokens and probabilities per head, from the
-    target's final hidden state at the token before it (plain torch, float32): rec["medusa"] = (ids, probs),
+    target's final hidden state two tokens before it (plain torch, float32): rec["medusa"] = (ids, probs),
     [G, K, width] each. What the engine's heads compute at the row that produced each step's root."""
     import torch
 
@@ -81,7 +81,9 @@ def medusa_tops(model: str, folder: str, records: list[dict], width: int = 10) -
             seq = rec["prompt"] + rec["output"]
             ids = torch.tensor([seq])
             h = stack(ids, torch.arange(len(seq))[None], (cfg["num_hidden_layers"],))[cfg["num_hidden_layers"]][0]
-            h = rms_norm(h, hf["model.norm.weight"], cfg["rms_norm_eps"])[len(rec["prompt"]) - 1:len(seq) - 1]
+            # step g drafts out[g] onward; its root (the last committed token) was sampled from the row before it,
+            # whose hidden state the engine hands the heads: position len(prompt) + g - 2
+            h = rms_norm(h, hf["model.norm.weight"], cfg["rms_norm_eps"])[len(rec["prompt"]) - 2:len(seq) - 2]
             p, i = head_logits(h, t["w"], t["b"], rows).softmax(-1).topk(width, dim=-1)
             rec["medusa"] = (vocab[i].numpy(), p.numpy())
 

@@ -189,7 +189,8 @@ def train_medusa(st: MedusaTrainSettings, progress: bool = True, log=print) -> d
 @torch.inference_mode()
 def medusa_top1(model_dir: str, folder: str, token_ids: list[int]) -> list[int]:
     """Plain-torch reference of Medusa head 1: for every position t of `token_ids`, its top token (a full id) for
-    position t + 2, from the target's final hidden state at t. What the engine's medusa pool must reproduce."""
+    position t + 2, from the target's final hidden state at t. The engine drafts from the row that sampled the
+    last committed token (position n - 1 of n committed), i.e. from t = n - 2: what its medusa pool must reproduce."""
     from vllm_adaspec.heads.medusa import load_medusa
     from vllm_adaspec.training.layers import target_prefix_layers
 
