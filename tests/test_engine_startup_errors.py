@@ -92,6 +92,21 @@ def head_cases(tmp_path_factory, smollm2):
     out["corpus for another tokenizer"] = (
         {"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"pools": ["context", "corpus"], "corpus": str(other)}},
         {}, [f"['corpus']: {other} was built for another tokenizer (other-model", "adaspec build corpus"])
+    # Medusa heads trained for another model (the shipped ones, their config hash edited), and typical acceptance
+    # where nothing is verified as a tree.
+    from vllm_adaspec.heads.medusa import find_medusa
+
+    medusa = find_medusa(json.load(open(f"{smollm2}/config.json")))
+    d = tmp_path_factory.mktemp("medusa_other")
+    shutil.copy(f"{medusa}/medusa.safetensors", d)
+    meta = json.load(open(f"{medusa}/medusa.json"))
+    meta["base_model"]["config_hash"] = "0123456789abcdef"
+    (d / "medusa.json").write_text(json.dumps(meta))
+    out["medusa for another model"] = (
+        {"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"pools": ["medusa"], "medusa": str(d)}}, {},
+        ["['medusa']:", "(config hash 0123456789abcdef), not for this model", "adaspec train medusa"])
+    out["typical acceptance on chains"] = (spec, {"adaspec": {"acceptance": "typical"}}, {},
+                                           ["['acceptance']: 'typical' applies to token trees"])
     out["cali without predictor"] = (spec, {"adaspec": {"exit_head": str(d), "policy": "thompson-cali"}}, {},
                                      ["needs a calibration predictor in the exit head folder", "no calibration.json",
                                       "adaspec train calibration"])

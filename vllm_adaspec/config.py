@@ -69,6 +69,7 @@ class AdaspecConfig:
     tree: "TreeSettings | None" = None
     # MultiBranchProposer: the candidate pools that feed its trees.
     pools: tuple[str, ...] = DEFAULT_POOLS
+    pools_given: bool = False  # False: the default set, of which a model runs the pools it has files for
     # The corpus pool's table: "auto" = the one shipped or built (`adaspec build corpus`) for this tokenizer;
     # else a corpus.npz or its folder.
     corpus: str = "auto"
@@ -193,7 +194,7 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None, proposer: 
         raise _fail("speed_guard", f"must be true or false, got {type(speed_guard).__name__} {speed_guard!r}")
     return AdaspecConfig(exit_layer=exit_layer, policy=policy, policy_params=policy_params, exit_head=exit_head,
                          speed_guard=speed_guard, tree=_parse_tree(section.get("tree"), proposer),
-                         pools=_parse_pools(section.get("pools", DEFAULT_POOLS)),
+                         pools=_parse_pools(section.get("pools", DEFAULT_POOLS)), pools_given="pools" in section,
                          corpus=_parse_artifact("corpus", section, "a corpus table (corpus.npz or its folder)"),
                          medusa=_parse_artifact("medusa", section, "a Medusa heads folder (`adaspec train medusa`)"),
                          acceptance=_parse_acceptance(section.get("acceptance")))
@@ -254,6 +255,7 @@ class ResolvedConfig:
     exit_head_setting: str = "auto"  # what the user asked for: "auto", "none" or a folder
     tree: TreeSettings | None = None
     pools: tuple[str, ...] = DEFAULT_POOLS
+    pools_given: bool = False
     corpus: str = "auto"
     medusa: str = "auto"
     acceptance: Acceptance = field(default_factory=Acceptance)
@@ -359,7 +361,7 @@ def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int) -> Resolv
                                  "remove 'suffix' from pools to run without it")
     return ResolvedConfig(exit_layer=0, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
                           policy_params=cfg.policy_params, speed_guard=cfg.speed_guard, exit_head_setting="none",
-                          tree=tree, pools=cfg.pools, corpus=cfg.corpus, medusa=cfg.medusa,
+                          tree=tree, pools=cfg.pools, pools_given=cfg.pools_given, corpus=cfg.corpus, medusa=cfg.medusa,
                           acceptance=cfg.acceptance)
 
 

@@ -42,19 +42,37 @@ VERIFY_COST = {1: 1.0, 2: 1.07, 3: 1.14, 4: 1.29, 5: 1.38, 8: 1.47, 10: 1.55, 16
 TREE_COST = 1.15
 
 
+def usable_pools(resolved, vllm_config) -> tuple[str, ...]:
+    """The pools this engine runs. Pools the user listed must have their files (the corpus table for this tokenizer,
+    Medusa heads for this model: AdaspecConfigError otherwise); of the default set, a model runs those it has files
+    for, and the others are left out with a note in the log."""
+    from vllm_adaspec.config import AdaspecConfigError
+    from vllm_adaspec.heads.medusa import find_medusa
+    from vllm_adaspec.pools.corpus import find_corpus
+
+    checks = {"corpus": lambda: find_corpus(vllm_config.model_config.tokenizer, resolved.corpus),
+              "medusa": lambda: find_medusa(vllm_config.model_config.hf_text_config, resolved.medusa)}
+    out = []
+    for pool in resolved.pools:
+        if pool in checks:
+            try:
+                checks[pool]()
+            except AdaspecConfigError as e:
+                if resolved.pools_given:
+                    raise
+                logger.info("vllm_adaspec: default pool %r left out for this model: %s", pool, e)
+                continue
+        out.append(pool)
+    return tuple(out)
+
+
 def check_start_up(resolved, vllm_config) -> None:
-    """Front-end checks (the user's process, before any engine starts): the corpus table fits this tokenizer;
-    where trees cannot be verified, say once that requests draft chains."""
+    """Front-end checks (the user's process, before any engine starts): the listed pools' files fit this model;
+    typical acceptance needs tree verification; where trees cannot be verified, say once that requests draft
+    chains."""
     from vllm_adaspec.engine.plugin import tree_support
 
-    if "corpus" in resolved.pools:
-        from vllm_adaspec.pools.corpus import find_corpus
-
-        find_corpus(vllm_config.model_config.tokenizer, resolved.corpus)
-    if "medusa" in resolved.pools:
-        from vllm_adaspec.heads.medusa import find_medusa
-
-        find_medusa(vllm_config.model_config.hf_text_config, resolved.medusa)
+    usable_pools(resolved, vllm_config)
     reason = tree_support(vllm_config)
     if reason and resolved.acceptance.name == "typical":
         from vllm_adaspec.config import SECTION, AdaspecConfigError
@@ -86,7 +104,7 @@ class MultiBranchProposer(AdaspecProposer):
         from vllm_adaspec.engine.plugin import tree_support
 
         self.tree_mode = tree_support(vllm_config) is None
-        pools = self.cfg.pools
+        self.pools = pools = usable_pools(self.cfg, vllm_config)
         self.wants_verified_logits = "recycled" in pools
         hf = vllm_config.model_config.hf_text_config
         self.recycled = RecycleTable(hf.vocab_size) if "recycled" in pools else None
@@ -223,7 +241,7 @@ class MultiBranchProposer(AdaspecProposer):
         """The model-free pools' candidates for one request (medusa's come batched, `_medusa_candidates`)."""
         out = {}
         toks = st.context.tokens
-        if "context" in self.cfg.pools:
+        if "context" in self.pools:
             out["context"] = propose_context(st.context, depth=budget)
         if self.suffix is not None:
             out["suffix"] = self.suffix.propose(st.req_id, np.asarray(toks[-self.suffix.max_depth:]), max_nodes=budget)
@@ -288,7 +306,7 @@ class MultiBranchProposer(AdaspecProposer):
         self.recycled.update(np.asarray(tokens), ids.cpu().numpy(), probs.cpu().numpy())
 
     def _config_stats(self) -> dict:
-        return {"pools": list(self.cfg.pools), "budget": self.cfg.tree.budget, "tree_mode": self.tree_mode,
+        return {"pools": list(self.pools), "budget": self.cfg.tree.budget, "tree_mode": self.tree_mode,
                 "acceptance": self.cfg.acceptance.name, "medusa": self.medusa_folder}
 
     def get_stats(self) -> dict:
