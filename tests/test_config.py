@@ -129,12 +129,12 @@ def test_each_proposer_takes_the_common_keys_and_its_own():
     with pytest.raises(AdaspecConfigError, match="non-empty list"):
         parse_adaspec_config({"adaspec": {"pools": "context"}}, proposer="multi_branch")
     with pytest.raises(AdaspecConfigError, match=r"\['corpus'\]: names a file but 'corpus' is not in pools"):
-        parse_adaspec_config({"adaspec": {"corpus": "/t/corpus.npz"}}, proposer="multi_branch")
+        parse_adaspec_config({"adaspec": {"pools": ["context"], "corpus": "/t/corpus.npz"}}, proposer="multi_branch")
     with pytest.raises(AdaspecConfigError, match=r"\['corpus'\]: must be 'auto' or the path"):
         parse_adaspec_config({"adaspec": {"pools": ["corpus"], "corpus": 3}}, proposer="multi_branch")
     assert parse_adaspec_config({"adaspec": {"pools": ["corpus"], "corpus": "/t"}}, proposer="multi_branch").corpus == "/t"
     with pytest.raises(AdaspecConfigError, match=r"\['medusa'\]: names a file but 'medusa' is not in pools"):
-        parse_adaspec_config({"adaspec": {"medusa": "/heads"}}, proposer="multi_branch")
+        parse_adaspec_config({"adaspec": {"pools": ["suffix"], "medusa": "/heads"}}, proposer="multi_branch")
     with pytest.raises(AdaspecConfigError, match=r"\['medusa'\]: must be 'auto' or the path of a Medusa heads folder"):
         parse_adaspec_config({"adaspec": {"pools": ["medusa"], "medusa": None}}, proposer="multi_branch")
     with pytest.raises(AdaspecConfigError, match=r"'adaedl' reads a drafting model's distribution"):

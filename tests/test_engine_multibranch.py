@@ -1,8 +1,8 @@
-"""MultiBranchProposer inside vLLM (CPU, float32, SmolLM2): model-free candidate trees verified as token trees.
+"""MultiBranchProposer inside vLLM (CPU, float32, SmolLM2): candidate trees verified as token trees.
 
 - greedy output equals plain decoding on the mixed batch (prompt lengths, prefix-cache hits on the second pass,
-  requests finishing at different lengths), with trees actually verified and every pool contributing accepted
-  tokens; the second pass also meets a global suffix tree and recycled table that already know its text;
+  requests finishing at different lengths), with trees actually verified and every pool (all five in one engine)
+  contributing accepted tokens; the second pass also meets a global suffix tree and recycled table that already know its text;
 - a batch mixing greedy tree requests, chain-only requests (a penalty: they draft the best path as a chain) and
   seeded sampling keeps greedy rows identical, and 64 seeded samples keep the target distribution;
 - under preemption and chunked prefill (a tiny KV cache) the output is still plain decoding's, and the per-request
@@ -16,6 +16,7 @@ from conftest import COPY_COUNTS, ENGINE, GROW_MAX_TOKENS, GROW_PROMPTS, TREE_MI
 pytestmark = pytest.mark.engine
 
 MB = "vllm_adaspec.MultiBranchProposer"
+EVERY_POOL = ("context", "suffix", "recycled", "corpus", "medusa")
 
 
 def mb_engine(budget=8, **extra):
@@ -28,7 +29,8 @@ def mb_engine(budget=8, **extra):
 def mb_runs(smollm2, tree_engines):
     batches = {"mixed": greedy_batch(), "again": greedy_batch(), "tree_mix": TREE_MIX, "counts": COPY_COUNTS}
     # at most 8 requests at a time: with 64 at once this CPU is compute-bound and no draft pays for its row
-    res = tree_engines.run({"model": smollm2, "engine": mb_engine(max_num_seqs=8), "batches": list(batches.values())})
+    engine = mb_engine(max_num_seqs=8, settings={"pools": list(EVERY_POOL)})  # every pool in one engine
+    res = tree_engines.run({"model": smollm2, "engine": engine, "batches": list(batches.values())})
     return {name: b["runs"][0] for name, b in zip(batches, res["batches"])}
 
 
@@ -37,9 +39,10 @@ def test_greedy_identical_and_every_pool_is_accepted(mb_runs, plain_greedy):
     assert_identical(first, plain_greedy["mixed"])
     assert_identical(again, plain_greedy["mixed"])
     st = again["adaspec"]
-    assert st["config"]["pools"] == ["context", "suffix", "recycled"] and st["config"]["tree_mode"], st["config"]
+    assert st["config"]["pools"] == list(EVERY_POOL) and st["config"]["tree_mode"], st["config"]
     assert st["tree_verified"] > 5 and st["tree_kv_moves"] >= 0, st
-    for pool in ("context", "suffix", "recycled"):  # recycled: the verified rows' logits reached the drafter
+    # recycled: the verified rows' logits reached the drafter; medusa: the sampled rows' hidden states did
+    for pool in EVERY_POOL:
         assert first["adaspec"]["pool_accepted"][pool] + st["pool_accepted"][pool] > 0, (pool, st["pool_accepted"])
     m1, m2 = first["metrics"], again["metrics"]
     assert m1["vllm:spec_decode_num_accepted_tokens"] > 100, m1

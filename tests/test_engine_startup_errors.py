@@ -36,7 +36,7 @@ CASES = {
                      ["['pools']: unknown pool(s) 'ngram'; known: context, suffix, recycled, corpus"]),
     "early-exit key for multibranch": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"exit_layer": 6}},
                                        {}, ["unknown key(s) 'exit_layer' for MultiBranchProposer",
-                                            "allowed keys: pools, corpus, policy, speed_guard, tree"]),
+                                            "allowed keys: pools, corpus, medusa, policy, speed_guard, tree, acceptance"]),
     "model policy for multibranch": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"policy": "adaedl"}},
                                      {}, ["'adaedl' reads a drafting model's distribution"]),
     "multibranch budget over K": ({"model": MB, "num_speculative_tokens": 4}, {"adaspec": {"tree": {"budget": 8}}},

@@ -88,3 +88,31 @@ def test_checkpoint_round_trip_lookup_and_errors(tmp_path, monkeypatch):
                           "blocks.1.layers.0.weight", "lm_heads.0.weight"]
     assert torch.equal(st["blocks.1.layers.0.weight"], w["w"][1] + 1)
     assert torch.equal(st["lm_heads.0.weight"][:5], lm[:5]) and not st["lm_heads.0.weight"][5:].any()  # V' = 0..4
+
+
+def test_default_pools_drop_what_a_model_lacks_and_listed_pools_must_exist(smollm2):
+    """usable_pools: the default set runs the pools a model has files for; a listed pool without its file fails."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from vllm_adaspec.config import parse_adaspec_config, resolve_config
+    from vllm_adaspec.proposers.multi_branch import usable_pools
+
+    def resolved(section, **hf_changes):
+        hf = AutoConfig.from_pretrained(smollm2)
+        for k, v in hf_changes.items():
+            setattr(hf, k, v)
+        vc = SimpleNamespace(model_config=SimpleNamespace(tokenizer=smollm2, hf_text_config=hf))
+        cfg = resolve_config(parse_adaspec_config({"adaspec": section}, proposer="multi_branch"), architectures=None,
+                             num_layers=30, num_speculative_tokens=16, proposer="multi_branch")
+        return cfg, vc
+
+    every = ["context", "suffix", "recycled", "corpus", "medusa"]
+    assert usable_pools(*resolved({"pools": every})) == tuple(every)  # SmolLM2: table and heads ship
+    # Another model (its config differs: no heads ship for it): the default set leaves medusa out ...
+    cfg, vc = resolved({}, hidden_size=1024)
+    assert "medusa" not in usable_pools(cfg, vc) and "context" in usable_pools(cfg, vc)
+    # ... and listing it fails, naming the pool and what to do.
+    with pytest.raises(AdaspecConfigError, match=r"'medusa' has no heads shipped for this model"):
+        usable_pools(*resolved({"pools": ["context", "medusa"]}, hidden_size=1024))

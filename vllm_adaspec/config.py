@@ -39,7 +39,10 @@ TREE_KEYS = {"early_exit": ("budget", "top_k", "depth", "kv_copy_tokens"),
              "multi_branch": ("budget", "kv_copy_tokens"), "probe": ("budget", "kv_copy_tokens")}
 # Candidate pools of MultiBranchProposer (vllm_adaspec/pools/); the default is the best measured set.
 POOLS = ("context", "suffix", "recycled", "corpus", "medusa")
-DEFAULT_POOLS = ("context", "suffix", "recycled")
+# context + suffix + corpus + medusa: first in the offline replay on HumanEval and MT-Bench and ahead of the old
+# default (context + suffix + recycled) in the engine at batch 1 and 8 (benchmarks/RESULTS.md, session 9). A model
+# without a corpus table or Medusa heads runs the others (proposers/multi_branch.usable_pools).
+DEFAULT_POOLS = ("context", "suffix", "corpus", "medusa")
 
 
 @dataclass(frozen=True)
