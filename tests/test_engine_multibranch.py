@@ -94,11 +94,12 @@ def test_medusa_heads_draft_from_the_right_rows_and_greedy_stays_exact(smollm2, 
     run, mix = medusa_runs
     assert_identical(run, plain_greedy["mixed"])
     assert mix["token_ids"][:4] == plain_greedy["tree_mix"]["token_ids"][:4]  # greedy and penalised rows
-    st = mix["adaspec"]
-    assert st["config"]["acceptance"] == "typical" and st["config"]["pools"] == ["medusa"], st["config"]
+    assert mix["adaspec"]["config"]["acceptance"] == "typical", mix["adaspec"]["config"]
+    st = run["adaspec"]  # the greedy batch: its rows re-produce their tokens (sampled / penalised rows need not)
+    assert st["config"]["pools"] == ["medusa"], st["config"]
     # The hidden state each step drafts from is the row that sampled the request's last token (the LM head on it
     # re-produces that token), in chains and trees alike ...
-    assert st["row_checks"] > 200 and st["row_mismatches"] == 0, (st["row_checks"], st["row_mismatches"])
+    assert st["row_checks"] > 100 and st["row_mismatches"] == 0, (st["row_checks"], st["row_mismatches"])
     # ... and the heads on it compute what a plain-torch reference computes.
     folder = find_medusa(__import__("json").load(open(f"{smollm2}/config.json")))
     agree = total = 0
@@ -108,7 +109,7 @@ def test_medusa_heads_draft_from_the_right_rows_and_greedy_stays_exact(smollm2, 
         for n, top in recs:  # n committed tokens: the last was sampled from the row of token n - 1 (index n - 2)
             if n <= len(tokens):
                 agree, total = agree + (ref[n - 2] == top), total + 1
-    assert total > 200 and agree / total > 0.97, (agree, total)
+    assert total > 100 and agree / total > 0.97, (agree, total)
     # Medusa drafts are accepted (the heads predict): a broken row or head would sit near 0.
     m = run["metrics"]
     assert m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"] > 0.3, m
