@@ -97,13 +97,13 @@ def head_cases(tmp_path_factory, smollm2):
     from vllm_adaspec.heads.medusa import find_medusa
 
     medusa = find_medusa(json.load(open(f"{smollm2}/config.json")))
-    d = tmp_path_factory.mktemp("medusa_other")
-    shutil.copy(f"{medusa}/medusa.safetensors", d)
+    foreign = tmp_path_factory.mktemp("medusa_other")
+    shutil.copy(f"{medusa}/medusa.safetensors", foreign)
     meta = json.load(open(f"{medusa}/medusa.json"))
     meta["base_model"]["config_hash"] = "0123456789abcdef"
-    (d / "medusa.json").write_text(json.dumps(meta))
+    (foreign / "medusa.json").write_text(json.dumps(meta))
     out["medusa for another model"] = (
-        {"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"pools": ["medusa"], "medusa": str(d)}}, {},
+        {"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"pools": ["medusa"], "medusa": str(foreign)}}, {},
         ["['medusa']:", "(config hash 0123456789abcdef), not for this model", "adaspec train medusa"])
     out["typical acceptance on chains"] = (spec, {"adaspec": {"acceptance": "typical"}}, {},
                                            ["['acceptance']: 'typical' applies to token trees"])
