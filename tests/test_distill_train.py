@@ -119,3 +119,25 @@ def test_build_corpus_counts_the_distilled_text_for_this_tokenizer(distilled, sm
     assert len(table.keys1) == sum(1 for c in after.values() if sum(c.values()) >= 2)
     bad = cli(["build", "corpus", "--model", smollm2, "--data", str(distilled["dir"] / "nope")], distilled["dir"])
     assert bad.returncode == 2 and "no such folder" in bad.stderr
+
+
+def test_train_medusa_writes_heads_that_learned_and_exports_vllms_layout(distilled, smollm2):
+    from vllm_adaspec.heads.medusa import find_medusa, load_medusa
+
+    out, vllm_dir = distilled["dir"] / "medusa", distilled["dir"] / "medusa-vllm"
+    p = cli(["train", "medusa", "--model", smollm2, "--data", str(distilled["out"]), "--out", str(out), "--heads", "3",
+             "--draft-vocab", "256", "--epochs", "4", "--batch", "32", "--export-vllm", str(vllm_dir)], distilled["dir"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    body = p.stdout[p.stdout.index("{"):p.stdout.index("vLLM medusa layout")]
+    report = json.loads(body[:body.rindex("}") + 1])
+    assert "vLLM medusa layout: " + str(vllm_dir) in p.stdout
+    assert report["loss_last"] < report["loss_first"] - 1.0, report  # it learned (from the LM head on h_t)
+    meta, t = load_medusa(str(out))
+    assert t["w"].shape == (3, 576, 576) and t["draft_vocab"].numel() == 256
+    assert len(meta["accuracy_by_rank"]) == 3 and len(meta["accuracy_by_rank"][0]) == 10
+    assert find_medusa(json.load(open(f"{smollm2}/config.json")), str(out)) == str(out)  # fits this model
+    cfg = json.load(open(vllm_dir / "config.json"))
+    assert cfg["model_type"] == "medusa" and cfg["num_heads"] == 3 and (vllm_dir / "model.safetensors").is_file()
+    bad = cli(["train", "medusa", "--model", smollm2, "--data", str(distilled["dir"] / "nope"), "--out", str(out)],
+              distilled["dir"])
+    assert bad.returncode == 2 and "no such folder" in bad.stderr

@@ -116,3 +116,19 @@ def test_default_pools_drop_what_a_model_lacks_and_listed_pools_must_exist(smoll
     # ... and listing it fails, naming the pool and what to do.
     with pytest.raises(AdaspecConfigError, match=r"'medusa' has no heads shipped for this model"):
         usable_pools(*resolved({"pools": ["context", "medusa"]}, hidden_size=1024))
+
+
+def test_medusa_positions_label_head_k_with_the_targets_argmax_k_tokens_after_the_next():
+    from vllm_adaspec.training.distill import Sequences
+    from vllm_adaspec.training.medusa_trainer import medusa_positions
+
+    # two sequences: prompt [1, 2] + generated [3, 4, 5]; prompt [7] + generated [8, 9]
+    tokens = np.array([1, 2, 3, 4, 5, 7, 8, 9])
+    argmax = np.array([30, 40, 50, 80, 90])  # the target's top token at each generated position (sampled text differs)
+    seqs = Sequences(tokens=tokens, offsets=np.array([0, 5, 8]), prompt_lens=np.array([2, 1]),
+                     sampled=np.array([True, False]), topk_ids=np.stack([argmax, argmax * 0], 1),
+                     topk_logp=np.zeros((5, 2), np.float16))
+    pos, lab = medusa_positions(seqs, np.array([0, 1]), num_heads=2)
+    # t = last prompt token .. second-to-last token; head k labels position t + k + 1
+    assert pos.tolist() == [1, 2, 3, 5, 6]
+    assert lab.tolist() == [[40, 50], [50, -1], [-1, -1], [90, -1], [-1, -1]]
