@@ -118,20 +118,28 @@ def save_exit_head(folder: str, tensors: dict[str, torch.Tensor], meta: dict, dt
 
 
 def load_exit_head(folder: str, tensors: bool = True) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    return load_checkpoint(folder, "exit_head", FORMAT, tensors,
+                           f"additional_config['adaspec']['exit_head']: {folder!r} is not an exit-head checkpoint "
+                           "folder (no exit_head.json); train one with `adaspec train exit-layer`")
+
+
+def load_checkpoint(folder: str, stem: str, fmt: str, tensors: bool,
+                    missing: str) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """FOLDER/<stem>.json (its "format" must be `fmt`) and, with `tensors`, FOLDER/<stem>.safetensors;
+    AdaspecConfigError(`missing`) when there is no <stem>.json."""
     folder = os.path.expanduser(folder)
-    path = os.path.join(folder, "exit_head.json")
+    path = os.path.join(folder, f"{stem}.json")
     if not os.path.isfile(path):
-        raise AdaspecConfigError(f"additional_config['adaspec']['exit_head']: {folder!r} is not an exit-head "
-                                 "checkpoint folder (no exit_head.json); train one with `adaspec train exit-layer`")
+        raise AdaspecConfigError(missing)
     with open(path) as f:
         meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise AdaspecConfigError(f"{path}: format {meta.get('format')!r}, this vllm_adaspec reads {FORMAT!r}")
+    if meta.get("format") != fmt:
+        raise AdaspecConfigError(f"{path}: format {meta.get('format')!r}, this vllm_adaspec reads {fmt!r}")
     if not tensors:
         return meta, None
     from safetensors.torch import load_file
 
-    return meta, load_file(os.path.join(folder, "exit_head.safetensors"))
+    return meta, load_file(os.path.join(folder, f"{stem}.safetensors"))
 
 
 def hf_num_layers(hf_config) -> int:

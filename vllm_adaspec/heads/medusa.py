@@ -47,20 +47,11 @@ def save_medusa(folder: str, w: torch.Tensor, b: torch.Tensor, draft_vocab: torc
 
 
 def load_medusa(folder: str, tensors: bool = True) -> tuple[dict, dict[str, torch.Tensor] | None]:
-    folder = os.path.expanduser(folder)
-    path = os.path.join(folder, "medusa.json")
-    if not os.path.isfile(path):
-        raise AdaspecConfigError(f"additional_config['{SECTION}']['medusa']: {folder!r} holds no Medusa heads (no "
-                                 "medusa.json); train them with `adaspec train medusa`")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise AdaspecConfigError(f"{path}: format {meta.get('format')!r}, this vllm_adaspec reads {FORMAT!r}")
-    if not tensors:
-        return meta, None
-    from safetensors.torch import load_file
+    from vllm_adaspec.heads import load_checkpoint
 
-    return meta, load_file(os.path.join(folder, "medusa.safetensors"))
+    return load_checkpoint(folder, "medusa", FORMAT, tensors,
+                           f"additional_config['{SECTION}']['medusa']: {folder!r} holds no Medusa heads (no "
+                           "medusa.json); train them with `adaspec train medusa`")
 
 
 def find_medusa(hf_config, setting: str = "auto") -> str:

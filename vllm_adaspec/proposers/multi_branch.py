@@ -126,6 +126,7 @@ class MultiBranchProposer(AdaspecProposer):
             self.medusa_folder = find_medusa(hf, self.cfg.medusa)
             self.wants_target_hidden = True  # the worker hands over the sampled rows' final hidden states
         self.medusa_trees: dict[int, object] = {}  # budget -> pools.medusa.SparseTree, built once
+        self._check_rows = os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1"
         self.calibration = Calibration()
         self.cost = cost_curve(VERIFY_COST)
         self.requests: dict[str, RequestPools] = {}
@@ -266,7 +267,7 @@ class MultiBranchProposer(AdaspecProposer):
         m = self.medusa
         h = self._target_hidden[torch.tensor(self._bonus_rows(rows, sampled_token_ids),
                                              device=self._target_hidden.device)]  # [R, H]
-        if os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1":  # greedy tests: the row re-produces its token
+        if self._check_rows:  # greedy tests: the row re-produces its token
             got = self._target.compute_logits(h).argmax(-1).tolist()
             self.stats["row_checks"] = self.stats.get("row_checks", 0) + len(rows)
             self.stats["row_mismatches"] = self.stats.get("row_mismatches", 0) + sum(
@@ -279,8 +280,7 @@ class MultiBranchProposer(AdaspecProposer):
         width = max(t.max_rank for t in trees)
         probs = head_logits(h.to(m.w.dtype), m.w, m.b, m.lm_rows).float().softmax(-1)  # [R, K, V']
         top_p, top_i = probs.topk(width, dim=-1)  # [R, K, width]
-        top_ids = m.vocab[top_i].cpu().numpy()
-        top_p = top_p.cpu().numpy()
+        top_ids, top_p = m.vocab[top_i].cpu().numpy(), top_p.cpu().numpy()
         out = [propose_medusa(t, top_ids[e], top_p[e]) for e, t in enumerate(trees)]
         if self._record:  # tests: head 1's top token after each committed length, against a plain-torch reference
             rec = self.stats.setdefault("medusa_top1", {})

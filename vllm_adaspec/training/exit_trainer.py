@@ -118,9 +118,14 @@ def choose_draft_vocab(seqs: Sequences, train_idx: np.ndarray, size: int, vocab_
     Returns (sorted ids, share of training labels covered)."""
     go = seqs.gen_offsets()
     labels = np.concatenate([seqs.topk_ids[go[i]:go[i + 1], 0] for i in train_idx])
-    counts = np.bincount(labels, minlength=vocab_size)
     if size <= 0 or size >= vocab_size:
         return np.arange(vocab_size), 1.0
+    return most_frequent(labels, size, vocab_size, always)
+
+
+def most_frequent(labels: np.ndarray, size: int, vocab_size: int, always: tuple[int, ...] = ()) -> tuple[np.ndarray, float]:
+    """The `size` most frequent ids of `labels` plus `always`, sorted, and the share of labels they cover."""
+    counts = np.bincount(labels, minlength=vocab_size)
     keep = set(int(t) for t in always if 0 <= t < vocab_size)
     for t in np.argsort(-counts, kind="stable"):
         if len(keep) >= size:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from vllm_adaspec.heads.medusa import head_logits, init_heads, save_medusa
 from vllm_adaspec.training.distill import Sequences, load_shards
-from vllm_adaspec.training.exit_trainer import _read_config, hidden_cache
+from vllm_adaspec.training.exit_trainer import _read_config, hidden_cache, most_frequent
 from vllm_adaspec.training.layers import read_hf_tensors, rms_norm
 
 __all__ = ["MedusaTrainSettings", "train_medusa", "medusa_positions"]
@@ -66,19 +66,6 @@ def medusa_positions(seqs: Sequences, idx: np.ndarray, num_heads: int) -> tuple[
     return np.concatenate(pos), np.concatenate(labels).astype(np.int64)
 
 
-def _draft_vocab(labels: np.ndarray, size: int, vocab_size: int, always: tuple[int, ...]) -> tuple[np.ndarray, float]:
-    """The `size` most frequent labels of head 1 (plus `always`), sorted; and the share of labels they cover."""
-    lab = labels[:, 0][labels[:, 0] >= 0]
-    counts = np.bincount(lab, minlength=vocab_size)
-    keep = set(int(t) for t in always if 0 <= t < vocab_size)
-    for t in np.argsort(-counts, kind="stable"):
-        if len(keep) >= size:
-            break
-        keep.add(int(t))
-    ids = np.asarray(sorted(keep))
-    return ids, float(counts[ids].sum() / max(1, counts.sum()))
-
-
 @torch.no_grad()
 def evaluate(w, b, lm_rows, vocab_ids, hidden_of, pos, labels, batch: int = 2048) -> dict:
     """Held-out: per head top-1 / top-5 (a label outside V' counts as a miss) and accuracy by rank."""
@@ -118,7 +105,8 @@ def train_medusa(st: MedusaTrainSettings, progress: bool = True, log=print) -> d
     held_pos, held_lab = medusa_positions(seqs, all_idx[is_held], st.num_heads)
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    vocab_ids, coverage = _draft_vocab(train_lab, st.draft_vocab, vocab_size, eos)
+    head1 = train_lab[:, 0]
+    vocab_ids, coverage = most_frequent(head1[head1 >= 0], st.draft_vocab, vocab_size, eos)  # head 1's labels
 
     hidden = hidden_cache(st.model, st.data, seqs, num_layers, progress=progress)  # [T, H] before the final norm
     lm_name = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
