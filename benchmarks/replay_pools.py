@@ -66,14 +66,14 @@ def medusa_tops(model: str, folder: str, records: list[dict], width: int = 10) -
     [G, K, width] each. What the engine's heads compute at the row that produced each step's root."""
     import torch
 
-    from vllm_adaspec.heads.medusa import head_logits, load_medusa
+    from vllm_adaspec.heads.medusa import head_logits, load_medusa, reads_token
     from vllm_adaspec.training.layers import read_hf_tensors, rms_norm, target_prefix_layers
 
     cfg = json.load(open(f"{model}/config.json"))
     _, t = load_medusa(folder)
     stack = target_prefix_layers(model, cfg["num_hidden_layers"])
     lm_name = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
-    hf = read_hf_tensors(model, ["model.norm.weight", lm_name])
+    hf = read_hf_tensors(model, sorted({"model.norm.weight", lm_name, "model.embed_tokens.weight"}))
     vocab = t["draft_vocab"]
     rows = hf[lm_name][vocab].float()
     with torch.inference_mode():
@@ -84,7 +84,10 @@ def medusa_tops(model: str, folder: str, records: list[dict], width: int = 10) -
             # step g drafts out[g] onward; its root (the last committed token) was sampled from the row before it,
             # whose hidden state the engine hands the heads: position len(prompt) + g - 2
             h = rms_norm(h, hf["model.norm.weight"], cfg["rms_norm_eps"])[len(rec["prompt"]) - 2:len(seq) - 2]
-            p, i = head_logits(h, t["w"], t["b"], rows).softmax(-1).topk(width, dim=-1)
+            e = None  # token-conditioned heads also read that row's sampled token (the root)
+            if reads_token(t["w"]):
+                e = hf["model.embed_tokens.weight"][torch.tensor(seq[len(rec["prompt"]) - 1:len(seq) - 1])].float()
+            p, i = head_logits(h, t["w"], t["b"], rows, e).softmax(-1).topk(width, dim=-1)
             rec["medusa"] = (vocab[i].numpy(), p.numpy())
 
 

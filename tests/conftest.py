@@ -70,23 +70,45 @@ def smollm2() -> str:
     return str(fetch_model("smollm2-135m-instruct"))
 
 
+def _host():
+    """An EngineHost; with ADASPEC_TEST_JOB_LOG=FILE each job's test, wall time and per-batch seconds are appended
+    to FILE (where the suite's minutes go)."""
+    import json
+    import time
+
+    from vllm_adaspec.harness import EngineHost
+
+    log = os.environ.get("ADASPEC_TEST_JOB_LOG")
+
+    class Timed(EngineHost):
+        def run(self, job):
+            t0 = time.perf_counter()
+            res = super().run(job)
+            if log:
+                with open(log, "a") as f:
+                    f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST"),
+                                        "seconds": round(time.perf_counter() - t0, 1),
+                                        "spec": job.get("engine", {}).get("speculative_config"),
+                                        "batches": [[round(r.get("seconds", 0), 1) for r in b["runs"]]
+                                                    for b in res.get("batches", [])]}) + "\n")
+            return res
+
+    return Timed()
+
+
 @pytest.fixture(scope="session")
 def engines():
     """Single-process eager engines, built one after another in one child (harness.EngineHost): the child's
     interpreter and vLLM import are paid once per session. Tree-mode engines use `tree_engines` (tree mode patches
     vLLM's CPU attention process-wide)."""
-    from vllm_adaspec.harness import EngineHost
-
-    host = EngineHost()
+    host = _host()
     yield host
     host.close()
 
 
 @pytest.fixture(scope="session")
 def tree_engines():
-    from vllm_adaspec.harness import EngineHost
-
-    host = EngineHost()
+    host = _host()
     yield host
     host.close()
 

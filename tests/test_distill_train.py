@@ -125,15 +125,18 @@ def test_train_medusa_writes_heads_that_learned_and_exports_vllms_layout(distill
     from vllm_adaspec.heads.medusa import find_medusa, load_medusa
 
     out, vllm_dir = distilled["dir"] / "medusa", distilled["dir"] / "medusa-vllm"
-    p = cli(["train", "medusa", "--model", smollm2, "--data", str(distilled["out"]), "--out", str(out), "--heads", "3",
-             "--draft-vocab", "256", "--epochs", "4", "--batch", "32", "--export-vllm", str(vllm_dir)], distilled["dir"])
+    args = ["train", "medusa", "--model", smollm2, "--data", str(distilled["out"]), "--out", str(out), "--heads", "3",
+            "--draft-vocab", "256", "--epochs", "4", "--batch", "32", "--export-vllm", str(vllm_dir)]
+    refused = cli(args, distilled["dir"])  # the default heads read the last token: vLLM's layout cannot hold them
+    assert refused.returncode == 2 and "--no-token-input" in refused.stderr and not out.exists(), refused.stderr
+    p = cli(args + ["--no-token-input"], distilled["dir"])
     assert p.returncode == 0, p.stderr[-3000:]
     body = p.stdout[p.stdout.index("{"):p.stdout.index("vLLM medusa layout")]
     report = json.loads(body[:body.rindex("}") + 1])
     assert "vLLM medusa layout: " + str(vllm_dir) in p.stdout
     assert report["loss_last"] < report["loss_first"] - 1.0, report  # it learned (from the LM head on h_t)
     meta, t = load_medusa(str(out))
-    assert t["w"].shape == (3, 576, 576) and t["draft_vocab"].numel() == 256
+    assert t["w"].shape == (3, 576, 576) and t["draft_vocab"].numel() == 256 and meta["token_input"] is False
     assert len(meta["accuracy_by_rank"]) == 3 and len(meta["accuracy_by_rank"][0]) == 10
     assert find_medusa(json.load(open(f"{smollm2}/config.json")), str(out)) == str(out)  # fits this model
     cfg = json.load(open(vllm_dir / "config.json"))

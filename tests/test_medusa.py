@@ -26,6 +26,22 @@ def test_head_logits_are_each_heads_residual_block_then_the_shared_rows():
     torch.testing.assert_close(head_logits(x, zero["w"], zero["b"], rows), (x @ rows.T)[:, None].expand(r, k, v))
 
 
+def test_token_conditioned_heads_read_the_hidden_state_and_the_last_tokens_embedding():
+    g = torch.Generator().manual_seed(1)
+    r, k, h, v = 3, 2, 8, 11
+    x, e = torch.randn(r, h, generator=g), torch.randn(r, h, generator=g)
+    w, b, rows = torch.randn(k, h, 2 * h, generator=g), torch.randn(k, h, generator=g), torch.randn(v, h, generator=g)
+    got = head_logits(x, w, b, rows, e)
+    for j in range(k):  # W_k [h; e] = A_k h + B_k e: the two halves of the block's input
+        z = x + torch.nn.functional.silu(x @ w[j, :, :h].T + e @ w[j, :, h:].T + b[j])
+        torch.testing.assert_close(got[:, j], z @ rows.T)
+    assert init_heads(k, h, token_input=True)["w"].shape == (k, h, 2 * h)
+    with pytest.raises(ValueError, match="need token embeddings"):
+        head_logits(x, w, b, rows)
+    with pytest.raises(ValueError, match="take no token embeddings"):
+        head_logits(x, w[:, :, :h], b, rows, e)
+
+
 def test_sparse_tree_takes_the_paths_of_highest_accuracy_product():
     acc = [[0.6, 0.2, 0.1], [0.5, 0.3, 0.0], [0.4, 0.1, 0.0]]
     t = sparse_tree(acc, budget=5)
@@ -88,6 +104,11 @@ def test_checkpoint_round_trip_lookup_and_errors(tmp_path, monkeypatch):
                           "blocks.1.layers.0.weight", "lm_heads.0.weight"]
     assert torch.equal(st["blocks.1.layers.0.weight"], w["w"][1] + 1)
     assert torch.equal(st["lm_heads.0.weight"][:5], lm[:5]) and not st["lm_heads.0.weight"][5:].any()  # V' = 0..4
+    tok = tmp_path / "token"  # token-conditioned heads have no vLLM layout: a clear refusal, nothing written
+    save_medusa(str(tok), init_heads(2, 8, token_input=True)["w"], w["b"], torch.arange(5), meta)
+    with pytest.raises(ValueError, match="token-conditioned heads .* --no-token-input"):
+        export_vllm_medusa(str(tok), str(tmp_path / "vllm-tok"), lm, 32)
+    assert not (tmp_path / "vllm-tok").exists()
 
 
 def test_default_pools_drop_what_a_model_lacks_and_listed_pools_must_exist(smollm2):

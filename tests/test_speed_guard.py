@@ -31,6 +31,7 @@ def test_losing_drafter_costs_only_a_few_steps():
     picks = simulate(g, 8, lambda k: 100.0 - 10 * k, 50, noise=0.0)
     assert picks[:6] == [0, 0, 0, 1, 1, 1] and set(picks[6:]) == {0}
     assert g.best(8) == 0 and g.exploiting
+    assert g.table() == {"8/0": [47, 100.0], "8/1": [3, 90.0]}  # what the engine's stats report (guard_table)
 
 
 @pytest.mark.parametrize("batch,rates,best", [

@@ -136,8 +136,12 @@ def add_train(sub) -> None:
     m.add_argument("--lr", type=float, default=1e-3)
     m.add_argument("--batch", type=int, default=512, help="positions per optimizer step")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--no-token-input", dest="token_input", action="store_false",
+                   help="plain Medusa blocks on the hidden state only (default: they also read the last token's "
+                        "embedding, which vLLM's `medusa` layout cannot express)")
     m.add_argument("--export-vllm", default=None, metavar="DIR",
-                   help="also write the heads in the layout vLLM's built-in `medusa` method loads")
+                   help="also write the heads in the layout vLLM's built-in `medusa` method loads (needs "
+                        "--no-token-input)")
     m.set_defaults(func=cmd_train_medusa)
     c = tsub.add_parser("calibration", help="acceptance predictor of the thompson-cali policy, for one exit head")
     c.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
@@ -161,7 +165,12 @@ def cmd_train_medusa(args) -> int:
     if not os.path.isdir(data):
         print(f"adaspec train: --data {data}: no such folder (run `adaspec distill` first)", file=sys.stderr)
         return 2
+    if args.export_vllm and args.token_input:
+        print("adaspec train medusa: --export-vllm needs --no-token-input (vLLM's medusa heads read the hidden state "
+              "only, not the last token's embedding)", file=sys.stderr)
+        return 2
     st = MedusaTrainSettings(model=model, data=data, out=args.out, num_heads=args.heads, draft_vocab=args.draft_vocab,
+                             token_input=args.token_input,
                              epochs=args.epochs, lr=args.lr, batch=args.batch, seed=args.seed,
                              name=os.path.basename(os.path.normpath(args.model)))
     code = _run_trainer(train_medusa, st)

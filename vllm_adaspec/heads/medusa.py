@@ -3,7 +3,11 @@ by the target's own LM head restricted to a draft vocabulary. Head k (1-based) a
 t + k + 1: the target's LM head at t predicts t + 1, which becomes the request's last committed token, so head k
 drafts depth k of the tree below it. Pure torch: no vLLM.
 
-Checkpoint (`adaspec train medusa`): OUT/medusa.safetensors (w [K, H, H], b [K, H], draft_vocab [V'] int64) and
+Token-conditioned heads (the default the trainer writes): token t + 1 is already known when the heads draft (it is
+the request's last committed token), so each block also reads its embedding, as Hydra's and EAGLE's drafters do:
+h + SiLU(W_k [h; e] + b_k) with W_k [H, 2H]. Plain Medusa blocks are W_k [H, H]; the shape says which.
+
+Checkpoint (`adaspec train medusa`): OUT/medusa.safetensors (w [K, H, H or 2H], b [K, H], draft_vocab [V'] int64) and
 OUT/medusa.json (base model, K, per-head held-out accuracy by rank: the calibrated accuracies the sparse tree is
 built from). `export_vllm_medusa` writes the layout vLLM's built-in `medusa` method loads.
 """
@@ -20,20 +24,32 @@ from vllm_adaspec.config import SECTION, AdaspecConfigError
 FORMAT = "vllm-adaspec/medusa/1"
 
 
-def init_heads(num_heads: int, hidden: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def init_heads(num_heads: int, hidden: int, token_input: bool = False, dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Zero blocks (Medusa's init): every head starts as the LM head on the target's own hidden state."""
-    return {"w": torch.zeros(num_heads, hidden, hidden, dtype=dtype), "b": torch.zeros(num_heads, hidden, dtype=dtype)}
+    inputs = 2 * hidden if token_input else hidden
+    return {"w": torch.zeros(num_heads, hidden, inputs, dtype=dtype), "b": torch.zeros(num_heads, hidden, dtype=dtype)}
 
 
-def head_states(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """h [R, H] final hidden states; w [K, H, H] (out x in), b [K, H] -> [R, K, H]: h + SiLU(W_k h + b_k) per head."""
-    return h[:, None, :] + torch.nn.functional.silu(torch.einsum("rh,kgh->rkg", h, w) + b)
+def reads_token(w: torch.Tensor) -> bool:
+    """w [K, H, H] reads the hidden state only; w [K, H, 2H] also the embedding of the last committed token."""
+    return w.shape[2] == 2 * w.shape[1]
 
 
-def head_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lm_rows: torch.Tensor) -> torch.Tensor:
-    """h [R, H], lm_rows [V', H] (the LM head's rows of the draft vocabulary) -> logits [R, K, V'], all heads in
-    one matmul."""
-    return head_states(h, w, b) @ lm_rows.T
+def head_states(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, e: torch.Tensor | None = None) -> torch.Tensor:
+    """h [R, H] final hidden states, e [R, H] embeddings of the tokens they produced (token-conditioned heads
+    only); w [K, H, H or 2H] (out x in), b [K, H] -> [R, K, H]: h + SiLU(W_k x + b_k) per head, x = h or [h; e]."""
+    if reads_token(w) != (e is not None):
+        raise ValueError(f"heads of input width {w.shape[2]} (hidden {w.shape[1]}) "
+                         f"{'need' if reads_token(w) else 'take no'} token embeddings")
+    x = h if e is None else torch.cat([h, e], dim=-1)
+    return h[:, None, :] + torch.nn.functional.silu(torch.einsum("ri,kgi->rkg", x, w) + b)
+
+
+def head_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, lm_rows: torch.Tensor,
+                e: torch.Tensor | None = None) -> torch.Tensor:
+    """h [R, H] (and e [R, H] for token-conditioned heads), lm_rows [V', H] (the LM head's rows of the draft
+    vocabulary) -> logits [R, K, V'], all heads in one matmul."""
+    return head_states(h, w, b, e) @ lm_rows.T
 
 
 def save_medusa(folder: str, w: torch.Tensor, b: torch.Tensor, draft_vocab: torch.Tensor, meta: dict) -> None:
@@ -103,6 +119,10 @@ def export_vllm_medusa(folder: str, out: str, lm_head: torch.Tensor, vocab_size:
     from safetensors.torch import save_file
 
     meta, t = load_medusa(folder)
+    if reads_token(t["w"]):
+        raise ValueError(f"{folder}: token-conditioned heads (they read the last token's embedding) have no vLLM "
+                         "`medusa` layout, whose heads read the hidden state only; train plain heads for vLLM with "
+                         "`adaspec train medusa --no-token-input --export-vllm DIR`")
     k, hidden = t["w"].shape[0], t["w"].shape[1]
     tensors = {f"blocks.{i}.layers.0.weight": t["w"][i].contiguous() for i in range(k)}
     tensors.update({f"blocks.{i}.layers.0.bias": t["b"][i].contiguous() for i in range(k)})

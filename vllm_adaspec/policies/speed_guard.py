@@ -79,6 +79,11 @@ class SpeedGuard:
         trying, tried = self._climb(b)
         return None if trying is not None else max(tried, key=lambda k: self.rate[(b, k)])
 
+    def table(self) -> dict[str, list]:
+        """{"batch size/cap": [trials, tokens per second]} for every (bucket, cap) observed: what the guard knows."""
+        return {f"{1 << (b - 1)}/{k}": [self.trials[(b, k)], round(self.rate[(b, k)], 1)]
+                for b, k in sorted(self.trials)}
+
     def settled(self) -> dict[int, int]:
         """{smallest batch size of a bucket: its best cap} for every bucket whose caps have all been tried."""
         out = {}

@@ -278,6 +278,7 @@ class AdaspecProposer:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
         return {**copy.deepcopy(self.stats), "tracked_requests": len(self.states),
                 "guard_best": {str(b): k for b, k in self.guard.settled().items()} if self.guard else {},
+                "guard_table": self.guard.table() if self.guard else {},
                 "config": self._config_stats()}
 
 

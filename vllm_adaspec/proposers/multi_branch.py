@@ -278,7 +278,10 @@ class MultiBranchProposer(AdaspecProposer):
                 self.medusa_trees[budget] = sparse_tree(m.accuracy, budget)
             trees.append(self.medusa_trees[budget])
         width = max(t.max_rank for t in trees)
-        probs = head_logits(h.to(m.w.dtype), m.w, m.b, m.lm_rows).float().softmax(-1)  # [R, K, V']
+        e = None
+        if m.embed is not None:  # token-conditioned heads: the embedding of each row's last committed token
+            e = m.embed(torch.tensor([sampled_token_ids[i][-1] for i in rows], device=h.device)).to(m.w.dtype)
+        probs = head_logits(h.to(m.w.dtype), m.w, m.b, m.lm_rows, e).float().softmax(-1)  # [R, K, V']
         top_p, top_i = probs.topk(width, dim=-1)  # [R, K, width]
         top_ids, top_p = m.vocab[top_i].cpu().numpy(), top_p.cpu().numpy()
         out = [propose_medusa(t, top_ids[e], top_p[e]) for e, t in enumerate(trees)]

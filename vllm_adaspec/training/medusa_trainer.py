@@ -1,7 +1,8 @@
 """Train Medusa-1 heads on the frozen target by self-distillation (paper 002, 3.2.1 / 3.3.2).
 
     h_t   = the target's final (normed) hidden state at position t (computed once per data set, cached on disk)
-    q_k   = softmax(W[V'] . (h_t + SiLU(A_k h_t + b_k)))      W = the target's LM head (shared, frozen)
+    e_t+1 = the target's embedding of token t + 1 (token-conditioned heads, the default; plain Medusa reads h_t only)
+    q_k   = softmax(W[V'] . (h_t + SiLU(A_k [h_t; e_t+1] + b_k)))      W = the target's LM head (shared, frozen)
     loss  = sum_k 0.8^(k-1) CE(q_k, y_{t+k+1})                 on every t whose next token x_{t+1} was generated
 
 y_j is the target's own argmax at position j given the text before it (`adaspec distill` records it, on greedy
@@ -38,6 +39,7 @@ class MedusaTrainSettings:
     out: str  # checkpoint folder
     num_heads: int = 4  # K
     draft_vocab: int = 4096  # V': the most frequent generated tokens
+    token_input: bool = True  # blocks also read the last committed token's embedding (no vLLM export then)
     epochs: float = 3.0
     lr: float = 1e-3
     batch: int = 512  # positions per optimizer step
@@ -67,16 +69,16 @@ def medusa_positions(seqs: Sequences, idx: np.ndarray, num_heads: int) -> tuple[
 
 
 @torch.no_grad()
-def evaluate(w, b, lm_rows, vocab_ids, hidden_of, pos, labels, batch: int = 2048) -> dict:
+def evaluate(w, b, lm_rows, vocab_ids, inputs_of, pos, labels, batch: int = 2048) -> dict:
     """Held-out: per head top-1 / top-5 (a label outside V' counts as a miss) and accuracy by rank."""
     k = w.shape[0]
     by_rank = torch.zeros(k, RANKS, dtype=torch.float64)
     counted = torch.zeros(k, dtype=torch.float64)
     vocab = torch.as_tensor(vocab_ids)
     for lo in range(0, len(pos), batch):
-        h = hidden_of(pos[lo:lo + batch])
         lab = torch.as_tensor(labels[lo:lo + batch])  # [B, K]
-        top = vocab[head_logits(h, w, b, lm_rows).topk(RANKS, dim=-1).indices]  # [B, K, RANKS] full ids
+        h, *e = inputs_of(pos[lo:lo + batch])
+        top = vocab[head_logits(h, w, b, lm_rows, *e).topk(RANKS, dim=-1).indices]  # [B, K, RANKS] full ids
         valid = lab >= 0
         hit = (top == lab[..., None]) & valid[..., None]
         by_rank += hit.sum(0).double()
@@ -110,19 +112,22 @@ def train_medusa(st: MedusaTrainSettings, progress: bool = True, log=print) -> d
 
     hidden = hidden_cache(st.model, st.data, seqs, num_layers, progress=progress)  # [T, H] before the final norm
     lm_name = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
-    t = read_hf_tensors(st.model, ["model.norm.weight", lm_name])
+    emb_name = "model.embed_tokens.weight"
+    t = read_hf_tensors(st.model, sorted({"model.norm.weight", lm_name, emb_name}))
     norm_w, eps = t["model.norm.weight"].float(), float(cfg["rms_norm_eps"])
     lm_rows = t[lm_name][torch.as_tensor(vocab_ids)].float()  # [V', H]
+    embed, tokens = t[emb_name], torch.from_numpy(seqs.tokens.astype(np.int64))
 
-    def hidden_of(p: np.ndarray) -> torch.Tensor:  # final normed hidden states [B, H]
-        return rms_norm(torch.from_numpy(np.asarray(hidden[p])).float(), norm_w, eps)
+    def inputs_of(p: np.ndarray) -> tuple:  # (final normed hidden states [B, H], embeddings of token t + 1 [B, H])
+        h = rms_norm(torch.from_numpy(np.asarray(hidden[p])).float(), norm_w, eps)
+        return (h, embed[tokens[torch.from_numpy(p + 1)]].float()) if st.token_input else (h,)
 
     to_sub = torch.full((vocab_size,), -1, dtype=torch.long)
     to_sub[torch.as_tensor(vocab_ids)] = torch.arange(len(vocab_ids))
-    heads = init_heads(st.num_heads, lm_rows.shape[1])
+    heads = init_heads(st.num_heads, lm_rows.shape[1], token_input=st.token_input)
     w, b = (torch.nn.Parameter(heads["w"]), torch.nn.Parameter(heads["b"]))
     weight = torch.tensor([st.decay ** k for k in range(st.num_heads)])
-    before = evaluate(w.detach(), b.detach(), lm_rows, vocab_ids, hidden_of, held_pos, held_lab)
+    before = evaluate(w.detach(), b.detach(), lm_rows, vocab_ids, inputs_of, held_pos, held_lab)
     log(f"held-out top-1 per head before training: {before['top1']}")
 
     rng = np.random.default_rng(st.seed)
@@ -138,10 +143,10 @@ def train_medusa(st: MedusaTrainSettings, progress: bool = True, log=print) -> d
         if len(order) < st.batch:
             order = np.concatenate([order, rng.permutation(len(train_pos))])
         pick, order = order[:st.batch], order[st.batch:]
-        h = hidden_of(train_pos[pick])
         lab = to_sub[torch.as_tensor(np.maximum(train_lab[pick], 0))]  # [B, K] index in V' (-1: outside)
         lab[torch.as_tensor(train_lab[pick]) < 0] = -1
-        logits = head_logits(h, w, b, lm_rows)  # [B, K, V']
+        h, *e = inputs_of(train_pos[pick])
+        logits = head_logits(h, w, b, lm_rows, *e)  # [B, K, V']
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-1,
                              reduction="none").view(lab.shape)
         valid = (lab >= 0).float()
@@ -157,7 +162,7 @@ def train_medusa(st: MedusaTrainSettings, progress: bool = True, log=print) -> d
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}")
     bar.close()
-    after = evaluate(w.detach(), b.detach(), lm_rows, vocab_ids, hidden_of, held_pos, held_lab)
+    after = evaluate(w.detach(), b.detach(), lm_rows, vocab_ids, inputs_of, held_pos, held_lab)
     log(f"held-out top-1 per head after training: {after['top1']} (top-5 {after['top5']})")
 
     hf_t = read_hf_tensors(st.model, fingerprint_names(num_layers))
@@ -167,7 +172,7 @@ def train_medusa(st: MedusaTrainSettings, progress: bool = True, log=print) -> d
     meta = {"base_model": {"name": st.name or os.path.basename(os.path.normpath(st.model)),
                            "architectures": cfg.get("architectures", []), "config_hash": config_hash(cfg),
                            "weights_fingerprint": weights_fingerprint(hf_t.__getitem__, num_layers, vocab_size)},
-            "num_heads": st.num_heads, "draft_vocab_size": int(len(vocab_ids)),
+            "num_heads": st.num_heads, "draft_vocab_size": int(len(vocab_ids)), "token_input": st.token_input,
             "accuracy_by_rank": after["accuracy_by_rank"],
             "training": {**{k: v for k, v in asdict(st).items() if k not in ("model", "data", "out")}, **report}}
     save_medusa(st.out, w.detach(), b.detach(), torch.as_tensor(vocab_ids), meta)
@@ -176,18 +181,20 @@ def train_medusa(st: MedusaTrainSettings, progress: bool = True, log=print) -> d
 
 @torch.inference_mode()
 def medusa_top1(model_dir: str, folder: str, token_ids: list[int]) -> list[int]:
-    """Plain-torch reference of Medusa head 1: for every position t of `token_ids`, its top token (a full id) for
-    position t + 2, from the target's final hidden state at t. The engine drafts from the row that sampled the
-    last committed token (position n - 1 of n committed), i.e. from t = n - 2: what its medusa pool must reproduce."""
-    from vllm_adaspec.heads.medusa import load_medusa
+    """Plain-torch reference of Medusa head 1: for every position t < n - 1 of `token_ids` (n of them), its top
+    token (a full id) for position t + 2, from the target's final hidden state at t (and the embedding of token
+    t + 1). The engine drafts from the row that sampled the last committed token (position n - 1 of n committed),
+    i.e. from t = n - 2: what its medusa pool must reproduce."""
+    from vllm_adaspec.heads.medusa import load_medusa, reads_token
     from vllm_adaspec.training.layers import target_prefix_layers
 
     cfg = _read_config(model_dir)
     n = cfg["num_hidden_layers"]
     _, t = load_medusa(folder)
     lm_name = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
-    hf = read_hf_tensors(model_dir, ["model.norm.weight", lm_name])
+    hf = read_hf_tensors(model_dir, sorted({"model.norm.weight", lm_name, "model.embed_tokens.weight"}))
     h = target_prefix_layers(model_dir, n)(torch.tensor([token_ids]), torch.arange(len(token_ids))[None], (n,))[n][0]
-    h = rms_norm(h, hf["model.norm.weight"], cfg["rms_norm_eps"])
+    h = rms_norm(h, hf["model.norm.weight"], cfg["rms_norm_eps"])[:-1]  # [n - 1, H]
+    e = hf["model.embed_tokens.weight"][torch.tensor(token_ids[1:])].float() if reads_token(t["w"]) else None
     vocab = t["draft_vocab"]
-    return vocab[head_logits(h, t["w"][:1], t["b"][:1], hf[lm_name][vocab].float())[:, 0].argmax(-1)].tolist()
+    return vocab[head_logits(h, t["w"][:1], t["b"][:1], hf[lm_name][vocab].float(), e)[:, 0].argmax(-1)].tolist()
