@@ -149,6 +149,7 @@ def test_ngram_seeded_sampling_repeats_itself(smollm2):
     with numba, after which later engines of the same process fail to start."""
     engine = {**ENGINE, "speculative_config": NGRAM}
     res = run_engine({"model": smollm2, "engine": engine,
-                       "batches": [{"prompts": PROMPTS[:6], "params": SEEDED, "repeat": 2}]})
+                       "batches": [{"prompts": PROMPTS[:6], "params": [{**p, "max_tokens": 24} for p in SEEDED],
+                                    "repeat": 2}]})
     a, b = res["batches"][0]["runs"]
     assert a["token_ids"] == b["token_ids"]

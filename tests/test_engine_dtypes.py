@@ -1,4 +1,4 @@
-"""Every dtype a user picks drafts as the shipped head was trained to: the engine's drafts equal a plain-torch
+"""float32 and bfloat16 draft as the shipped head was trained to: the engine's drafts equal a plain-torch
 reference of the same head in that dtype, and half-precision acceptance stays near float32's.
 
 (The first bfloat16 report: 1 of 249 drafts accepted against 13 of 210 in float32. The exit layer was built after
@@ -12,7 +12,8 @@ from conftest import ENGINE, SPEC
 
 pytestmark = pytest.mark.engine
 
-DTYPES = ["float32", "bfloat16", "float16"]
+# float16 takes bfloat16's path (half-precision exit-layer GEMMs); dropped from the suite for its minutes.
+DTYPES = ["float32", "bfloat16"]
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def prompts(smollm2):
     from vllm_adaspec.data.prompts import load_prompts
 
     tok = AutoTokenizer.from_pretrained(smollm2)
-    return load_prompts("humaneval", 3, tokenizer=tok) + load_prompts("mtbench", 3, tokenizer=tok)
+    return load_prompts("humaneval", 2, tokenizer=tok) + load_prompts("mtbench", 2, tokenizer=tok)
 
 
 @pytest.fixture(scope="module")
