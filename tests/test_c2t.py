@@ -1,0 +1,84 @@
+"""C2T tree growth (trees/c2t.py) as pure functions on known small trees; no vLLM."""
+
+import pytest
+import torch
+
+from vllm_adaspec.trees.c2t import confidence, grow_c2t, init_classifier, node_features, select_layer
+
+# A draft model as a table: path -> (top tokens, their probabilities, entropy of the distribution).
+TABLE = {
+    (): ([1, 2, 3], [0.7, 0.2, 0.1], 0.8),
+    (1,): ([4, 5], [0.9, 0.05], 0.4),
+    (2,): ([6, 7], [0.5, 0.4], 1.0),
+    (3,): ([8], [1.0], 0.0),
+    (1, 4): ([9, 10], [0.6, 0.3], 0.9),
+    (1, 5): ([11], [0.5], 1.2),
+    (2, 6): ([12], [0.9], 0.3),
+    (2, 7): ([13], [0.9], 0.3),
+}
+
+
+def children_of(path):
+    return TABLE.get(path, ([], [], 0.0))
+
+
+def joint_only(feats):  # a classifier that trusts the joint probability alone: C = P
+    return feats[:, 0]
+
+
+def paths_of(tree):
+    out, toks, par = [], tree.tokens.tolist(), tree.parents.tolist()
+    for i in range(len(toks)):
+        p, j = [], i
+        while j >= 0:
+            p.append(toks[j])
+            j = par[j]
+        out.append(tuple(reversed(p)))
+    return out
+
+
+def test_layers_keep_the_children_above_beta_and_stop_when_none_passes():
+    tree, t = grow_c2t(children_of, joint_only, beta=0.3, top_k=2, max_depth=5, budget=16)
+    # depth 1: 1 (.7) passes, 2 (.2) fails; depth 2: (1,4) .63 passes, (1,5) .035 fails; depth 3: (1,4,9) .378
+    # passes, (1,4,10) .189 fails; depth 4: no children -> stop
+    assert paths_of(tree) == [(1,), (1, 4), (1, 4, 9)]
+    assert t.probs == pytest.approx([0.7, 0.63, 0.378]) and t.depths == [1, 2, 3]
+    assert all(-1 <= q < i for i, q in enumerate(tree.parents.tolist()))
+
+
+def test_top_k_limits_which_children_are_scored_and_lower_beta_branches():
+    tree, _ = grow_c2t(children_of, joint_only, beta=0.12, top_k=2, max_depth=5, budget=16)
+    # token 3 (.1) is never scored with top_k 2; at beta .12: depth 1 {1 .7, 2 .2}, depth 2 {(1,4) .63} ((1,5) .035,
+    # (2,6) .1, (2,7) .08 fail), depth 3 {(1,4,9) .378, (1,4,10) .189}
+    assert paths_of(tree) == [(1,), (2,), (1, 4), (1, 4, 9), (1, 4, 10)]
+    chain, _ = grow_c2t(children_of, joint_only, beta=0.12, top_k=1, max_depth=5, budget=16)  # dynamic draft length
+    assert paths_of(chain) == [(1,), (1, 4), (1, 4, 9)]
+
+
+def test_second_pruning_max_depth_and_budget_cap_the_tree():
+    wide, _ = grow_c2t(children_of, joint_only, beta=0.01, top_k=3, max_depth=5, budget=16)
+    assert len(wide) > 6
+    second, _ = grow_c2t(children_of, joint_only, beta=0.01, top_k=3, max_depth=5, budget=16, second_top_k=1)
+    assert paths_of(second) == [(1,), (1, 4), (1, 4, 9)]  # one node per layer: the most confident
+    shallow, _ = grow_c2t(children_of, joint_only, beta=0.01, top_k=3, max_depth=1, budget=16)
+    assert paths_of(shallow) == [(1,), (2,), (3,)]
+    capped, _ = grow_c2t(children_of, joint_only, beta=0.01, top_k=3, max_depth=5, budget=4)
+    assert len(capped) == 4 and paths_of(capped)[:3] == [(1,), (2,), (3,)]
+    assert select_layer([0.2, 0.9, 0.5, 0.05], beta=0.1, second_top_k=None, room=2) == [1, 2]
+    with pytest.raises(ValueError, match="beta"):
+        grow_c2t(children_of, joint_only, beta=1.5, top_k=2, max_depth=3, budget=4)
+
+
+def test_classifier_is_a_two_layer_ffn_over_three_features():
+    params = init_classifier(seed=0)
+    assert params["w1"].shape == (3, 48) and params["w2"].shape == (48, 1)
+    f = node_features([0.5, 0.01], [0.3, 2.0], [1, 4])
+    assert f.shape == (2, 3) and f.dtype == torch.float32
+    got = confidence(params, f)
+    want = torch.sigmoid(torch.relu(f.double() @ params["w1"].double() + params["b1"].double())
+                         @ params["w2"].double() + params["b2"].double())[:, 0]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert ((got > 0) & (got < 1)).all()
+    # any scorer plugs into growth: the classifier itself grows a tree
+    tree, _ = grow_c2t(children_of, lambda x: confidence(params, x), beta=0.0, top_k=2, max_depth=2, budget=8)
+    assert 1 <= len(tree) <= 6
