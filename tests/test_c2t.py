@@ -82,3 +82,29 @@ def test_classifier_is_a_two_layer_ffn_over_three_features():
     # any scorer plugs into growth: the classifier itself grows a tree
     tree, _ = grow_c2t(children_of, lambda x: confidence(params, x), beta=0.0, top_k=2, max_depth=2, budget=8)
     assert 1 <= len(tree) <= 6
+
+
+def test_trained_classifier_recalls_accepted_nodes_and_keeps_few_others():
+    import numpy as np
+
+    from vllm_adaspec.training.c2t_trainer import fit_classifier, recall_and_positive_rate
+
+    # Synthetic trees: a node is accepted with probability joint * 0.9^depth, more often at low entropy.
+    rng = np.random.default_rng(0)
+    n = 40000
+    joint = rng.beta(0.4, 2.0, n)
+    ent = rng.uniform(0.0, 5.0, n)
+    depth = rng.integers(1, 8, n)
+    acc = rng.random(n) < joint * 0.9 ** depth * np.exp(-0.2 * ent)
+    feats = np.stack([joint, ent, depth], 1)
+    params = fit_classifier(feats[:32000], acc[:32000], epochs=30, seed=0)
+    recall, rate = recall_and_positive_rate(params, feats[32000:], acc[32000:], beta=0.2)
+    # A random pick keeps accepted nodes at the rate it keeps any node (recall = rate); measured 0.73 at 0.32.
+    assert recall > 0.6 and recall > 1.8 * rate and rate > 0.1, (recall, rate)
+    # The classifier learned the direction of each feature.
+    from vllm_adaspec.trees.c2t import confidence, node_features
+
+    c = confidence(params, node_features([0.9, 0.1, 0.9, 0.9], [0.5, 0.5, 4.5, 0.5], [1, 1, 1, 7]))
+    assert c[0] > c[1] and c[0] > c[2] and c[0] > c[3], c
+    with pytest.raises(ValueError, match="accepted and rejected"):
+        fit_classifier(feats[:10], np.zeros(10, bool))
