@@ -108,3 +108,25 @@ def test_trained_classifier_recalls_accepted_nodes_and_keeps_few_others():
     assert c[0] > c[1] and c[0] > c[2] and c[0] > c[3], c
     with pytest.raises(ValueError, match="accepted and rejected"):
         fit_classifier(feats[:10], np.zeros(10, bool))
+
+
+def test_classifier_checkpoint_is_tied_to_its_exit_head(tmp_path):
+    from safetensors.torch import save_file
+
+    from vllm_adaspec.config import AdaspecConfigError
+    from vllm_adaspec.heads.c2t import load_c2t, save_c2t
+
+    head = tmp_path / "head"
+    head.mkdir()
+    save_file({"x": torch.ones(2)}, str(head / "exit_head.safetensors"))
+    with pytest.raises(AdaspecConfigError, match=r"\['tree'\]\['builder'\]: 'c2t' needs a classifier .*no c2t.json"):
+        load_c2t(str(head))
+    params = init_classifier(seed=3)
+    save_c2t(str(head), params, {"beta_report": {}})
+    meta, t = load_c2t(str(head))
+    assert torch.equal(t["w1"], params["w1"]) and meta["format"] == "vllm-adaspec/c2t/1"
+    save_file({"x": torch.zeros(2)}, str(head / "exit_head.safetensors"))  # the head was retrained
+    with pytest.raises(AdaspecConfigError, match="trained for another version of that exit head"):
+        load_c2t(str(head))
+    with pytest.raises(AdaspecConfigError, match="untrained exit"):
+        load_c2t(None)
