@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm_adaspec.trees.c2t import confidence, init_classifier
+from vllm_adaspec.trees.c2t import classifier_logits, confidence, init_classifier
 
 __all__ = ["fit_classifier", "recall_and_positive_rate"]
 
@@ -39,9 +39,8 @@ def fit_classifier(feats: np.ndarray, accepted: np.ndarray, epochs: int = 10, lr
         rng.shuffle(keep)
         for lo in range(0, len(keep), batch):
             idx = torch.as_tensor(keep[lo:lo + batch])
-            h = torch.relu(x_all[idx] @ params["w1"] + params["b1"])
-            logit = (h @ params["w2"] + params["b2"])[:, 0]
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y_all[idx])
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(classifier_logits(params, x_all[idx]),
+                                                                        y_all[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -20,7 +20,7 @@ import torch
 from vllm_adaspec.trees.build import GrowingTree
 from vllm_adaspec.trees.tree import DraftTree
 
-__all__ = ["init_classifier", "node_features", "confidence", "select_layer", "grow_c2t"]
+__all__ = ["init_classifier", "node_features", "classifier_logits", "confidence", "select_layer", "grow_c2t"]
 
 HIDDEN = 48  # the paper's default hidden size (its appendix: 12-48 all work)
 
@@ -40,10 +40,14 @@ def node_features(joint: Sequence[float] | torch.Tensor, entropy: Sequence[float
                         torch.as_tensor(depth, dtype=torch.float32)], dim=-1)
 
 
+def classifier_logits(params: dict[str, torch.Tensor], feats: torch.Tensor) -> torch.Tensor:
+    """feats [N, 3] -> [N] logits (what training's BCE reads)."""
+    return (torch.relu(feats @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"])[..., 0]
+
+
 def confidence(params: dict[str, torch.Tensor], feats: torch.Tensor) -> torch.Tensor:
     """feats [N, 3] -> [N] in (0, 1): the classifier's belief that each node will be accepted."""
-    h = torch.relu(feats @ params["w1"] + params["b1"])
-    return torch.sigmoid(h @ params["w2"] + params["b2"])[..., 0]
+    return torch.sigmoid(classifier_logits(params, feats))
 
 
 def select_layer(conf: Sequence[float], beta: float, second_top_k: int | None, room: int) -> list[int]:
