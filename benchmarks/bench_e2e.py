@@ -86,8 +86,10 @@ def methods(args) -> dict[str, dict]:
         for spec in args.trees:
             # Tree mode at a node budget B (K = B drafts verified), guard off; compare with the chain row K = B.
             tree = json.loads(spec)
-            label = f"adaspec tree B={tree['budget']} top-k={tree.get('top_k', 2)}" + (
-                f" depth={tree['depth']}" if "depth" in tree else "")
+            label = f"adaspec tree B={tree['budget']} top-k={tree.get('top_k', 2)}" + "".join(
+                f" {key}={tree[key]}" for key in ("depth", "max_depth", "second_top_k") if key in tree)
+            if tree.get("builder") == "c2t":
+                label = label.replace("adaspec tree", "adaspec c2t") + f" beta={tree.get('beta', 0.5)}"
             out[label] = {
                 "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer",
                                        "num_speculative_tokens": tree["budget"]},
@@ -133,7 +135,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         c = cells.setdefault((ds, bs), {"reps": {}, "ids": {}})
         rep = c["reps"].setdefault(r, {"tokens": 0, "seconds": 0.0, "drafts": 0, "draft_tokens": 0, "accepted": 0,
                                        "draft_seconds": 0.0, "draft_passes": 0, "accepted_first": 0,
-                                       "policy_seconds": 0.0})
+                                       "policy_seconds": 0.0, "c2t_seconds": 0.0})
         rep["tokens"] += sum(len(t) for t in run["token_ids"])
         rep["seconds"] += run["seconds"]
         m = run["metrics"]
@@ -144,6 +146,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         rep["draft_seconds"] += run.get("adaspec", {}).get("draft_seconds", 0.0)
         rep["draft_passes"] += run.get("adaspec", {}).get("draft_passes", 0)
         rep["policy_seconds"] += run.get("adaspec", {}).get("policy_seconds", 0.0)
+        rep["c2t_seconds"] += run.get("adaspec", {}).get("c2t_seconds", 0.0)
         lengths = run.get("adaspec", {}).get("round_lengths")
         if lengths:
             rep["round_lengths"] = [a + b for a, b in zip(rep.get("round_lengths", [0] * len(lengths)), lengths)]
@@ -168,6 +171,9 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
             "hm": 2 * v * r_d / (v + r_d) if v + r_d else 0.0,
             "draft_share": rep["draft_seconds"] / rep["seconds"],
             "policy_share": rep["policy_seconds"] / rep["seconds"],
+            "classifier_share": rep["c2t_seconds"] / rep["seconds"],
+            # verified drafts (tree nodes) per drafting step: C2T's gamma
+            "gamma": rep["draft_tokens"] / rep["drafts"] if rep["drafts"] else 0.0,
             "draft_cost_c": c_cost,
             "round_lengths": rep.get("round_lengths"),
             "tok_s": statistics.median(x["tokens"] / x["seconds"] for x in reps),
@@ -187,9 +193,10 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
 
 def markdown(results: dict, args) -> str:
     lines = [
-        "| dataset | batch | method | tok/s (median) | speedup (median, range over rounds) | tau | top-1 agreement | accepted / drafted | HM |"
+        "| dataset | batch | method | tok/s (median) | speedup (median, range over rounds) | tau | gamma (verified / step) |"
+        " top-1 agreement | accepted / drafted | HM |"
         " drafts / round | drafting share of time | policy share of time | draft cost c | identical to plain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     plain = results["plain"]
     for key in plain:
@@ -202,6 +209,9 @@ def markdown(results: dict, args) -> str:
             acc = f"{row['accepted']} / {row['draft_tokens']}" if row["draft_tokens"] else "-"
             share = f"{row['draft_share']:.0%}" if row["draft_share"] else "-"
             pshare = f"{row['policy_share']:.1%}" if row.get("policy_share") else "-"
+            if row.get("classifier_share"):
+                pshare += f" (classifier {row['classifier_share']:.1%})"
+            gamma = f"{row['gamma']:.2f}" if row.get("gamma") else "-"
             c_cost = f"{row['draft_cost_c']:.2f}" if row["draft_cost_c"] else "-"
             if row.get("flop_share") and row["draft_cost_c"]:
                 c_cost += f" ({row['draft_cost_c'] / row['flop_share']:.1f}x FLOP share {row['flop_share']:.2f})"
@@ -210,7 +220,7 @@ def markdown(results: dict, args) -> str:
             rl = row.get("round_lengths")
             per_round = f"{sum(i * c for i, c in enumerate(rl)) / sum(rl):.2f}" if rl and sum(rl) else "-"
             same = f"{row['identical']}/{row['n']}" if args.temperature == 0 else "n/a (sampled)"
-            lines.append(f"| {ds} | {bs} | {name} | {row['tok_s']:.1f} | {speed} | {row['tau']:.2f} | {agree} | "
+            lines.append(f"| {ds} | {bs} | {name} | {row['tok_s']:.1f} | {speed} | {row['tau']:.2f} | {gamma} | {agree} | "
                          f"{acc} | {hm} | {per_round} | {share} | {pshare} | {c_cost} | {same} |")
     return "\n".join(lines)
 
@@ -329,6 +339,8 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text(table + "\n")
     if len(args.ks) > 1 or args.policies:
         plot_k_sweep(results, out.with_suffix(".png"))
+    if any(name.startswith(("adaspec tree", "adaspec c2t")) for name in results):
+        plot_tau_gamma(results, out.with_name(out.stem + "_tau_gamma.png"))
     print(table)
     return 0
 
@@ -398,6 +410,35 @@ def plot_k_sweep(results: dict, path: Path) -> None:
         ax.set_title(f"{ds}, batch {bs}")
         ax.set_xlabel("K (max drafts per step)")
         ax.set_ylabel("speedup over plain")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_tau_gamma(results: dict, path: Path) -> None:
+    """C2T's figure 4: tokens per target forward (tau) against verified nodes per step (gamma), per (dataset, batch);
+    joint-probability trees as a line over their budgets, C2T as points labelled by beta. Lower right is better."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(results["plain"])
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        joint = sorted((rows[key]["tau"], rows[key]["gamma"]) for name, rows in results.items()
+                       if name.startswith("adaspec tree"))
+        if joint:
+            ax.plot([t for t, _ in joint], [g for _, g in joint], "o-", label="joint probability (budget B)")
+        for name, rows in results.items():
+            if name.startswith("adaspec c2t"):
+                t, g = rows[key]["tau"], rows[key]["gamma"]
+                ax.plot([t], [g], "s", color="C1", label="C2T" if "C2T" not in ax.get_legend_handles_labels()[1] else None)
+                ax.annotate(name.split("beta=")[-1], (t, g), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ds, bs = key.split("|")
+        ax.set_title(f"{ds}, batch {bs}")
+        ax.set_xlabel("tau (tokens per target forward)")
+        ax.set_ylabel("gamma (verified nodes per step)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,5 +1,6 @@
 """C2T tree growth (trees/c2t.py) as pure functions on known small trees; no vLLM."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,3 +131,23 @@ def test_classifier_checkpoint_is_tied_to_its_exit_head(tmp_path):
         load_c2t(str(head))
     with pytest.raises(AdaspecConfigError, match="untrained exit"):
         load_c2t(None)
+
+
+def test_replay_counts_what_each_selection_verifies_and_accepts():
+    from vllm_adaspec.training.c2t_trainer import c2t_keep, joint_top, replay_trees
+
+    # Root -> a (0.6) -> c (0.3); root -> b (0.3) -> d (0.25). The target accepted b, then d.
+    parents = np.array([-1, -1, 0, 1])
+    feats = np.array([[0.6, 1.0, 1], [0.3, 1.0, 1], [0.3, 0.5, 2], [0.25, 0.5, 2]], dtype=np.float32)
+    accepted = np.array([False, True, False, True])
+    tree = [(feats, accepted, parents)]
+    assert replay_trees(tree, joint_top(1)) == (1.0, 1.0)  # only a: nothing accepted
+    assert replay_trees(tree, joint_top(3)) == (2.0, 3.0)  # a, b, c: b accepted, d not verified
+    assert replay_trees(tree, joint_top(4)) == (3.0, 4.0)
+    # A classifier that passes every node deeper than... here: joint probability above 0.28 (w1 picks feature 0).
+    params = {"w1": torch.tensor([[1.0], [0.0], [0.0]]), "b1": torch.tensor([-0.28]), "w2": torch.tensor([[1000.0]]),
+              "b2": torch.tensor([-1e-3])}
+    # Passes a, b, c (0.3 > 0.28) but not d: tau 2 with 3 nodes; with c's parent dropped, c would go too.
+    assert replay_trees(tree, c2t_keep(params, 0.5)) == (2.0, 3.0)
+    params["b1"] = torch.tensor([-0.4])  # only a passes
+    assert replay_trees(tree, c2t_keep(params, 0.5)) == (1.0, 1.0)

@@ -96,11 +96,31 @@ def test_tree_settings_parse_and_default_depth():
     ({"budget": 4, "depth": 5}, ["depth", "1..budget"]),
     ({"budget": 4, "width": 2}, ["unknown", "width"]),
     ({"budget": True}, ["tree.budget", "integer"]),
+    ({"budget": 4, "builder": "eagle"}, ["builder", "'joint'", "'c2t'", "eagle"]),
+    ({"budget": 4, "beta": 0.5}, ["'beta'", "c2t"]),
+    ({"budget": 4, "builder": "joint", "second_top_k": 2}, ["'second_top_k'", "c2t"]),
+    ({"budget": 4, "builder": "c2t", "beta": 1.0}, ["beta", "[0, 1)"]),
+    ({"budget": 4, "builder": "c2t", "beta": "high"}, ["beta", "'high'"]),
+    ({"budget": 4, "builder": "c2t", "second_top_k": 5}, ["second_top_k", "1..budget"]),
+    ({"budget": 4, "depth": 2, "max_depth": 3}, ["max_depth", "depth", "not both"]),
 ])
 def test_bad_tree_settings_are_named(tree, words):
     with pytest.raises(AdaspecConfigError) as e:
         parse_adaspec_config({"adaspec": {"tree": tree}})
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_c2t_builder_settings_and_its_classifier_checked_at_start_up(tmp_path):
+    cfg = parse_adaspec_config({"adaspec": {"tree": {"budget": 12, "builder": "c2t", "beta": 0.3, "top_k": 3,
+                                                     "second_top_k": 4}}})
+    t = cfg.tree
+    assert (t.builder, t.beta, t.top_k, t.second_top_k, t.max_depth) == ("c2t", 0.3, 3, 4, 10)  # d_max 10
+    assert parse_adaspec_config({"adaspec": {"tree": {"budget": 8, "builder": "c2t", "max_depth": 5}}}).tree.max_depth == 5
+    assert parse_adaspec_config({"adaspec": {"tree": {"budget": 8}}}).tree.builder == "joint"
+    # Start-up: the untrained exit has no classifier; a head folder without c2t.json names the trainer.
+    cfg = parse_adaspec_config({"adaspec": {"exit_head": "none", "tree": {"budget": 4, "builder": "c2t"}}})
+    with pytest.raises(AdaspecConfigError, match=r"\['tree'\]\['builder'\]: 'c2t' needs .*untrained exit"):
+        resolve_config(cfg, **LLAMA, hf_config=object())
 
 
 def test_tree_budget_needs_that_many_speculative_tokens():

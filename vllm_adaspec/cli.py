@@ -153,6 +153,22 @@ def add_train(sub) -> None:
     c.add_argument("--epochs", type=int, default=6)
     c.add_argument("--seed", type=int, default=0)
     c.set_defaults(func=cmd_train_calibration)
+    t = tsub.add_parser("c2t", help="C2T's tree classifier, from labelled trees drafted inside vLLM by one exit head")
+    t.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
+    t.add_argument("--data", default=None, help="`adaspec distill` folder whose prompts seed the trees (default: "
+                                                "its default for --model, seed 0)")
+    t.add_argument("--exit-head", default="auto", help="exit head folder ('auto': the one shipped for --model); the "
+                                                       "classifier is written into it")
+    t.add_argument("--prompts", type=int, default=64)
+    t.add_argument("--max-tokens", type=int, default=96)
+    t.add_argument("--budget", type=int, default=24, help="nodes verified per collected tree")
+    t.add_argument("--top-k", type=int, default=4)
+    t.add_argument("--max-depth", type=int, default=6)
+    t.add_argument("--epochs", type=int, default=60)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--trees", default=None, metavar="FILE.npz",
+                   help="labelled trees: read from FILE when it exists, else collected and written there")
+    t.set_defaults(func=cmd_train_c2t)
 
 
 def cmd_train_medusa(args) -> int:
@@ -225,24 +241,57 @@ def cmd_train_exit(args) -> int:
     return _run_trainer(train_exit_layer, st)
 
 
-def cmd_train_calibration(args) -> int:
+def _exit_head_arg(model: str, head: str, name: str) -> str | None:
+    """--exit-head: 'auto' is the head shipped for the model; None (after a message) when unusable."""
     import json
 
     from vllm_adaspec.heads import find_shipped
+
+    if head == "auto":
+        with open(os.path.join(model, "config.json")) as f:
+            head = find_shipped(json.load(f))
+        if head is None:
+            print(f"adaspec train: no exit head ships for {name}; pass --exit-head", file=sys.stderr)
+            return None
+    if not os.path.isfile(os.path.join(head, "exit_head.json")):
+        print(f"adaspec train: {head} is not an exit head folder (no exit_head.json)", file=sys.stderr)
+        return None
+    return head
+
+
+def cmd_train_c2t(args) -> int:
+    from vllm_adaspec.training.c2t_trainer import C2TSettings, train_c2t
+
+    model = _train_model(args.model)
+    if model is None:
+        return 2
+    head = _exit_head_arg(model, args.exit_head, args.model)
+    if head is None:
+        return 2
+    if args.prompts < 10 or args.max_tokens < 8 or args.epochs < 1:
+        print("adaspec train: --prompts must be >= 10, --max-tokens >= 8 and --epochs >= 1", file=sys.stderr)
+        return 2
+    if not 1 <= args.budget <= 128 or not 1 <= args.top_k <= 16 or not 1 <= args.max_depth <= args.budget:
+        print("adaspec train: --budget must be in 1..128, --top-k in 1..16, --max-depth in 1..budget", file=sys.stderr)
+        return 2
+    data = args.data or default_distill_dir(args.model, 0)
+    if not os.path.isdir(data):
+        print(f"adaspec train: --data {data}: no such folder (run `adaspec distill` first)", file=sys.stderr)
+        return 2
+    st = C2TSettings(model=model, data=data, exit_head=head, prompts=args.prompts, max_tokens=args.max_tokens,
+                     budget=args.budget, top_k=args.top_k, max_depth=args.max_depth, epochs=args.epochs,
+                     seed=args.seed, trees=args.trees)
+    return _run_trainer(train_c2t, st)
+
+
+def cmd_train_calibration(args) -> int:
     from vllm_adaspec.training.calibration_trainer import CalibrationSettings, train_calibration
 
     model = _train_model(args.model)
     if model is None:
         return 2
-    head = args.exit_head
-    if head == "auto":
-        with open(os.path.join(model, "config.json")) as f:
-            head = find_shipped(json.load(f))
-        if head is None:
-            print(f"adaspec train: no exit head ships for {args.model}; pass --exit-head", file=sys.stderr)
-            return 2
-    if not os.path.isfile(os.path.join(head, "exit_head.json")):
-        print(f"adaspec train: {head} is not an exit head folder (no exit_head.json)", file=sys.stderr)
+    head = _exit_head_arg(model, args.exit_head, args.model)
+    if head is None:
         return 2
     if args.max_tokens < 100 or args.epochs < 1:
         print("adaspec train: --max-tokens must be >= 100 and --epochs >= 1", file=sys.stderr)

@@ -33,9 +33,10 @@ PROPOSER_KEYS = {
 }
 PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBranchProposer",
                     "probe": "ProbeProposer"}
-# Tree keys per proposer: early exit grows its trees from the exit head (top_k, depth); the candidate trees of
-# multi_branch come from its pools.
-TREE_KEYS = {"early_exit": ("budget", "top_k", "depth", "kv_copy_tokens"),
+# Tree keys per proposer: early exit grows its trees from the exit head (top_k, depth; the builder picks nodes by
+# joint probability or by C2T's classifier); the candidate trees of multi_branch come from its pools.
+TREE_KEYS = {"early_exit": ("budget", "top_k", "depth", "max_depth", "kv_copy_tokens", "builder", "beta",
+                            "second_top_k"),
              "multi_branch": ("budget", "kv_copy_tokens"), "probe": ("budget", "kv_copy_tokens")}
 # Candidate pools of MultiBranchProposer (vllm_adaspec/pools/); the default is the best measured set.
 POOLS = ("context", "suffix", "recycled", "corpus", "medusa")
@@ -108,6 +109,11 @@ def _parse_acceptance(value: Any) -> Acceptance:
     return Acceptance(value["name"], **out)
 
 
+TREE_BUILDERS = ("joint", "c2t")
+C2T_BETA = 0.5  # the paper's default threshold
+C2T_MAX_DEPTH = 10  # the paper's d_max
+
+
 @dataclass(frozen=True)
 class TreeSettings:
     budget: int  # nodes per tree (verified rows besides the root)
@@ -116,10 +122,20 @@ class TreeSettings:
     # Most KV positions the tree path may hold in its per-request contiguous copies (engine/tree_verification.py),
     # all requests together; requests past it draft chains. None = an eighth of the KV cache's token capacity.
     kv_copy_tokens: int | None = None
+    # Which nodes enter the tree: "joint" (the `budget` most probable by joint probability) or "c2t" (paper 004:
+    # a node is kept when the classifier's confidence is above `beta`; of each kept node's children only the top_k
+    # are scored; `second_top_k` keeps at most that many per layer; the budget still caps the tree).
+    builder: str = "joint"
+    beta: float = C2T_BETA
+    second_top_k: int | None = None
 
     @property
     def max_depth(self) -> int:
-        return self.depth if self.depth is not None else -(-self.budget // self.top_k)
+        if self.depth is not None:
+            return self.depth
+        if self.builder == "c2t":  # growth stops by itself where nothing passes
+            return min(self.budget, C2T_MAX_DEPTH)
+        return -(-self.budget // self.top_k)
 
 
 def _parse_tree(value: Any, proposer: str = "early_exit") -> TreeSettings | None:
@@ -136,21 +152,39 @@ def _parse_tree(value: Any, proposer: str = "early_exit") -> TreeSettings | None
         raise _fail("tree", "needs 'budget' (tree nodes verified per step)")
     budget = _check_int("tree.budget", value["budget"])
     top_k = _check_int("tree.top_k", value.get("top_k", 2))
-    depth = value.get("depth")
+    if "depth" in value and "max_depth" in value:
+        raise _fail("tree", "give 'max_depth' or its older name 'depth', not both")
+    depth = value.get("max_depth", value.get("depth"))
+    builder = value.get("builder", "joint")
+    if builder not in TREE_BUILDERS:
+        raise _fail("tree", f"builder must be one of {', '.join(map(repr, TREE_BUILDERS))}, got {builder!r}")
+    c2t_only = sorted(set(value) & {"beta", "second_top_k"})
+    if c2t_only and builder != "c2t":
+        raise _fail("tree", f"{', '.join(map(repr, c2t_only))} appl{'ies' if len(c2t_only) == 1 else 'y'} to "
+                            "\"builder\": \"c2t\" only")
+    beta = value.get("beta", C2T_BETA)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+        raise _fail("tree", f"beta must be a number in [0, 1) (the classifier's confidence threshold), got {beta!r}")
+    second = value.get("second_top_k")
+    if second is not None:
+        second = _check_int("tree.second_top_k", second)
+        if not 1 <= second <= budget:
+            raise _fail("tree", f"second_top_k must be in 1..budget ({budget}), got {second}")
     if not 1 <= budget <= 128:
         raise _fail("tree", f"budget must be in 1..128 (vLLM verifies at most 128 drafts), got {budget}")
     if not 1 <= top_k <= 16:
         raise _fail("tree", f"top_k must be in 1..16, got {top_k}")
     if depth is not None:
-        depth = _check_int("tree.depth", depth)
+        depth = _check_int("tree.max_depth", depth)
         if not 1 <= depth <= budget:
-            raise _fail("tree", f"depth must be in 1..budget ({budget}), got {depth}")
+            raise _fail("tree", f"max_depth must be in 1..budget ({budget}), got {depth}")
     copy_tokens = value.get("kv_copy_tokens")
     if copy_tokens is not None:
         copy_tokens = _check_int("tree.kv_copy_tokens", copy_tokens)
         if copy_tokens < 1:
             raise _fail("tree", f"kv_copy_tokens must be >= 1 (KV positions), got {copy_tokens}")
-    return TreeSettings(budget=budget, top_k=top_k, depth=depth, kv_copy_tokens=copy_tokens)
+    return TreeSettings(budget=budget, top_k=top_k, depth=depth, kv_copy_tokens=copy_tokens, builder=builder,
+                        beta=float(beta), second_top_k=second)
 
 
 def _fail(key: str, msg: str) -> AdaspecConfigError:
@@ -314,6 +348,10 @@ def resolve_config(
             f"verifies), got {k}")
     if cfg.acceptance.name == "typical" and cfg.tree is None:
         raise _fail("acceptance", "'typical' applies to token trees; set 'tree' (e.g. {\"budget\": 4}) or drop it")
+    if hf_config is not None and cfg.tree is not None and cfg.tree.builder == "c2t":
+        from vllm_adaspec.heads.c2t import load_c2t
+
+        load_c2t(head)  # the classifier must exist for this exit head and match it (errors name the fix)
     if exit_layer is None:
         exit_layer = max(1, num_layers // 4)
     if not 1 <= exit_layer < num_layers:

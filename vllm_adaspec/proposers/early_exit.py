@@ -19,6 +19,7 @@ from vllm_adaspec.kernels.entropy_topk import entropy_topk
 from vllm_adaspec.policies import POLICIES
 from vllm_adaspec.proposers.base import AdaspecProposer, request_seed  # noqa: F401 (request_seed: re-export)
 from vllm_adaspec.trees import GrowingTree, add_children, best_subtree, to_expand
+from vllm_adaspec.trees.c2t import ENTROPY_TOP_N, confidence, node_features, select_layer
 
 
 class EarlyExitProposer(AdaspecProposer):
@@ -40,6 +41,11 @@ class EarlyExitProposer(AdaspecProposer):
         self._can_pause_feed = bool(vllm_config.model_config.enforce_eager)
         self._feed_next = True
         self._stale: set[str] = set()
+        self.c2t = None  # C2T's classifier parameters (tree builder "c2t")
+        # `adaspec train c2t` reads, per verified tree, its nodes' features and which nodes were accepted.
+        self._record_trees = os.environ.get("VLLM_ADASPEC_RECORD_TREES") == "1"
+        # req_id -> (features [nodes, 3], parents [nodes]) of the tree awaiting verification
+        self._tree_feats: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
@@ -50,6 +56,12 @@ class EarlyExitProposer(AdaspecProposer):
                                     self.cfg.exit_head_setting)
         self.prefix = TargetPrefix(target_model, self.cfg.exit_layer, self.vllm_config, trained_exit=trained)
         self.exit_head = self.cfg.exit_head if trained is not None else None
+        if self.tree is not None and self.tree.builder == "c2t":
+            from vllm_adaspec.heads.c2t import load_c2t
+
+            device = next(target_model.parameters()).device
+            self.c2t = {k: v.to(device) for k, v in load_c2t(self.exit_head)[1].items()}
+            self.stats["c2t_seconds"] = 0.0
         if self.wants_target_hidden:
             from vllm_adaspec.engine.exit_head import load_calibration
 
@@ -60,6 +72,20 @@ class EarlyExitProposer(AdaspecProposer):
 
     def _on_finished(self, req_ids) -> None:
         self._stale.difference_update(req_ids)
+        for r in req_ids:
+            self._tree_feats.pop(r, None)
+
+    def on_tree_paths(self, results: dict, kv_moves: int) -> None:
+        super().on_tree_paths(results, kv_moves)
+        if self._record_trees:  # labels for `adaspec train c2t`: a node is accepted iff it is on the path
+            req_ids = self.runner.input_batch.req_ids
+            rec = self.stats.setdefault("tree_records", [])
+            for row, (path, _) in results.items():
+                tree = self._tree_feats.pop(req_ids[row], None)
+                if tree is not None:
+                    accepted = np.zeros(len(tree[0]), dtype=bool)
+                    accepted[path] = True
+                    rec.append((tree[0].tolist(), accepted.tolist(), tree[1].tolist()))  # (stats travel as JSON)
 
     def _on_step(self, scheduled: dict, pure: bool) -> None:
         exit_ = self.prefix.exit if self.prefix is not None else None
@@ -149,10 +175,13 @@ class EarlyExitProposer(AdaspecProposer):
     def _draft_trees(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids,
                      drafts) -> float:
         """Draft a token tree per row, depth by depth. Depth 1 runs each root (the last committed token); at
-        depth d the `top_k` most probable depth d - 1 nodes of each tree (among its `budget` most probable so
-        far) run together in one batched step, each attending to the prefix and its own ancestors only (a tree
-        mask over draft nodes, engine/tree_verification.DraftMask), and their top-k candidates join the tree.
-        The proposal is the tree's `budget` most probable nodes (trees.best_subtree).
+        depth d the chosen depth d - 1 nodes of every tree run together in one batched step, each attending to
+        the prefix and its own ancestors only (a tree mask over draft nodes, engine/tree_verification.DraftMask),
+        and their top-k candidates are new nodes. Which nodes enter and run is the builder's choice:
+          joint  every candidate enters; the `top_k` most probable depth d - 1 nodes (among the tree's `budget`
+                 most probable so far) run; the proposal is the `budget` most probable nodes (best_subtree)
+          c2t    a candidate enters when the classifier's confidence in it passes beta (trees/c2t.py), and every
+                 node that entered runs; the tree stops where no candidate passes or the budget is spent
 
         Draft KV: a node run at depth >= 2 writes its KV to the root's slot + (1 + how many nodes of its tree ran
         before it), inside the slots the scheduler reserved for verifying the tree, which verification rewrites.
@@ -166,11 +195,13 @@ class EarlyExitProposer(AdaspecProposer):
         grown = [GrowingTree() for _ in rows]
         limit = [min(b, ts.max_depth) for b in budgets]  # deepest depth each tree may keep
         slot_of: list[dict[int, int]] = [{} for _ in rows]  # node -> slot offset from the root (1, 2, ...)
+        entropy_of: list[dict[int, float]] = [{} for _ in rows]  # node (-1 = root) -> top-n entropy of its children
         feed = [(e, -1) for e in range(len(rows))]  # (tree, node; -1 = root) run in the next step
         prefix = self._draft_prefix(root, block_rows)  # the trees' prefix K, V, gathered once per layer
         # Slots the scheduler reserved past the root: K - 1 (engine/scheduler.py), so at most K - 1 nodes run.
         room = self.cfg.num_speculative_tokens - 1
         max_seq_len = int(n.max()) + room  # bound on slot positions + 1
+        top_n = ENTROPY_TOP_N if (self.c2t is not None or self._record_trees) else None
         for depth in range(1, max(limit) + 1):
             req = [e for e, _ in feed]
             tokens = [int(token_ids_cpu[rows[e], n[e] - 1]) if node < 0 else grown[e].tokens[node] for e, node in feed]
@@ -182,31 +213,42 @@ class EarlyExitProposer(AdaspecProposer):
                 torch.from_numpy(root[req] + depth - 1).to(device), max_seq_len,
                 slot_positions=torch.tensor(slot_pos, device=device), tree_mask=mask)
             logits, vocab, normed = self.prefix.head(hidden, residual)  # [F, V'], ..., [F, H]
-            _, _, top_ids, top_probs = entropy_topk(logits, 1.0, k=ts.top_k)  # [F, k] each
-            if vocab is not None:
-                top_ids = vocab[top_ids]
-            ids, probs = top_ids.tolist(), top_probs.tolist()
+            stats = entropy_topk(logits, 1.0, k=ts.top_k, top_n=top_n)  # top_ids, top_probs [F, k]
+            top_ids = stats.top_ids if vocab is None else vocab[stats.top_ids]
+            ids, probs = top_ids.tolist(), stats.top_probs.tolist()
+            if top_n is not None:
+                for (e, node), h in zip(feed, stats.top_n_entropy.tolist()):
+                    entropy_of[e][node] = h
             self.stats["draft_passes"] += 1
             tp = time.perf_counter()
             conf = self._confidence(logits, None if temps is None else temps[idx], len(feed))
             scores = [None] * len(feed)
             if ht_proj is not None:
                 scores = self.calibration.score(ht_proj[idx], normed, depth).tolist()
-            best: dict[int, tuple[float, int]] = {}  # tree -> (path probability of its best new node, feed row)
-            for f, (e, node) in enumerate(feed):
-                add_children(grown[e], node, ids[f], probs[f])
-                p = grown[e].probs[-len(ids[f])]  # candidates come best first
-                if e not in best or p > best[e][0]:
-                    best[e] = (p, f)
+            if self.c2t is not None:
+                added = self._c2t_layer(feed, grown, entropy_of, ids, probs, depth)
+            else:
+                added = {}
+                for f, (e, node) in enumerate(feed):
+                    add_children(grown[e], node, ids[f], probs[f])
+                    added.setdefault(e, []).append((len(grown[e].parents) - len(ids[f]), f))  # its best candidate
             feed = []
-            for e, (_, f) in best.items():
+            for e, new in added.items():
+                if not new:  # C2T: no candidate passed; the tree ends one depth up
+                    limit[e] = depth - 1
+                    continue
+                first, f = max(new, key=lambda nf: grown[e].probs[nf[0]])  # the most probable new node
                 if not policies[e].accept(depth, *conf[f], scores[f]):
                     limit[e] = depth - 1  # this depth is dropped; the tree stops growing
                     continue
                 if depth >= limit[e] or not policies[e].keep_drafting(depth):
                     limit[e] = depth
                     continue
-                for node in to_expand(grown[e], depth, ts.top_k, ts.budget)[:room - len(slot_of[e])]:
+                if self.c2t is not None:
+                    run = [i for i, _ in new] if len(grown[e].parents) < ts.budget else []
+                else:
+                    run = to_expand(grown[e], depth, ts.top_k, ts.budget)
+                for node in run[:room - len(slot_of[e])]:
                     slot_of[e][node] = len(slot_of[e]) + 1
                     feed.append((e, node))
             policy_s += time.perf_counter() - tp
@@ -216,13 +258,47 @@ class EarlyExitProposer(AdaspecProposer):
         for e, row in enumerate(rows):
             if limit[e] < 1:
                 continue
-            tree, _ = best_subtree(grown[e], ts.budget, limit[e])
+            tree, order = best_subtree(grown[e], ts.budget, limit[e])
             tree_tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
             drafts[row] = tree_tokens
             self.pending_trees[req_ids[row]] = (tree_tokens, parents)
             self.stats["tree_rounds"] += 1
             self.stats["tree_nodes"] += len(tree_tokens)
+            if self._record_trees:
+                g = grown[e]
+                self._tree_feats[req_ids[row]] = (np.array(
+                    [(g.probs[i], entropy_of[e][g.parents[i]], g.depths[i]) for i in order], dtype=np.float32),
+                    np.array(parents, dtype=np.int64))
         return policy_s
+
+    def _c2t_layer(self, feed, grown, entropy_of, ids, probs, depth) -> dict[int, list[tuple[int, int]]]:
+        """C2T's pruning of one layer: score the top-k children of every node run in this step with one classifier
+        call, add those above beta (at most second_top_k per tree, within its budget) to their trees. Returns, per
+        tree of the step, its new nodes as (node, feed row of their parent)."""
+        t0 = time.perf_counter()
+        ts = self.tree
+        cand = [(f, tok, (1.0 if node < 0 else grown[e].probs[node]) * p)
+                for f, (e, node) in enumerate(feed) for tok, p in zip(ids[f], probs[f])]
+        feats = node_features([c[2] for c in cand], [entropy_of[feed[c[0]][0]][feed[c[0]][1]] for c in cand],
+                              [depth] * len(cand))
+        conf = confidence(self.c2t, feats.to(self.c2t["w1"].device)).tolist()
+        by_tree: dict[int, list[int]] = {}
+        for c, (f, _, _) in enumerate(cand):
+            by_tree.setdefault(feed[f][0], []).append(c)
+        added: dict[int, list[tuple[int, int]]] = {}
+        for e, cs in by_tree.items():
+            keep = select_layer([conf[c] for c in cs], ts.beta, ts.second_top_k, ts.budget - len(grown[e].parents))
+            added[e] = []
+            for j in sorted(keep):  # parents first, each parent's children best first
+                f, tok, joint = cand[cs[j]]
+                g, parent = grown[e], feed[f][1]
+                g.parents.append(parent)
+                g.tokens.append(tok)
+                g.probs.append(joint)
+                g.depths.append(depth)
+                added[e].append((len(g.parents) - 1, f))
+        self.stats["c2t_seconds"] += time.perf_counter() - t0
+        return added
 
     @staticmethod
     def _draft_prefix(root, block_rows):

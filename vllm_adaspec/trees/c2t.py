@@ -20,9 +20,11 @@ import torch
 from vllm_adaspec.trees.build import GrowingTree
 from vllm_adaspec.trees.tree import DraftTree
 
-__all__ = ["init_classifier", "node_features", "classifier_logits", "confidence", "select_layer", "grow_c2t"]
+__all__ = ["ENTROPY_TOP_N", "init_classifier", "node_features", "classifier_logits", "confidence", "select_layer",
+           "grow_c2t"]
 
 HIDDEN = 48  # the paper's default hidden size (its appendix: 12-48 all work)
+ENTROPY_TOP_N = 1000  # the entropy feature sums over this many most probable tokens (its appendix C: lossless)
 
 
 def init_classifier(hidden: int = HIDDEN, seed: int = 0) -> dict[str, torch.Tensor]:
