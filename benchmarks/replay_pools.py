@@ -91,10 +91,40 @@ def medusa_tops(model: str, folder: str, records: list[dict], width: int = 10) -
             rec["medusa"] = (vocab[i].numpy(), p.numpy())
 
 
+NODE_POOLS = ("context", "suffix", "recycled", "corpus", "medusa")
+
+
+def node_features(trie, i: int) -> list[float]:
+    """What a pool-node classifier reads (C2T for candidate trees, issue #18 part 5): the calibrated conditional
+    and path probabilities, depth, the raw score's bucket, competing siblings, match length / rank evidence,
+    the request's streak state, which pools proposed it and how many."""
+    pools, bucket, siblings, evidence, *state = trie.keys[i][0]
+    return [trie.cond[i], trie.path[i], trie.depth[i], bucket / 10, siblings, evidence, state[0] if state else 0,
+            *[float(p in pools) for p in NODE_POOLS], len(pools)]
+
+
+def classifier_order(trie, params) -> list[int]:
+    """Nodes ranked by the classifier's confidence, a child capped at its parent's (closed under parents)."""
+    import torch
+
+    from vllm_adaspec.trees.c2t import confidence
+
+    if not len(trie):
+        return []
+    conf = confidence(params, torch.tensor([node_features(trie, i) for i in range(len(trie))])).tolist()
+    score = []
+    for i, parent in enumerate(trie.parents):  # parents come first
+        score.append(min(conf[i], score[parent]) if parent >= 0 else conf[i])
+    return sorted(range(len(trie)), key=lambda i: (-score[i], trie.depth[i], i))
+
+
 def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] | None, vocab_size: int,
            corpus=None, strength: float = 4.0, streak: bool = True, tree_factor: float = 1.0,
-           vllm_suffix: bool = False, medusa_acc: list | None = None) -> dict:
-    """cost None: verify the `budget` most probable nodes every step; else choose the count on the cost curve."""
+           vllm_suffix: bool = False, medusa_acc: list | None = None, record: list | None = None,
+           classifier: dict | None = None) -> dict:
+    """cost None: verify the `budget` most probable nodes every step; else choose the count on the cost curve.
+    record: append (features [n, F], accepted [n]) of every trie node (labels for all of them: the replay knows
+    the continuation). classifier: rank the trie's nodes by a pool-node classifier instead of path probability."""
     from vllm_adaspec.pools.corpus import propose_corpus
     from vllm_adaspec.pools.medusa import propose_medusa, sparse_tree
     from vllm_adaspec.pools.suffix import SuffixPool
@@ -132,7 +162,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
                 cands = [Candidates(list(d.token_ids), list(range(-1, len(d.token_ids) - 1)),
                                     [1.0] * len(d.token_ids), [("v",)] * len(d.token_ids))]
             trie = merge(cands, calib, streak_state(last_acc) if streak else ())
-            order = ranked(trie)[:budget]
+            order = (ranked(trie) if classifier is None else classifier_order(trie, classifier))[:budget]
             if vllm_suffix:
                 k = len(order)
             elif cost is None:
@@ -159,6 +189,13 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
                 path.append(nxt)
                 node = nxt
             feedback(trie, chosen, path, calib)
+            if record is not None and len(trie):
+                on = [False] * len(trie)  # every node on the continuation, chosen or not
+                for i in range(len(trie)):
+                    q, d = trie.parents[i], trie.depth[i]
+                    on[i] = (q < 0 or on[q]) and g + d - 1 < len(out) - 1 and trie.tokens[i] == out[g + d - 1]
+                record.append((np.array([node_features(trie, i) for i in range(len(trie))], dtype=np.float32),
+                               np.array(on)))
             last_acc = len(path)
             predicted += sum(trie.path[i] for i in chosen)
             accepted += len(path)
@@ -220,6 +257,9 @@ def main() -> None:
     ap.add_argument("--sets", nargs="+", default=None, help="pool sets to replay, e.g. context+suffix medusa")
     ap.add_argument("--tree-factor", type=float, default=1.15, help="tree verification cost over a chain's")
     ap.add_argument("--no-streak", action="store_true", help="calibrate without the request's last acceptance")
+    ap.add_argument("--node-classifier", action="store_true",
+                    help="C2T for candidate trees: per dataset, train a pool-node classifier on the other datasets' "
+                         "replayed tries and compare its ranking with path probability")
     ap.add_argument("--out", default=str(OUT / "replay_pools.json"), help="results (JSON); a plot goes next to it")
     args = ap.parse_args()
     from vllm_adaspec.models import resolve_model
@@ -258,6 +298,8 @@ def main() -> None:
         refs[ds] = reference(model, ds, args.num_prompts, args.max_tokens, 8)
         if medusa_acc is not None:
             medusa_tops(model, folder, refs[ds])
+    if args.node_classifier:
+        return compare_node_classifier(args, refs, sets[0], cost, vocab, corpus, medusa_acc)
     for ds, pools, b in itertools.product(args.datasets, sets, args.budgets):
         recs = refs[ds]
         kw = dict(streak=not args.no_streak, tree_factor=args.tree_factor, medusa_acc=medusa_acc)
@@ -270,6 +312,37 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     plot(rows, Path(args.out).with_suffix(".png"))
+
+
+def compare_node_classifier(args, refs, pools, cost, vocab, corpus, medusa_acc) -> None:
+    """Train on every other dataset's replayed tries (held-out transfer, as C2T's paper does across benchmarks),
+    replay this one ranked by the classifier and by path probability, fixed budget and cost-aware."""
+    from vllm_adaspec.training.c2t_trainer import fit_classifier
+
+    kw = dict(streak=not args.no_streak, tree_factor=args.tree_factor, medusa_acc=medusa_acc)
+    data = {}
+    for ds, recs in refs.items():
+        rec: list = []
+        replay(recs, pools, max(args.budgets), None, vocab, corpus, record=rec, **kw)
+        data[ds] = (np.concatenate([r[0] for r in rec]), np.concatenate([r[1] for r in rec]))
+    print("| dataset (held out) | budget | ranking | tau (fixed B) | nodes/step | est. speedup | tau (cost-aware) | "
+          "nodes/step | est. speedup |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
+    for ds, recs in refs.items():
+        x = np.concatenate([data[o][0] for o in refs if o != ds])
+        y = np.concatenate([data[o][1] for o in refs if o != ds])
+        params = fit_classifier(x, y, epochs=20, neg_per_pos=None, seed=0)  # all negatives: calibrated
+        for b in args.budgets:
+            for name, clf in (("path probability", None), ("classifier", params)):
+                fixed = replay(recs, pools, b, None, vocab, corpus, classifier=clf, **kw)
+                aware = replay(recs, pools, b, cost, vocab, corpus, classifier=clf, **kw)
+                print(f"| {ds} | {b} | {name} | {fixed['tau']:.2f} | {fixed['nodes_per_step']:.1f} | "
+                      f"{fixed['speedup_est']:.2f} | {aware['tau']:.2f} | {aware['nodes_per_step']:.1f} | "
+                      f"{aware['speedup_est']:.2f} |", flush=True)
+                rows.append({"dataset": ds, "budget": b, "ranking": name, "fixed": fixed, "cost_aware": aware})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 
 
 def plot(rows: list[dict], path: Path) -> None:

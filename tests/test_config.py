@@ -114,7 +114,7 @@ def test_c2t_builder_settings_and_its_classifier_checked_at_start_up(tmp_path):
     cfg = parse_adaspec_config({"adaspec": {"tree": {"budget": 12, "builder": "c2t", "beta": 0.3, "top_k": 3,
                                                      "second_top_k": 4}}})
     t = cfg.tree
-    assert (t.builder, t.beta, t.top_k, t.second_top_k, t.max_depth) == ("c2t", 0.3, 3, 4, 10)  # d_max 10
+    assert (t.builder, t.beta, t.top_k, t.second_top_k, t.max_depth) == ("c2t", 0.3, 3, 4, 6)  # min(B, 6)
     assert parse_adaspec_config({"adaspec": {"tree": {"budget": 8, "builder": "c2t", "max_depth": 5}}}).tree.max_depth == 5
     assert parse_adaspec_config({"adaspec": {"tree": {"budget": 8}}}).tree.builder == "joint"
     # Start-up: the untrained exit has no classifier; a head folder without c2t.json names the trainer.

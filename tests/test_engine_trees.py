@@ -1,8 +1,9 @@
 """Token trees inside vLLM (CPU), end to end on SmolLM2 with the shipped exit head:
 - greedy tree decoding is token-identical to plain decoding on the mixed batch (prefills, prefix caching, trees),
   and a tree of 8 nodes accepts more per step than a chain of 8;
-- thompson-cali in tree mode reads the target's hidden state at the row of the last accepted node, and the tree
-  path's per-request KV copies stay under their cap (requests past it draft chains);
+- C2T trees (tree.builder "c2t", the shipped classifier) stay identical too, with thompson-cali reading the
+  target's hidden state at the row of the last accepted node, the tree path's per-request KV copies under their cap
+  (requests past it draft chains), and the records `adaspec train c2t` learns from;
 - plain vLLM usage in a multiprocess engine finds the plugin by itself, and a batch mixing tree requests, chain-only
   requests (a penalty) and seeded sampling keeps greedy rows identical and the sampled distribution (coarse
   two-sample check; the exact statistical tests of sample-and-match are in tests/test_trees.py)."""
@@ -45,14 +46,18 @@ def test_greedy_tree_decoding_is_identical_to_plain(smollm2, plain_greedy, tree_
     assert tree_rate > 1.15 * chain_rate, (tree_rate, chain_rate, st["tree_accepted_depth"])
 
 
-def test_thompson_cali_reads_the_last_accepted_node_and_kv_copies_stay_capped(smollm2, plain_greedy, tree_engines):
-    # VLLM_ADASPEC_CHECK_TARGET_ROWS: with greedy decoding the row thompson-cali reads must give the request's last
-    # token again under the LM head; a tree's bonus comes from its last accepted node's row, not from root + depth.
-    # kv_copy_tokens 700: one ~420-token prompt's copy (~600 positions with slack) fits, two do not, so the other
-    # long request drafts chains while the first holds its copy.
-    engine = tree_engine(policy="thompson-cali", tree={"kv_copy_tokens": 700})
+def test_c2t_trees_with_thompson_cali_read_the_last_accepted_node_and_kv_copies_stay_capped(
+        smollm2, plain_greedy, tree_engines):
+    # C2T trees (the shipped classifier keeps a node when its confidence passes beta; trees vary in size) stay
+    # token-identical to plain decoding. VLLM_ADASPEC_CHECK_TARGET_ROWS: with greedy decoding the row thompson-cali
+    # reads must give the request's last token again under the LM head; a tree's bonus comes from its last accepted
+    # node's row, not from root + depth. kv_copy_tokens 700: one ~420-token prompt's copy (~600 positions with
+    # slack) fits, two do not, so the other long request drafts chains while the first holds its copy.
+    # VLLM_ADASPEC_RECORD_TREES: what `adaspec train c2t` reads (features and labels of every verified tree).
+    engine = tree_engine(policy="thompson-cali", tree={"kv_copy_tokens": 700, "builder": "c2t", "beta": 0.2,
+                                                       "top_k": 3})
     res = tree_engines.run({"model": smollm2, "engine": engine, "batches": [greedy_batch()],
-                            "env": {"VLLM_ADASPEC_CHECK_TARGET_ROWS": "1"}})
+                            "env": {"VLLM_ADASPEC_CHECK_TARGET_ROWS": "1", "VLLM_ADASPEC_RECORD_TREES": "1"}})
     run = res["batches"][0]["runs"][0]
     assert_identical(run, plain_greedy["mixed"])
     st = run["adaspec"]
@@ -60,6 +65,14 @@ def test_thompson_cali_reads_the_last_accepted_node_and_kv_copies_stay_capped(sm
     assert st["row_checks"] > 20 and st["row_mismatches"] == 0, st
     assert st["tree_capped"] > 0, st
     assert 0 < st["tree_kv_copy_peak"] <= 700, st
+    # The classifier chose the nodes: tree sizes vary below the budget, and its time is a sliver of drafting.
+    recs = st["tree_records"]
+    sizes = [len(f) for f, _, _ in recs]
+    assert len(recs) > 20 and len(set(sizes)) > 2 and max(sizes) <= 8 and sum(sizes) / len(sizes) < 7, sizes
+    assert 0 < st["c2t_seconds"] < 0.1 * st["draft_seconds"], st
+    for feats, accepted, parents in recs:  # features as the classifier saw them; labels close under parents
+        assert all(1 <= f[2] <= 8 and 0 < f[0] <= 1 and f[1] >= 0 for f in feats)
+        assert all(parents[i] < 0 or accepted[parents[i]] for i in range(len(accepted)) if accepted[i])
 
 
 # Plain vLLM usage: this script never imports vllm_adaspec. vLLM must find the plugin through its entry point in

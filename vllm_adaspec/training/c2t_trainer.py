@@ -29,20 +29,22 @@ __all__ = ["fit_classifier", "recall_and_positive_rate", "replay_trees", "joint_
 
 
 def fit_classifier(feats: np.ndarray, accepted: np.ndarray, epochs: int = 10, lr: float = 1e-3, batch: int = 1024,
-                   neg_per_pos: float = 4.0, seed: int = 0) -> dict[str, torch.Tensor]:
-    """feats [N, 3], accepted [N] -> classifier parameters (trees/c2t.py layout).
+                   neg_per_pos: float | None = 4.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """feats [N, F] (C2T: F = 3), accepted [N] -> classifier parameters (trees/c2t.py layout).
 
     The features live on different scales (probability in [0, 1], entropy in nats, depth 1..10): training sees
     them standardized, and the standardization is folded into the first layer afterwards, so the saved classifier
-    reads raw features."""
-    if feats.ndim != 2 or feats.shape[1] != 3 or len(feats) != len(accepted):
-        raise ValueError(f"feats must be [N, 3] with one label per row, got {feats.shape} and {len(accepted)} labels")
+    reads raw features. neg_per_pos None: every negative (confidences stay calibrated probabilities)."""
+    if feats.ndim != 2 or len(feats) != len(accepted):
+        raise ValueError(f"feats must be [N, F] with one label per row, got {feats.shape} and {len(accepted)} labels")
     pos = np.flatnonzero(accepted)
     neg = np.flatnonzero(~accepted.astype(bool))
     if not len(pos) or not len(neg):
         raise ValueError(f"need accepted and rejected nodes, got {len(pos)} and {len(neg)}")
     rng = np.random.default_rng(seed)
-    params = {k: v.clone().requires_grad_(True) for k, v in init_classifier(seed=seed).items()}
+    neg_per_pos = len(neg) / len(pos) if neg_per_pos is None else neg_per_pos
+    params = {k: v.clone().requires_grad_(True)
+              for k, v in init_classifier(seed=seed, features=feats.shape[1]).items()}
     opt = torch.optim.Adam(params.values(), lr=lr)
     x_raw = torch.as_tensor(feats, dtype=torch.float32)
     mu, sd = x_raw.mean(0), x_raw.std(0).clamp_min(1e-6)

@@ -27,10 +27,10 @@ HIDDEN = 48  # the paper's default hidden size (its appendix: 12-48 all work)
 ENTROPY_TOP_N = 1000  # the entropy feature sums over this many most probable tokens (its appendix C: lossless)
 
 
-def init_classifier(hidden: int = HIDDEN, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Kaiming-uniform-like random init of the two layers (float32)."""
+def init_classifier(hidden: int = HIDDEN, seed: int = 0, features: int = 3) -> dict[str, torch.Tensor]:
+    """Kaiming-uniform-like random init of the two layers (float32); `features` inputs (C2T's three by default)."""
     g = torch.Generator().manual_seed(seed)
-    w1 = (torch.rand(3, hidden, generator=g) * 2 - 1) * (6 / 3) ** 0.5
+    w1 = (torch.rand(features, hidden, generator=g) * 2 - 1) * (6 / features) ** 0.5
     w2 = (torch.rand(hidden, 1, generator=g) * 2 - 1) * (6 / hidden) ** 0.5
     return {"w1": w1, "b1": torch.zeros(hidden), "w2": w2, "b2": torch.zeros(1)}
 
