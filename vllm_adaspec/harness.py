@@ -89,6 +89,9 @@ def diff_metrics(after: dict, before: dict) -> dict:
         if isinstance(v, bool) or not isinstance(v, (int, float, list)):
             out[k] = v  # a setting (e.g. the exit head in use), not a counter
             continue
+        if isinstance(v, list) and v and not isinstance(v[0], (int, float)):
+            out[k] = v[len(before.get(k, ())):]  # a log (e.g. tree_records): what was appended meanwhile
+            continue
         b = before.get(k, 0 if not isinstance(v, list) else [0] * len(v))
         out[k] = [x - y for x, y in zip(v, b)] if isinstance(v, list) else v - b
     return out
