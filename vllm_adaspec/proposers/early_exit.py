@@ -346,7 +346,7 @@ class EarlyExitProposer(AdaspecProposer):
         ask (needs_confidence); (None, None) otherwise."""
         if temps is None:
             return [(None, None)] * rows
-        entropy, top_prob, _, _ = entropy_topk(logits, temps, k=1)
+        entropy, top_prob, _, _, _ = entropy_topk(logits, temps, k=1)
         return torch.stack([top_prob, entropy], 1).tolist()
 
     def _target_projection(self, rows: list[int], sampled_token_ids) -> torch.Tensor | None:
