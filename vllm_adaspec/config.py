@@ -28,7 +28,8 @@ class AdaspecConfigError(ValueError):
 COMMON_KEYS = ("policy", "speed_guard", "tree")
 PROPOSER_KEYS = {
     "early_exit": ("exit_layer", "policy", "exit_head", "speed_guard", "tree", "acceptance"),
-    "multi_branch": ("pools", "corpus", "medusa", "policy", "speed_guard", "tree", "acceptance"),
+    "multi_branch": ("pools", "corpus", "medusa", "policy", "speed_guard", "tree", "acceptance", "branches",
+                     "branch_length", "branch_init"),
     "probe": ("policy", "speed_guard", "tree"),
 }
 PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBranchProposer",
@@ -39,11 +40,17 @@ TREE_KEYS = {"early_exit": ("budget", "top_k", "depth", "max_depth", "kv_copy_to
                             "second_top_k"),
              "multi_branch": ("budget", "kv_copy_tokens"), "probe": ("budget", "kv_copy_tokens")}
 # Candidate pools of MultiBranchProposer (vllm_adaspec/pools/); the default is the best measured set.
-POOLS = ("context", "suffix", "recycled", "corpus", "medusa")
+POOLS = ("context", "suffix", "recycled", "corpus", "medusa", "branches")
 # context + suffix + corpus + medusa: first in the offline replay on HumanEval and MT-Bench and ahead of the old
 # default (context + suffix + recycled) in the engine at batch 1 and 8 (benchmarks/RESULTS.md, session 9). A model
 # without a corpus table or Medusa heads runs the others (proposers/multi_branch.usable_pools).
 DEFAULT_POOLS = ("context", "suffix", "corpus", "medusa")
+
+
+# Self-Draft branches: off by default (benchmarks/RESULTS.md, session 12: the extra rows do not pay on this CPU).
+DEFAULT_BRANCHES = 0
+DEFAULT_BRANCH_LENGTH = 4
+MAX_DRAFTS = 128  # vLLM verifies at most this many drafts per request and step
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,11 @@ class AdaspecConfig:
     # How tree nodes are accepted at temperature > 0: "exact" (lossless, the default) or Medusa's typical acceptance
     # (paper 002, 3.3.1), LOSSY: {"name": "typical", "epsilon": 0.09, "delta": 0.3}. Greedy is exact either way.
     acceptance: Acceptance = field(default_factory=Acceptance)
+    # Self-Draft (paper 003, pools/branches.py): N branches of L tokens ride in every tree verification forward
+    # and feed the `branches` pool (added to the pools when N > 0). 0 = off.
+    branches: int = DEFAULT_BRANCHES
+    branch_length: int = DEFAULT_BRANCH_LENGTH
+    branch_init: str = "prompt"  # or "random" (the paper's padding)
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -236,7 +248,29 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None, proposer: 
                          pools=_parse_pools(section.get("pools", DEFAULT_POOLS)), pools_given="pools" in section,
                          corpus=_parse_artifact("corpus", section, "a corpus table (corpus.npz or its folder)"),
                          medusa=_parse_artifact("medusa", section, "a Medusa heads folder (`adaspec train medusa`)"),
-                         acceptance=_parse_acceptance(section.get("acceptance")))
+                         acceptance=_parse_acceptance(section.get("acceptance")),
+                         **_parse_branches(section))
+
+
+def _parse_branches(section: Mapping) -> dict:
+    from vllm_adaspec.pools.branches import BRANCH_INITS
+
+    n = _check_int("branches", section.get("branches", DEFAULT_BRANCHES))
+    length = _check_int("branch_length", section.get("branch_length", DEFAULT_BRANCH_LENGTH))
+    init = section.get("branch_init", "prompt")
+    if not 0 <= n <= 32:
+        raise _fail("branches", f"must be in 0..32 (draft branches per request; 0 = off), got {n}")
+    if not 1 <= length <= 16:
+        raise _fail("branch_length", f"must be in 1..16 (tokens per branch), got {length}")
+    if init not in BRANCH_INITS:
+        raise _fail("branch_init", f"must be one of {', '.join(map(repr, BRANCH_INITS))}, got {init!r}")
+    if n == 0 and ("branch_length" in section or "branch_init" in section):
+        raise _fail("branches", "is 0 (off), so 'branch_length' / 'branch_init' would do nothing; set branches "
+                                "(e.g. 2) or drop them")
+    pools = section.get("pools", ())
+    if n == 0 and isinstance(pools, (list, tuple)) and "branches" in pools:
+        raise _fail("pools", "lists 'branches', which is fed by draft branches: set 'branches' (e.g. 2) too")
+    return {"branches": n, "branch_length": length, "branch_init": init}
 
 
 def _parse_artifact(pool: str, section: Mapping, what: str) -> str:
@@ -298,6 +332,9 @@ class ResolvedConfig:
     corpus: str = "auto"
     medusa: str = "auto"
     acceptance: Acceptance = field(default_factory=Acceptance)
+    branches: int = 0
+    branch_length: int = DEFAULT_BRANCH_LENGTH
+    branch_init: str = "prompt"
 
 
 def resolve_config(
@@ -389,12 +426,25 @@ def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int) -> Resolv
     if cfg.policy not in MODEL_FREE_POLICIES:
         raise _fail("policy", f"{cfg.policy!r} reads a drafting model's distribution, which MultiBranchProposer does "
                               f"not have; use one of {', '.join(MODEL_FREE_POLICIES)}")
-    tree = cfg.tree or TreeSettings(budget=min(k, DEFAULT_BUDGET))
+    # Default budget: what K leaves after the branch rows, at most DEFAULT_BUDGET.
+    tree = cfg.tree or TreeSettings(budget=max(1, min(k - cfg.branches * cfg.branch_length, DEFAULT_BUDGET)))
     if tree.budget > k:
         raise AdaspecConfigError(
             f"additional_config['{SECTION}']['tree']['budget'] = {tree.budget} needs "
             f"speculative_config['num_speculative_tokens'] >= {tree.budget} (every tree node is a draft vLLM "
             f"verifies), got {k}")
+    rows = tree.budget + cfg.branches * cfg.branch_length
+    if cfg.branches and rows > k:
+        raise AdaspecConfigError(
+            f"additional_config['{SECTION}']: branches * branch_length + tree budget = {cfg.branches} * "
+            f"{cfg.branch_length} + {tree.budget} = {rows} rows per request, more than the "
+            f"speculative_config['num_speculative_tokens'] = {k} draft slots the scheduler reserves; raise "
+            f"num_speculative_tokens to {rows} or shrink branches / branch_length / tree.budget")
+    if rows > MAX_DRAFTS:
+        raise AdaspecConfigError(
+            f"additional_config['{SECTION}']: branches * branch_length + tree budget = {rows}, but vLLM verifies at "
+            f"most {MAX_DRAFTS} drafts per request")
+    pools = cfg.pools + (("branches",) if cfg.branches and "branches" not in cfg.pools else ())
     if "suffix" in cfg.pools:
         from vllm_adaspec.pools.suffix import suffix_available
 
@@ -404,8 +454,9 @@ def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int) -> Resolv
                                  "remove 'suffix' from pools to run without it")
     return ResolvedConfig(exit_layer=0, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
                           policy_params=cfg.policy_params, speed_guard=cfg.speed_guard, exit_head_setting="none",
-                          tree=tree, pools=cfg.pools, pools_given=cfg.pools_given, corpus=cfg.corpus, medusa=cfg.medusa,
-                          acceptance=cfg.acceptance)
+                          tree=tree, pools=pools, pools_given=cfg.pools_given, corpus=cfg.corpus, medusa=cfg.medusa,
+                          acceptance=cfg.acceptance, branches=cfg.branches, branch_length=cfg.branch_length,
+                          branch_init=cfg.branch_init)
 
 
 DEFAULT_BUDGET = 16  # MultiBranchProposer's node budget when `tree` is not given (capped at K)

@@ -43,6 +43,11 @@ class TreeRequest:
     tree: DraftTree
     mask: torch.Tensor  # [n + 1, n + 1] bool ancestor-or-self over verification rows
     visible: torch.Tensor | None = None  # [1, 1, n + 1, root + n + 1] bool, built by the first layer
+    verified: int = -1  # nodes 0..verified-1 are verified; the rest are draft-branch rows, harvested (-1: all)
+
+    @property
+    def num_verified(self) -> int:
+        return len(self.tree) if self.verified < 0 else self.verified
 
 
 @dataclass
@@ -119,12 +124,14 @@ def is_chain(parents: list[int]) -> bool:
 
 
 def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tensor, spec_tokens: dict,
-              pending: dict[str, tuple[list[int], list[int]]], num_tokens: int) -> TreeStep | None:
+              pending: dict[str, tuple], num_tokens: int) -> TreeStep | None:
     """Match the scheduled drafts against the proposed trees and write depth positions in place.
 
     req_ids: batch order; query_start [num_reqs + 1] flattened row starts; positions [num_tokens] (rewritten);
-    spec_tokens: the scheduler's req_id -> scheduled draft ids; pending: req_id -> (tokens, parents) proposed.
-    A tree whose drafts the scheduler trimmed keeps its first nodes (breadth-first order keeps it a tree).
+    spec_tokens: the scheduler's req_id -> scheduled draft ids; pending: req_id -> (tokens, parents) proposed, or
+    (tokens, parents, verified) where only the first `verified` nodes are verified and the rest are draft-branch
+    rows (pools/branches.py). A tree whose drafts the scheduler trimmed keeps its first nodes (breadth-first order
+    keeps it a tree; branch rows come last, so they go first).
     """
     requests = []
     for row, req_id in enumerate(req_ids):
@@ -132,16 +139,55 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tens
         proposed = pending.get(req_id)
         if not spec or proposed is None:
             continue
-        tokens, parents = proposed
+        tokens, parents = proposed[0], proposed[1]
         n = len(spec)
-        if list(spec) != tokens[:n] or is_chain(parents[:n]):
+        verified = min(proposed[2], n) if len(proposed) > 2 else n
+        if list(spec) != tokens[:n] or (verified == n and is_chain(parents[:n])):
             continue
         tree = DraftTree(torch.tensor(tokens[:n]), torch.tensor(parents[:n]))
         start = int(query_start[row])
         root_pos = int(positions[start])
         positions[start + 1:start + 1 + n] = root_pos + tree.depths.to(positions.dtype)
-        requests.append(TreeRequest(row, req_id, start, root_pos, tree, ancestor_mask(tree)))
+        requests.append(TreeRequest(row, req_id, start, root_pos, tree, ancestor_mask(tree),
+                                    verified=-1 if verified == n else verified))
     return TreeStep(num_tokens, requests) if requests else None
+
+
+# --- draft-branch slots: a debug check that no committed position is ever read from a branch row's KV ---------
+
+# req_id -> sequence positions whose KV was last written by a draft-branch row (VLLM_ADASPEC_CHECK_BRANCH_SLOTS=1)
+_BRANCH_DIRTY: dict[str, set[int]] = {}
+BRANCH_SLOT_CHECKS = {"checked": 0, "violations": 0}
+
+
+def check_branch_slots(req_ids: list[str], query_start: np.ndarray, positions: torch.Tensor,
+                       step: TreeStep | None) -> None:
+    """Before a forward (every scheduled request, tree or not): a position a branch row wrote must not be part of
+    the request's committed prefix (positions below its first row, which this forward reads as final). Then: this
+    forward's rows overwrite their positions, and its branch rows leave theirs dirty. Compaction only ever moves
+    verified nodes to root + 1 .. root + accepted, below every branch position (branch rows come after the nodes)."""
+    branch_rows = {r.req_id: r for r in step.requests if r.verified >= 0} if step is not None else {}
+    for row, req_id in enumerate(req_ids):
+        start, end = int(query_start[row]), int(query_start[row + 1])
+        if end <= start:
+            continue
+        root = int(positions[start])  # not rewritten by plan_step: the first row keeps its sequence position
+        dirty = _BRANCH_DIRTY.get(req_id, set())
+        BRANCH_SLOT_CHECKS["checked"] += 1
+        BRANCH_SLOT_CHECKS["violations"] += sum(p < root for p in dirty)
+        dirty = {p for p in dirty if p >= end - start + root}
+        r = branch_rows.get(req_id)
+        if r is not None:
+            dirty |= set(range(root + 1 + r.verified, root + 1 + len(r.tree)))
+        if dirty:
+            _BRANCH_DIRTY[req_id] = dirty
+        else:
+            _BRANCH_DIRTY.pop(req_id, None)
+
+
+def forget_branch_slots(req_ids) -> None:
+    for r in req_ids:
+        _BRANCH_DIRTY.pop(r, None)
 
 
 def shrink_tree_seq_lens(step: TreeStep, seq_lens: torch.Tensor) -> None:
@@ -413,7 +459,9 @@ class TreeRejectionSampler:
     def __init__(self, stock, on_paths=None, on_logits=None, acceptance=None):
         self.stock = stock
         self.acceptance = acceptance  # config.Acceptance: "exact" (lossless) or "typical" (lossy, opt-in)
-        self.on_paths = on_paths  # callback({row: (path, bonus)}, kv slot moves) for statistics
+        # callback({row: (path, bonus, branch predictions)}, kv slot moves): statistics, and the argmax at each
+        # draft-branch row for the drafter
+        self.on_paths = on_paths
         self.on_logits = on_logits  # callback(logits [rows, V], metadata): every verified row, for drafters
 
     def __call__(self, metadata, draft_probs, logits, sampling_metadata):
@@ -443,12 +491,15 @@ class TreeRejectionSampler:
             t = 0.0 if sampling_metadata.all_greedy or temps is None else float(temps[i])
             k = None if sampling_metadata.top_k is None else int(sampling_metadata.top_k[i])
             p = None if sampling_metadata.top_p is None else float(sampling_metadata.top_p[i])
-            path, bonus = verify_tree_request(r.tree, logits[rows], t, k, p, sampling_metadata.generators.get(i),
-                                              self.acceptance)
+            m = r.num_verified  # the verified nodes; rows past them are draft branches, only read
+            tree = r.tree if m == len(r.tree) else DraftTree(r.tree.tokens[:m], r.tree.parents[:m])
+            path, bonus = verify_tree_request(tree, logits[rows[:m + 1]], t, k, p,
+                                              sampling_metadata.generators.get(i), self.acceptance)
+            predicted = logits[rows[m + 1:]].argmax(dim=-1).tolist() if m < len(r.tree) else []
             node_tokens = r.tree.tokens[path].tolist()
             tokens[i].fill_(-1)
             tokens[i, :len(path) + 1] = torch.tensor(node_tokens + [bonus], dtype=tokens.dtype)
-            paths[i], results[i] = path, (path, bonus)
+            paths[i], results[i] = path, (path, bonus, predicted)
         src, dst = compaction_slots(step, paths)
         compact_kv_cpu(step.kv_caches, src, dst)
         if self.on_paths is not None:

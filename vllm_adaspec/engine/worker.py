@@ -67,8 +67,11 @@ def _install_tree_verification(runner, drafter) -> None:
     compaction (engine/tree_verification.py)."""
     from vllm_adaspec.engine import tree_verification as tv
 
+    import os
+
     tv.install_cpu_attention_patch()
     prepare = runner._prepare_inputs
+    check_branches = os.environ.get("VLLM_ADASPEC_CHECK_BRANCH_SLOTS") == "1"  # tests: branch KV never committed
 
     def prepare_inputs(scheduler_output, *args, **kwargs):
         result = prepare(scheduler_output, *args, **kwargs)
@@ -81,6 +84,11 @@ def _install_tree_verification(runner, drafter) -> None:
                 scheduler_output.total_num_scheduled_tokens)
         keep = set(getattr(drafter, "tree_holders", ())) | ({r.req_id for r in step.requests} if step else set())
         tv.retain_sequence_kv(keep, stale=set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
+        if check_branches:
+            tv.forget_branch_slots(scheduler_output.finished_req_ids)
+            num_reqs = runner.input_batch.num_reqs
+            tv.check_branch_slots(runner.input_batch.req_ids[:num_reqs], runner.query_start_loc.np[:num_reqs + 1],
+                                  runner.positions, step)
         if step is not None:
             tv.shrink_tree_seq_lens(step, runner.seq_lens)
         tv.set_step(step)

@@ -5,7 +5,8 @@ implements `load_model` and `_draft`, and needs no glue of its own.
 The worker interface (all called in the worker process, in this order within a step):
     attach_runner(runner)                        once: the model runner (request ids, block tables, KV caches)
     on_schedule(scheduled, spec_tokens, finished)   at the start of every step, before the forward
-    on_tree_paths(results, kv_moves)             tree mode: after verification, {batch row: (path, bonus)}
+    on_tree_paths(results, kv_moves)             tree mode: after verification, {batch row: (path, bonus,
+                                                 argmax at the request's draft-branch rows)}
     on_verified_logits(req_ids, rows, logits)    `wants_verified_logits`: the target's logits at every verified row
     set_target_output(hidden, verified_drafts)   `wants_target_hidden`: the sampled rows' final hidden states
     propose(...)                                 vLLM's custom-proposer call, after sampling
@@ -64,6 +65,7 @@ class AdaspecProposer:
         self.pending_trees: dict[str, tuple[list[int], list[int]]] = {}
         self.tree_holders: set[str] = set()  # requests admitted to tree mode last step (they keep KV copies)
         self._tree_paths: dict[int, list[int]] = {}  # this step's accepted tree paths, by batch row
+        self._extra_rows = 0  # rows a tree carries besides its nodes (draft branches)
         self._target_hidden, self._verified_drafts = None, None
         self.guard = self._make_guard()
         self._interval = None  # (start time, decoding batch size, cap) of the previous propose call
@@ -118,6 +120,11 @@ class AdaspecProposer:
     def _on_finished(self, req_ids) -> None:
         """Requests that finished or were aborted: drop their per-request state."""
 
+    def _verified_drafts_of(self, req_id: str, scheduled: int) -> int:
+        """Of the drafts the scheduler put into this step for `req_id`, how many are verified (the rest: rows
+        that are only read, such as draft branches)."""
+        return scheduled
+
     def _config_stats(self) -> dict:
         return {}
 
@@ -141,7 +148,7 @@ class AdaspecProposer:
         pure = bool(scheduled)
         for req_id, n in scheduled.items():
             drafts = len(spec_tokens.get(req_id, ()))
-            self.states.scheduled(req_id, drafts)
+            self.states.scheduled(req_id, self._verified_drafts_of(req_id, drafts))
             pure = pure and n == 1 + drafts
         self._pure_decode = pure
         self._on_step(scheduled, pure)
@@ -151,11 +158,11 @@ class AdaspecProposer:
         KV slots compaction moved (nonzero: a path left the first-child spine)."""
         from vllm_adaspec.engine.tree_verification import held_copy_tokens
 
-        self._tree_paths = {row: path for row, (path, _) in results.items()}
+        self._tree_paths = {row: path for row, (path, *_) in results.items()}
         self.stats["tree_verified"] += len(results)
         self.stats["tree_kv_moves"] += kv_moves
         self.stats["tree_kv_copy_peak"] = max(self.stats["tree_kv_copy_peak"], held_copy_tokens())
-        for path, _ in results.values():
+        for path, *_ in results.values():
             self.stats["tree_accepted_depth"][len(path)] += 1
 
     # --- the proposer interface ---
@@ -227,7 +234,8 @@ class AdaspecProposer:
         states = getattr(self.runner, "requests", {})
         ok = [tv.tree_compatible(getattr(states.get(req_ids[i]), "sampling_params", None)) for i in rows]
         cand = [e for e, good in enumerate(ok) if good]
-        lengths = [tv.copy_capacity(int(num_tokens_no_spec[rows[e]]) + self.tree.budget) for e in cand]
+        lengths = [tv.copy_capacity(int(num_tokens_no_spec[rows[e]]) + self.tree.budget + self._extra_rows)
+                   for e in cand]
         holding = [req_ids[rows[e]] in self.tree_holders for e in cand]
         admitted = admit_within(lengths, self._copy_cap(), holding)
         for e, a in zip(cand, admitted):

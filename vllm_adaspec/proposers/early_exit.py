@@ -80,7 +80,7 @@ class EarlyExitProposer(AdaspecProposer):
         if self._record_trees:  # labels for `adaspec train c2t`: a node is accepted iff it is on the path
             req_ids = self.runner.input_batch.req_ids
             rec = self.stats.setdefault("tree_records", [])
-            for row, (path, _) in results.items():
+            for row, (path, *_) in results.items():
                 tree = self._tree_feats.pop(req_ids[row], None)
                 if tree is not None:
                     accepted = np.zeros(len(tree[0]), dtype=bool)

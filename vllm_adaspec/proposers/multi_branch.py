@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_adaspec.pools.branches import GramCache, append_branches, harvest, init_branches, propose_branches
 from vllm_adaspec.pools.context import ContextIndex, propose_context
 from vllm_adaspec.pools.recycled import RecycleTable, propose_recycled
-from vllm_adaspec.proposers.base import AdaspecProposer
+from vllm_adaspec.proposers.base import AdaspecProposer, request_seed
 from vllm_adaspec.policies.speed_guard import SpeedGuard
 from vllm_adaspec.trees.trie import (Calibration, Trie, best_prefix, cost_curve, feedback, merge, ranked,
                                      streak_state, subtree)
@@ -74,6 +75,11 @@ def check_start_up(resolved, vllm_config) -> None:
 
     usable_pools(resolved, vllm_config)
     reason = tree_support(vllm_config)
+    if reason and resolved.branches:
+        from vllm_adaspec.config import SECTION, AdaspecConfigError
+
+        raise AdaspecConfigError(f"additional_config['{SECTION}']['branches']: draft branches ride in tree "
+                                 f"verification forwards, which this engine lacks: {reason}; set branches to 0")
     if reason and resolved.acceptance.name == "typical":
         from vllm_adaspec.config import SECTION, AdaspecConfigError
 
@@ -94,6 +100,10 @@ class RequestPools:
     trie: Trie | None = None
     chosen: list[int] = field(default_factory=list)  # trie nodes proposed, in proposal order
     accepted_last: int = 0  # drafts its last verified proposal got accepted (calibration state)
+    nodes_sent: int = 0  # verified nodes of its last proposal (draft-branch rows follow them)
+    branches: list[list[int]] = field(default_factory=list)  # Self-Draft branches (pools/branches.py)
+    branches_sent: list[list[int]] = field(default_factory=list)  # the branches its last proposal carried
+    grams: GramCache | None = None  # what its branches wrote (the `branches` pool)
 
 
 class MultiBranchProposer(AdaspecProposer):
@@ -130,8 +140,14 @@ class MultiBranchProposer(AdaspecProposer):
         self.calibration = Calibration()
         self.cost = cost_curve(VERIFY_COST)
         self.requests: dict[str, RequestPools] = {}
+        # Self-Draft: N branches of L tokens per tree-verified request (0: off; tree mode only: a chain forward
+        # cannot mask them apart)
+        self.num_branches = self.cfg.branches if self.tree_mode else 0
+        self._extra_rows = self.num_branches * self.cfg.branch_length
+        self.vocab_size = hf.vocab_size
         self.stats.update({"pool_nodes": {p: 0 for p in pools}, "trie_nodes": 0, "chosen_nodes": 0,
-                           "pool_accepted": {p: 0 for p in pools}})
+                           "pool_accepted": {p: 0 for p in pools}, "branch_rows": 0, "branch_rows_read": 0,
+                           "branch_grams": 0})
 
     # --- AdaspecProposer hooks ---
     def _guard_max(self) -> int:
@@ -161,6 +177,24 @@ class MultiBranchProposer(AdaspecProposer):
             if self.requests.pop(r, None) is not None and self.suffix is not None:
                 self.suffix.stop(r)
 
+    def _verified_drafts_of(self, req_id: str, scheduled: int) -> int:
+        st = self.requests.get(req_id)
+        return scheduled if st is None or not st.branches_sent else min(scheduled, st.nodes_sent)
+
+    def on_tree_paths(self, results: dict, kv_moves: int) -> None:
+        """After verification: the argmax at each request's branch rows writes grams and moves its branches on."""
+        super().on_tree_paths(results, kv_moves)
+        if not self.num_branches:
+            return
+        req_ids = self.runner.input_batch.req_ids
+        for row, (_, _, predicted) in results.items():
+            st = self.requests.get(req_ids[row])
+            if st is None or not predicted or not st.branches_sent:
+                continue
+            st.branches, added = harvest(st.branches_sent, predicted, st.grams, self.cfg.branch_length)
+            self.stats["branch_rows_read"] += len(predicted)
+            self.stats["branch_grams"] += added
+
     def _before_draft(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> None:
         """Feed every decoding request's new tokens to its pools, and calibrate on its last proposal's outcome."""
         batch = self.runner.input_batch
@@ -171,6 +205,12 @@ class MultiBranchProposer(AdaspecProposer):
             st = self.requests.get(req_id)
             if st is None:
                 st = self.requests[req_id] = RequestPools(req_id, ContextIndex())
+                if self.num_branches:
+                    prompt = token_ids_cpu[i, :int(batch.num_prompt_tokens[i])].tolist()
+                    st.grams = GramCache()
+                    st.branches = init_branches(prompt, self.num_branches, self.cfg.branch_length,
+                                                self.cfg.branch_init, request_seed(req_id, self.base_seed),
+                                                self.vocab_size)
                 if self.suffix is not None:
                     st.seen = int(batch.num_prompt_tokens[i])
                     self.suffix.start(req_id, token_ids_cpu[i, :st.seen])
@@ -181,7 +221,7 @@ class MultiBranchProposer(AdaspecProposer):
                 st.seen = n
             st.context.extend(token_ids_cpu[i, len(st.context.tokens):n].tolist())
             st.last_token = int(token_ids_cpu[i, n - 1])
-            st.trie, st.chosen = None, []
+            st.trie, st.chosen, st.nodes_sent, st.branches_sent = None, [], 0, []
 
     def _calibrate(self, st: RequestPools, row: int, num_sampled: int, scheduled: int) -> None:
         """The last proposal of this request was verified: which of its nodes were tested, which passed."""
@@ -217,22 +257,29 @@ class MultiBranchProposer(AdaspecProposer):
         flat = sorted(((tries[e].path[node], e, j) for e, order in enumerate(cands) for j, node in enumerate(order)),
                       key=lambda x: -x[0])
         decoding = sum(1 for s in sampled_token_ids if s)
-        keep = best_prefix([p for p, _, _ in flat], float(decoding), self.cost, decoding)
+        branching = [bool(self.num_branches and treeish[e] and self.requests[req_ids[i]].branches)
+                     for e, i in enumerate(rows)]
+        base_rows = decoding + self._extra_rows * sum(branching)  # branch rows run whatever the trees hold
+        keep = best_prefix([p for p, _, _ in flat], float(decoding), self.cost, base_rows)
         count = [0] * len(rows)
         for _, e, j in flat[:keep]:
             count[e] = max(count[e], j + 1)  # a prefix of a request's ranked nodes is closed under parents
         for e, i in enumerate(rows):
             st = self.requests[req_ids[i]]
             chosen = cands[e][:count[e]]
-            if not chosen:
+            if not chosen and not branching[e]:
                 continue
-            if treeish[e] and is_tree(tries[e], chosen):
-                chosen = tree_or_chain(tries[e], chosen, self.cost)
+            if treeish[e] and not branching[e] and is_tree(tries[e], chosen):
+                chosen = tree_or_chain(tries[e], chosen, self.cost)  # with branches the step is a tree anyway
             tokens, parents, order = subtree(tries[e], chosen)
-            st.trie, st.chosen = tries[e], order
+            st.trie, st.chosen, st.nodes_sent = tries[e], order, len(tokens)
             drafts[i] = tokens
+            if branching[e]:
+                st.branches_sent = st.branches
+                drafts[i], parents = append_branches(tokens, parents, st.branches)
+                self.stats["branch_rows"] += len(drafts[i]) - len(tokens)
             if treeish[e]:
-                self.pending_trees[req_ids[i]] = (tokens, parents)
+                self.pending_trees[req_ids[i]] = (drafts[i], parents, len(tokens))
                 self.stats["tree_rounds"] += 1
                 self.stats["tree_nodes"] += len(tokens)
             self.stats["chosen_nodes"] += len(tokens)
@@ -252,6 +299,8 @@ class MultiBranchProposer(AdaspecProposer):
             from vllm_adaspec.pools.corpus import propose_corpus
 
             out["corpus"] = propose_corpus(self.corpus, toks[-2:], depth=budget)
+        if st.grams is not None:
+            out["branches"] = propose_branches(st.grams, toks[-1], depth=budget)
         for pool, cand in out.items():
             self.stats["pool_nodes"][pool] += len(cand)
         return list(out.values())
@@ -310,12 +359,18 @@ class MultiBranchProposer(AdaspecProposer):
 
     def _config_stats(self) -> dict:
         return {"pools": list(self.pools), "budget": self.cfg.tree.budget, "tree_mode": self.tree_mode,
-                "acceptance": self.cfg.acceptance.name, "medusa": self.medusa_folder}
+                "acceptance": self.cfg.acceptance.name, "medusa": self.medusa_folder,
+                "branches": self.num_branches, "branch_length": self.cfg.branch_length,
+                "branch_init": self.cfg.branch_init}
 
     def get_stats(self) -> dict:
         from vllm_adaspec.engine.tree_verification import held_copy_tokens
 
+        from vllm_adaspec.engine.tree_verification import BRANCH_SLOT_CHECKS
+
         return {**super().get_stats(), "pool_requests": len(self.requests),
+                "branch_slot_checks": dict(BRANCH_SLOT_CHECKS),
+                "gram_entries": sum(len(st.grams) for st in self.requests.values() if st.grams is not None),
                 "suffix_active": len(self.suffix.cache.active_requests) if self.suffix is not None else 0,
                 "kv_copies": held_copy_tokens()}
 

@@ -1,6 +1,7 @@
 """A token tree of drafts, as the target verifies it in one forward pass.
 
-Nodes 0..n-1 are drafts in breadth-first order (a parent always comes before its children); parent -1 is the
+Nodes 0..n-1 are drafts, a parent always before its children (proposers emit them breadth-first; draft-branch
+rows, pools/branches.py, follow the nodes as chains off the root, so depths may fall there); parent -1 is the
 root, the last committed token, which the target also processes (row 0 of its verification rows). So the target
 runs n + 1 rows: row 0 = root, row 1 + i = node i. Everything here is plain torch on small tensors: no vLLM.
 """
@@ -24,11 +25,8 @@ class DraftTree:
         p = self.parents.tolist()
         bad = [i for i, q in enumerate(p) if not -1 <= q < i]
         if bad:
-            raise ValueError(f"node {bad[0]} has parent {p[bad[0]]}: nodes must be breadth-first (-1 <= parent < "
-                             "node)")
-        d = depths_of(p)
-        if any(d[i] < d[i - 1] for i in range(1, n)):
-            raise ValueError("nodes must be in breadth-first order (depths non-decreasing)")
+            raise ValueError(f"node {bad[0]} has parent {p[bad[0]]}: a parent must come before its children "
+                             "(-1 <= parent < node)")
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
