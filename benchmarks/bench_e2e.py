@@ -57,10 +57,14 @@ def methods(args) -> dict[str, dict]:
             # MultiBranchProposer: K = the node budget; guard as given (default on).
             settings = json.loads(spec)
             budget = settings.get("tree", {}).get("budget", 16)
+            n, length = settings.get("branches", 0), settings.get("branch_length", 4)
             label = "multibranch " + "+".join(settings.get("pools", ["default"])) + f" B={budget}" + (
-                " guard off" if settings.get("speed_guard") is False else "")
+                " guard off" if settings.get("speed_guard") is False else "") + (
+                f" branches N={n} L={length}" + (" random" if settings.get("branch_init") == "random" else "")
+                if n else "")
+            # Self-Draft branch rows are drafts to vLLM's scheduler: K = node budget + N * L
             out[label] = {"speculative_config": {"model": "vllm_adaspec.MultiBranchProposer",
-                                                 "num_speculative_tokens": budget},
+                                                 "num_speculative_tokens": budget + n * length},
                           "additional_config": {"adaspec": settings}}
     if "adaspec" in args.methods:
         for n in args.exit_layers or [None]:
@@ -135,7 +139,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         c = cells.setdefault((ds, bs), {"reps": {}, "ids": {}})
         rep = c["reps"].setdefault(r, {"tokens": 0, "seconds": 0.0, "drafts": 0, "draft_tokens": 0, "accepted": 0,
                                        "draft_seconds": 0.0, "draft_passes": 0, "accepted_first": 0,
-                                       "policy_seconds": 0.0, "c2t_seconds": 0.0})
+                                       "policy_seconds": 0.0, "c2t_seconds": 0.0, "branch_rows": 0})
         rep["tokens"] += sum(len(t) for t in run["token_ids"])
         rep["seconds"] += run["seconds"]
         m = run["metrics"]
@@ -147,6 +151,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         rep["draft_passes"] += run.get("adaspec", {}).get("draft_passes", 0)
         rep["policy_seconds"] += run.get("adaspec", {}).get("policy_seconds", 0.0)
         rep["c2t_seconds"] += run.get("adaspec", {}).get("c2t_seconds", 0.0)
+        rep["branch_rows"] += run.get("adaspec", {}).get("branch_rows", 0)  # Self-Draft rows: drafts to vLLM
         lengths = run.get("adaspec", {}).get("round_lengths")
         if lengths:
             rep["round_lengths"] = [a + b for a, b in zip(rep.get("round_lengths", [0] * len(lengths)), lengths)]
@@ -161,7 +166,8 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         forwards = max(1, rep["tokens"] - rep["accepted"])
         target_step = (rep["seconds"] - rep["draft_seconds"]) / forwards
         c_cost = (rep["draft_seconds"] / rep["draft_passes"]) / target_step if rep["draft_passes"] and bs == 1 else None
-        v = rep["accepted"] / rep["draft_tokens"] if rep["draft_tokens"] else 0.0
+        verified = rep["draft_tokens"] - rep["branch_rows"]  # drafts vLLM counted, less the unverified branch rows
+        v = rep["accepted"] / verified if verified else 0.0
         r_d = rep["accepted"] / max(1, rep["tokens"])
         rows[f"{ds}|{bs}"] = {
             "seconds_total": rep["seconds"], "draft_seconds_total": rep["draft_seconds"],
@@ -173,7 +179,9 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
             "policy_share": rep["policy_seconds"] / rep["seconds"],
             "classifier_share": rep["c2t_seconds"] / rep["seconds"],
             # verified drafts (tree nodes) per drafting step: C2T's gamma
-            "gamma": rep["draft_tokens"] / rep["drafts"] if rep["drafts"] else 0.0,
+            "gamma": verified / rep["drafts"] if rep["drafts"] else 0.0,
+            # Self-Draft: branch rows per target forward (rows the forward runs besides the root and the nodes)
+            "extra_rows": rep["branch_rows"] / forwards,
             "draft_cost_c": c_cost,
             "round_lengths": rep.get("round_lengths"),
             "tok_s": statistics.median(x["tokens"] / x["seconds"] for x in reps),
@@ -341,8 +349,74 @@ def main(argv=None) -> int:
         plot_k_sweep(results, out.with_suffix(".png"))
     if any(name.startswith(("adaspec tree", "adaspec c2t")) for name in results):
         plot_tau_gamma(results, out.with_name(out.stem + "_tau_gamma.png"))
+    if any(" branches N=" in name for name in results):
+        table += "\n\nSelf-Draft branches (tau: tokens per target forward; extra rows: branch rows per forward):\n\n"
+        table += branch_table(results)
+        plot_branch_heatmap(results, out.with_name(out.stem + "_branches.png"))
     print(table)
     return 0
+
+
+def branch_grid(results: dict) -> dict:
+    """{(N, L, init): row name} of the multibranch rows with branches, and (0, 0, "") for the one without."""
+    grid = {}
+    for name in results:
+        m = re.match(r"multibranch .* branches N=(\d+) L=(\d+)( random)?$", name)
+        if m:
+            grid[(int(m.group(1)), int(m.group(2)), (m.group(3) or "").strip())] = name
+        elif name.startswith("multibranch ") and " branches " not in name and (0, 0, "") not in grid:
+            grid[(0, 0, "")] = name
+    return grid
+
+
+def branch_table(results: dict) -> str:
+    """Per (dataset, batch): each (N, L) against the proposer without branches: tau ratio, speed ratio."""
+    grid = branch_grid(results)
+    base = grid.get((0, 0, ""))
+    lines = ["| dataset | batch | N | L | init | extra rows / forward | tau | tau / tau without branches |"
+             " speedup vs plain | speed / without branches |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for key in results["plain"]:
+        ds, bs = key.split("|")
+        for (n, length, init), name in sorted(grid.items()):
+            row = results[name][key]
+            ref = results[base][key] if base else None
+            tau_r = f"{row['tau'] / ref['tau']:.2f}" if ref else "-"
+            sp_r = f"{row['speedup'] / ref['speedup']:.2f}" if ref else "-"
+            lines.append(f"| {ds} | {bs} | {n} | {length} | {init or 'prompt'} | {row.get('extra_rows', 0):.1f} | "
+                         f"{row['tau']:.2f} | {tau_r} | {row['speedup']:.2f}x | {sp_r} |")
+    return "\n".join(lines)
+
+
+def plot_branch_heatmap(results: dict, path: Path) -> None:
+    """Speedup over plain by (N, L), one panel per (dataset, batch); N = 0 is the proposer without branches."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = {k: v for k, v in branch_grid(results).items() if k[2] in ("", "prompt")}
+    ns = sorted({n for n, _, _ in grid if n})
+    ls = sorted({length for _, length, _ in grid if length})
+    keys = list(results["plain"])
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        base = results[grid[(0, 0, "")]][key]["speedup"] if (0, 0, "") in grid else float("nan")
+        m = [[base] * len(ls)] + [[results[grid[(n, length, "")]][key]["speedup"] if (n, length, "") in grid
+                                   else float("nan") for length in ls] for n in ns]
+        im = ax.imshow(m, cmap="RdYlGn", vmin=0.5, vmax=1.5, origin="lower", aspect="auto")
+        for i, r in enumerate(m):
+            for j, v in enumerate(r):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(ls)), [str(x) for x in ls])
+        ax.set_yticks(range(len(ns) + 1), ["0"] + [str(n) for n in ns])
+        ax.set_xlabel("branch length L")
+        ax.set_ylabel("branches N")
+        ds, bs = key.split("|")
+        ax.set_title(f"{ds}, batch {bs}", fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), label="speedup over plain")
+    fig.suptitle("MultiBranchProposer + Self-Draft branches: speedup by (N, L)", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def break_even(results: dict) -> str:

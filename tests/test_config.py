@@ -190,3 +190,29 @@ def test_acceptance_is_exact_unless_typical_is_asked_for_with_valid_thresholds()
             parse_adaspec_config({"adaspec": {"acceptance": bad}}, proposer="multi_branch")
     with pytest.raises(AdaspecConfigError, match=r"\['acceptance'\]: 'typical' applies to token trees"):
         resolve_config(parse_adaspec_config({"adaspec": {"acceptance": "typical"}}), **LLAMA)
+
+
+def test_draft_branches_are_checked_against_the_draft_slots_at_start_up():
+    def mb(section, k=20):
+        return resolve_config(parse_adaspec_config({"adaspec": section}, proposer="multi_branch"),
+                              **{**LLAMA, "num_speculative_tokens": k}, proposer="multi_branch")
+
+    r = mb({"branches": 2, "branch_length": 3, "tree": {"budget": 8}}, k=14)
+    assert (r.branches, r.branch_length, r.branch_init) == (2, 3, "prompt") and r.pools[-1] == "branches"
+    assert mb({"branches": 2, "branch_length": 4}, k=20).tree.budget == 12  # default budget: what K leaves
+    assert mb({}).branches == 0 and "branches" not in mb({}).pools
+    with pytest.raises(AdaspecConfigError, match=r"2 \* 3 \+ 8 = 14 rows per request, more than the .*"
+                                                 r"num_speculative_tokens'\] = 12 .*raise num_speculative_tokens to 14"):
+        mb({"branches": 2, "branch_length": 3, "tree": {"budget": 8}}, k=12)
+    with pytest.raises(AdaspecConfigError, match=r"= 161, but vLLM verifies at most 128"):
+        mb({"branches": 10, "branch_length": 16}, k=161)
+    for section, words in [({"branches": -1}, r"\['branches'\]: must be in 0..32"),
+                           ({"branches": 2, "branch_length": 0}, r"\['branch_length'\]: must be in 1..16"),
+                           ({"branches": "2"}, r"\['branches'\]: must be an integer"),
+                           ({"branches": 2, "branch_init": "zeros"}, r"\['branch_init'\]: must be one of 'prompt', 'random'"),
+                           ({"branch_length": 3}, r"\['branches'\]: is 0 \(off\), so 'branch_length'"),
+                           ({"pools": ["context", "branches"]}, r"\['pools'\]: lists 'branches'.*set 'branches'")]:
+        with pytest.raises(AdaspecConfigError, match=words):
+            parse_adaspec_config({"adaspec": section}, proposer="multi_branch")
+    with pytest.raises(AdaspecConfigError, match=r"'branches'.* for EarlyExitProposer"):
+        parse_adaspec_config({"adaspec": {"branches": 2}})

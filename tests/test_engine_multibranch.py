@@ -6,7 +6,11 @@
 - a batch mixing greedy tree requests, chain-only requests (a penalty: they draft the best path as a chain) and
   seeded sampling keeps greedy rows identical, and 64 seeded samples keep the target distribution;
 - under preemption and chunked prefill (a tiny KV cache) the output is still plain decoding's, and the per-request
-  pool state of every finished request is gone."""
+  pool state of every finished request is gone.
+Self-Draft branches (pools/branches.py) ride in both engines (on top of every other pool): their rows run in the
+verification forwards, feed the branches pool, which gets tokens accepted, and no committed position is ever read
+from a branch row's KV (VLLM_ADASPEC_CHECK_BRANCH_SLOTS); the medusa engine below runs without branches, so
+branches on and off both give plain decoding's tokens."""
 
 import pytest
 from stats import two_sample_chi2_pvalue
@@ -16,21 +20,31 @@ from conftest import COPY_COUNTS, ENGINE, GROW_MAX_TOKENS, GROW_PROMPTS, TREE_MI
 pytestmark = pytest.mark.engine
 
 MB = "vllm_adaspec.MultiBranchProposer"
-EVERY_POOL = ("context", "suffix", "recycled", "corpus", "medusa")
+EVERY_POOL = ("context", "suffix", "recycled", "corpus", "medusa", "branches")
+BRANCHES = {"branches": 2, "branch_length": 3}
+CHECK_BRANCHES = {"VLLM_ADASPEC_CHECK_BRANCH_SLOTS": "1"}
 
 
 def mb_engine(budget=8, **extra):
     settings = {"speed_guard": False, "tree": {"budget": budget}, **extra.pop("settings", {})}
-    return {**ENGINE, "speculative_config": {"model": MB, "num_speculative_tokens": budget},
+    k = budget + settings.get("branches", 0) * settings.get("branch_length", 0)
+    return {**ENGINE, "speculative_config": {"model": MB, "num_speculative_tokens": k},
             "additional_config": {"adaspec": settings}, **extra}
+
+
+def assert_branches_ran_and_never_leaked(st):
+    assert st["branch_rows"] > 20 and st["branch_grams"] > 20, st
+    checks = st["branch_slot_checks"]
+    assert checks["checked"] > 20 and checks["violations"] == 0, checks
 
 
 @pytest.fixture(scope="module")
 def mb_runs(smollm2, tree_engines):
     batches = {"mixed": greedy_batch(), "again": greedy_batch(), "tree_mix": TREE_MIX, "counts": COPY_COUNTS}
     # at most 8 requests at a time: with 64 at once this CPU is compute-bound and no draft pays for its row
-    engine = mb_engine(max_num_seqs=8, settings={"pools": list(EVERY_POOL)})  # every pool in one engine
-    res = tree_engines.run({"model": smollm2, "engine": engine, "batches": list(batches.values())})
+    engine = mb_engine(max_num_seqs=8, settings={"pools": list(EVERY_POOL), **BRANCHES})  # every pool in one engine
+    res = tree_engines.run({"model": smollm2, "engine": engine, "batches": list(batches.values()),
+                            "env": CHECK_BRANCHES})
     return {name: b["runs"][0] for name, b in zip(batches, res["batches"])}
 
 
@@ -44,6 +58,9 @@ def test_greedy_identical_and_every_pool_is_accepted(mb_runs, plain_greedy):
     # recycled: the verified rows' logits reached the drafter; medusa: the sampled rows' hidden states did
     for pool in EVERY_POOL:
         assert first["adaspec"]["pool_accepted"][pool] + st["pool_accepted"][pool] > 0, (pool, st["pool_accepted"])
+    assert_branches_ran_and_never_leaked(first["adaspec"])
+    # branch rows are not verified drafts: adaspec's own acceptance counts only tree nodes
+    assert first["adaspec"]["verified_drafts"] <= first["adaspec"]["chosen_nodes"]
     m1, m2 = first["metrics"], again["metrics"]
     assert m1["vllm:spec_decode_num_accepted_tokens"] > 100, m1
     # The second pass meets outputs it has seen (the global suffix tree): it must accept more per draft.
@@ -61,19 +78,27 @@ def test_mixed_tree_chain_and_sampled_rows(mb_runs, plain_greedy):
 
 
 def test_preemption_and_chunked_prefill_stay_exact_and_state_is_freed(smollm2, plain_greedy, tree_engines):
-    engine = mb_engine(kv_cache_memory_bytes=19 * 2**20, block_size=32, max_model_len=320, max_num_batched_tokens=64)
+    engine = mb_engine(kv_cache_memory_bytes=19 * 2**20, block_size=32, max_model_len=320, max_num_batched_tokens=64,
+                       # the tree path's KV copies may hold the whole tiny cache (default: an eighth of it, which
+                       # would send these requests down the chain path, where branches cannot ride)
+                       settings={"tree": {"budget": 8, "kv_copy_tokens": 4096}, "branches": 2, "branch_length": 2,
+                                 "branch_init": "random"})
     flush = {"prompts": ["Hi"], "params": [{"temperature": 0.0, "max_tokens": 2}]}  # steps once more after them
-    res = tree_engines.run({"model": smollm2, "engine": engine,
+    res = tree_engines.run({"model": smollm2, "engine": engine, "env": CHECK_BRANCHES,
                             "batches": [greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS), flush]})["batches"]
     run, after = res[0]["runs"][0], res[1]["runs"][0]
     assert_identical(run, plain_greedy["grow"])
     assert run["metrics"]["vllm:num_preemptions"] > 0, "no preemption happened: the test did not test it"
     assert run["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert run["adaspec"]["tree_verified"] > 20, run["adaspec"]
+    assert_branches_ran_and_never_leaked(run["adaspec"])
     st = after["adaspec"]
     # every request of the batch finished and the engine stepped again: nothing per request is left of them
-    # (policies, pools, suffix trees, KV copies); only the flush request may still be counted
+    # (policies, pools and their branch grams, suffix trees, KV copies); only the flush request may still be counted
     assert st["tracked_requests"] <= 1 and st["pool_requests"] <= 1 and st["suffix_active"] <= 1, st
-    assert st["kv_copies"] == 0, st
+    # gauges, as they stand after the flush: KV copy and branch grams of the flush request at most ("Hi" + 2 tokens:
+    # a copy of copy_capacity(~20 positions) = 89; 2 branches * 2 rows * 2 steps of grams)
+    assert st["kv_copies"] <= 89 and st["gram_entries"] <= 8, st
 
 
 @pytest.fixture(scope="module")

@@ -83,10 +83,15 @@ def metric_values(llm) -> dict:
     return out
 
 
+# Drafter stats that say how things stand now (live per-request state, peaks), not how often something happened:
+# reported as they are after a batch, never as a difference.
+GAUGES = ("tracked_requests", "pool_requests", "suffix_active", "kv_copies", "gram_entries", "tree_kv_copy_peak")
+
+
 def diff_metrics(after: dict, before: dict) -> dict:
     out = {}
     for k, v in after.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float, list)):
+        if k in GAUGES or isinstance(v, bool) or not isinstance(v, (int, float, list)):
             out[k] = v  # a setting (e.g. the exit head in use), not a counter
             continue
         if isinstance(v, list) and v and not isinstance(v[0], (int, float)):
