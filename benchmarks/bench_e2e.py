@@ -139,7 +139,8 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         c = cells.setdefault((ds, bs), {"reps": {}, "ids": {}})
         rep = c["reps"].setdefault(r, {"tokens": 0, "seconds": 0.0, "drafts": 0, "draft_tokens": 0, "accepted": 0,
                                        "draft_seconds": 0.0, "draft_passes": 0, "accepted_first": 0,
-                                       "policy_seconds": 0.0, "c2t_seconds": 0.0, "branch_rows": 0})
+                                       "policy_seconds": 0.0, "c2t_seconds": 0.0, "branch_rows": 0,
+                                       "decode_rows": 0})
         rep["tokens"] += sum(len(t) for t in run["token_ids"])
         rep["seconds"] += run["seconds"]
         m = run["metrics"]
@@ -152,6 +153,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         rep["policy_seconds"] += run.get("adaspec", {}).get("policy_seconds", 0.0)
         rep["c2t_seconds"] += run.get("adaspec", {}).get("c2t_seconds", 0.0)
         rep["branch_rows"] += run.get("adaspec", {}).get("branch_rows", 0)  # Self-Draft rows: drafts to vLLM
+        rep["decode_rows"] += run.get("adaspec", {}).get("decode_rows", 0)  # target forwards over requests
         lengths = run.get("adaspec", {}).get("round_lengths")
         if lengths:
             rep["round_lengths"] = [a + b for a, b in zip(rep.get("round_lengths", [0] * len(lengths)), lengths)]
@@ -163,7 +165,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         reps = list(c["reps"].values())
         rep = reps[0]
         # Draft cost c = one draft pass / one target step. At batch 1 each committed round is one target forward.
-        forwards = max(1, rep["tokens"] - rep["accepted"])
+        forwards = rep["decode_rows"] or max(1, rep["tokens"] - rep["accepted"])
         target_step = (rep["seconds"] - rep["draft_seconds"]) / forwards
         c_cost = (rep["draft_seconds"] / rep["draft_passes"]) / target_step if rep["draft_passes"] and bs == 1 else None
         verified = rep["draft_tokens"] - rep["branch_rows"]  # drafts vLLM counted, less the unverified branch rows
@@ -187,7 +189,10 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
             "tok_s": statistics.median(x["tokens"] / x["seconds"] for x in reps),
             "tok_s_all": [x["tokens"] / x["seconds"] for x in reps],
             "tokens": rep["tokens"],
-            "tau": rep["tokens"] / max(1, rep["tokens"] - rep["accepted"]),
+            # tokens per target forward: counted forwards where the drafter counts them (adaspec); else from vLLM's
+            # accepted drafts, which overstates tau a little (drafts accepted past max_tokens are counted, then cut)
+            "tau": rep["tokens"] / rep["decode_rows"] if rep["decode_rows"] else
+            rep["tokens"] / max(1, rep["tokens"] - rep["accepted"]),
             "drafts": rep["drafts"],
             "draft_tokens": rep["draft_tokens"],
             "accepted": rep["accepted"],
@@ -338,6 +343,9 @@ def main(argv=None) -> int:
     table = markdown(results, args)
     if any(k.startswith("adaspec-ee") for k in results):
         table += "\n\nBreak-even at batch 1 (first repeat):\n\n" + break_even(results)
+    if any(" branches N=" in name for name in results):
+        table += "\n\nSelf-Draft branches (tau: tokens per target forward; extra rows: branch rows per forward):\n\n"
+        table += branch_table(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for rows in results.values():
@@ -350,8 +358,6 @@ def main(argv=None) -> int:
     if any(name.startswith(("adaspec tree", "adaspec c2t")) for name in results):
         plot_tau_gamma(results, out.with_name(out.stem + "_tau_gamma.png"))
     if any(" branches N=" in name for name in results):
-        table += "\n\nSelf-Draft branches (tau: tokens per target forward; extra rows: branch rows per forward):\n\n"
-        table += branch_table(results)
         plot_branch_heatmap(results, out.with_name(out.stem + "_branches.png"))
     print(table)
     return 0

@@ -131,6 +131,48 @@ TREE_MIX = {"prompts": PROMPTS[:6],
             + [{"temperature": 0.8, "top_p": 0.95, "seed": 7 + i, "max_tokens": 40} for i in range(2)]}
 
 
+# Every request feature that meets speculation, one greedy request each (FEATURE_NAMES): served with speculation
+# they must give plain decoding's tokens (and log-probs). The last request runs into max_model_len (ENGINE's 2048):
+# its prompt leaves 27 positions and max_tokens is unset, so drafts near the end must be cut by the scheduler.
+JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+               "required": ["name", "age"]}
+EDGE_PROMPT = "one two three four five six seven eight nine ten " * 202  # 2021 tokens with SmolLM2's tokenizer
+FEATURES = [
+    ("logprobs", PROMPTS[0], {"logprobs": 3, "max_tokens": 24}),
+    ("prompt_logprobs", PROMPTS[1], {"prompt_logprobs": 2, "max_tokens": 16}),
+    ("presence / frequency penalties", PROMPTS[3], {"presence_penalty": 0.6, "frequency_penalty": 0.4, "max_tokens": 40}),
+    ("repetition penalty", PROMPTS[5], {"repetition_penalty": 1.3, "max_tokens": 40}),
+    ("min_tokens", "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n", {"min_tokens": 12, "max_tokens": 24}),
+    ("stop string", PROMPTS[3], {"stop": ["\n\n"], "max_tokens": 64}),
+    ("stop token ids", PROMPTS[0], {"stop_token_ids": [198], "max_tokens": 64}),
+    ("n = 2", PROMPTS[2], {"n": 2, "max_tokens": 24}),
+    ("json schema", "<|im_start|>user\nGive a person as JSON with name and age.<|im_end|>\n<|im_start|>assistant\n",
+     {"structured_outputs": {"json": JSON_SCHEMA}, "max_tokens": 40}),
+    ("regex", "The year the first moon landing happened was",
+     {"structured_outputs": {"regex": " [0-9]{4}\\."}, "max_tokens": 12}),
+    ("max_model_len", EDGE_PROMPT, {"max_tokens": None}),
+]
+FEATURE_NAMES = [name for name, _, _ in FEATURES]
+FEATURES_BATCH = {"prompts": [p for _, p, _ in FEATURES],
+                  "params": [{"temperature": 0.0, "ignore_eos": False, **params} for _, _, params in FEATURES]}
+
+
+def assert_features_match(run, plain):
+    """Per feature: the tokens of every completion, why it stopped and (where asked) the top log-probs."""
+    for i, name in enumerate(FEATURE_NAMES):
+        assert run["completions"][i] == plain["completions"][i], name
+        assert run["finish_reasons"][i] == plain["finish_reasons"][i], name
+        for key in ("request_logprobs", "prompt_logprobs"):
+            got, want = run[key][i], plain[key][i]
+            assert (got is None) == (want is None), (name, key)
+            for g, w in zip(got or [], want or []):
+                if w is not None:  # same tokens ranked, log-probs equal up to float32 batch-order noise
+                    assert [t for t, _ in g] == [t for t, _ in w], (name, key)
+                    assert max(abs(a - b) for (_, a), (_, b) in zip(g, w)) < 2e-3, (name, key, g, w)
+    edge = FEATURE_NAMES.index("max_model_len")
+    assert run["finish_reasons"][edge] == ["length"] and 0 < len(run["completions"][edge][0]) <= 27
+
+
 # Four requests of equal length: one batch size throughout (the speed guard's known-answer test).
 GUARD_BATCH = {"prompts": PROMPTS[:4], "params": [{"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}]}
 
@@ -140,9 +182,9 @@ def plain_greedy(smollm2, engines):
     """Reference: vLLM without speculation, same engine settings, every batch the engine tests compare with."""
     res = engines.run({"model": smollm2, "engine": ENGINE,
                        "batches": [greedy_batch(), greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS), SAMPLED_MIX, COUNTS,
-                                   TREE_MIX, GUARD_BATCH, COPY_COUNTS]})
+                                   TREE_MIX, GUARD_BATCH, COPY_COUNTS, FEATURES_BATCH]})
     runs = [b["runs"][0] for b in res["batches"]]
-    return dict(zip(["mixed", "grow", "sampled_mix", "counts", "tree_mix", "guard", "copy_counts"], runs))
+    return dict(zip(["mixed", "grow", "sampled_mix", "counts", "tree_mix", "guard", "copy_counts", "features"], runs))
 
 
 def pytest_collection_modifyitems(config, items):

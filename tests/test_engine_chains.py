@@ -5,8 +5,8 @@ KV is owned by the engine and drafts well."""
 
 import pytest
 
-from conftest import (COUNTS, ENGINE, GROW_MAX_TOKENS, GROW_PROMPTS, GUARD_BATCH, MAX_TOKENS, PROMPTS, SAMPLED_MIX,
-                      SEEDED, SPEC, assert_identical, greedy_batch)
+from conftest import (COUNTS, ENGINE, FEATURES_BATCH, GROW_MAX_TOKENS, GROW_PROMPTS, GUARD_BATCH, MAX_TOKENS, PROMPTS,
+                      SAMPLED_MIX, SEEDED, SPEC, assert_features_match, assert_identical, greedy_batch)
 from stats import two_sample_chi2_pvalue
 from vllm_adaspec.harness import run_engine
 
@@ -33,9 +33,18 @@ def head_runs(smollm2, engines):
     batches = {"mixed": greedy_batch(), "cached": greedy_batch(max_tokens=[min(m, 16) for m in MAX_TOKENS]),
                "sampled_mix": SAMPLED_MIX,
                "seeded": {"prompts": PROMPTS[:6], "params": SEEDED, "repeat": 2},
-               "other_seeds": {"prompts": PROMPTS[:6], "params": OTHER_SEEDS}, "counts": COUNTS}
+               "other_seeds": {"prompts": PROMPTS[:6], "params": OTHER_SEEDS}, "counts": COUNTS,
+               "features": FEATURES_BATCH}
     res = engines.run({"model": smollm2, "engine": head_engine(), "batches": list(batches.values())})
     return {name: b["runs"] for name, b in zip(batches, res["batches"])}
+
+
+def test_request_features_work_as_without_speculation(head_runs, plain_greedy):
+    """logprobs, prompt_logprobs, penalties, min_tokens, stop strings / ids, n = 2, JSON schema, regex and a request
+    running into max_model_len: the same tokens, stop reasons and log-probs as plain decoding (conftest.FEATURES)."""
+    run = head_runs["features"][0]
+    assert_features_match(run, plain_greedy["features"])
+    assert run["metrics"]["vllm:spec_decode_num_drafts"] > 20, run["metrics"]  # they did draft
 
 
 def test_greedy_identical_with_prefix_cache_hits_and_the_shipped_head_drafts_well(head_runs, plain_greedy):

@@ -15,7 +15,8 @@ branches on and off both give plain decoding's tokens."""
 import pytest
 from stats import two_sample_chi2_pvalue
 
-from conftest import COPY_COUNTS, ENGINE, GROW_MAX_TOKENS, GROW_PROMPTS, TREE_MIX, assert_identical, greedy_batch
+from conftest import (COPY_COUNTS, ENGINE, FEATURES_BATCH, GROW_MAX_TOKENS, GROW_PROMPTS, TREE_MIX,
+                      assert_features_match, assert_identical, greedy_batch)
 
 pytestmark = pytest.mark.engine
 
@@ -40,7 +41,8 @@ def assert_branches_ran_and_never_leaked(st):
 
 @pytest.fixture(scope="module")
 def mb_runs(smollm2, tree_engines):
-    batches = {"mixed": greedy_batch(), "again": greedy_batch(), "tree_mix": TREE_MIX, "counts": COPY_COUNTS}
+    batches = {"mixed": greedy_batch(), "again": greedy_batch(), "tree_mix": TREE_MIX, "counts": COPY_COUNTS,
+               "features": FEATURES_BATCH}
     # at most 8 requests at a time: with 64 at once this CPU is compute-bound and no draft pays for its row
     engine = mb_engine(max_num_seqs=8, settings={"pools": list(EVERY_POOL), **BRANCHES})  # every pool in one engine
     res = tree_engines.run({"model": smollm2, "engine": engine, "batches": list(batches.values()),
@@ -66,6 +68,13 @@ def test_greedy_identical_and_every_pool_is_accepted(mb_runs, plain_greedy):
     # The second pass meets outputs it has seen (the global suffix tree): it must accept more per draft.
     assert (m2["vllm:spec_decode_num_accepted_tokens"] / m2["vllm:spec_decode_num_drafts"]
             > m1["vllm:spec_decode_num_accepted_tokens"] / m1["vllm:spec_decode_num_drafts"]), (m1, m2)
+
+
+def test_request_features_work_as_without_speculation(mb_runs, plain_greedy):
+    """conftest.FEATURES through trees (with branches): those that need vLLM's sampler draft chains, the rest trees."""
+    run = mb_runs["features"]
+    assert_features_match(run, plain_greedy["features"])
+    assert run["adaspec"]["tree_verified"] > 5 and run["metrics"]["vllm:spec_decode_num_drafts"] > 20, run["adaspec"]
 
 
 def test_mixed_tree_chain_and_sampled_rows(mb_runs, plain_greedy):

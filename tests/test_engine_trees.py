@@ -15,7 +15,8 @@ import sys
 import pytest
 from stats import two_sample_chi2_pvalue
 
-from conftest import COUNTS, ENGINE, SPEC, TREE_MIX, assert_identical, greedy_batch
+from conftest import (COUNTS, ENGINE, FEATURES_BATCH, SPEC, TREE_MIX, assert_features_match, assert_identical,
+                      greedy_batch)
 from vllm_adaspec.harness import default_env
 
 pytestmark = pytest.mark.engine
@@ -29,9 +30,10 @@ def tree_engine(budget=8, top_k=2, k=8, **settings):
 
 
 def test_greedy_tree_decoding_is_identical_to_plain(smollm2, plain_greedy, tree_engines, engines):
-    res = tree_engines.run({"model": smollm2, "engine": tree_engine(), "batches": [greedy_batch()]})
+    res = tree_engines.run({"model": smollm2, "engine": tree_engine(), "batches": [greedy_batch(), FEATURES_BATCH]})
     run = res["batches"][0]["runs"][0]
     assert_identical(run, plain_greedy["mixed"])
+    assert_features_match(res["batches"][1]["runs"][0], plain_greedy["features"])  # conftest.FEATURES, tree mode
     st = run["adaspec"]
     assert st["tree_verified"] > 20, st
     assert st["tree_kv_moves"] > 0, "no accepted path left the first-child spine: compaction was not exercised"

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server with the adaspec config: completions equal the offline output."""
 
+import contextlib
 import json
 import os
 import signal
@@ -38,19 +39,17 @@ def post(url, body, stream=False):
         return chunks
 
 
-@pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
-    work = tmp_path_factory.mktemp("server")
+@contextlib.contextmanager
+def serving(model, work, speculative: dict, additional: dict | None = None):
+    """`adaspec serve MODEL` as README says (vllm serve itself dies on the CPU build), float32, on a free loopback
+    port; yields (base url, server process). Stopped by SIGTERM to its PID."""
     port = free_port()
-    # Started as README says: `adaspec serve MODEL [vllm serve flags]` (vllm serve itself dies on the CPU build).
     cmd = [
-        os.path.join(os.path.dirname(sys.executable), "adaspec"), "serve", smollm2,
+        os.path.join(os.path.dirname(sys.executable), "adaspec"), "serve", model,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", ENGINE["dtype"], "--enforce-eager",
         "--max-model-len", str(ENGINE["max_model_len"]), "--seed", "0", "--kv-cache-memory-bytes", str(2**30),
-        "--speculative-config", json.dumps({"model": SPEC, "num_speculative_tokens": 3}),
-        # the shipped head drafts every step (the guard would settle on plain decoding at batch 1 on this CPU)
-        "--additional-config", json.dumps({"adaspec": {"speed_guard": False}}),
-    ]
+        "--speculative-config", json.dumps(speculative),
+    ] + (["--additional-config", json.dumps(additional)] if additional else [])
     log = open(work / "server.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env=default_env(multiprocess=True, workdir=str(work)))
@@ -66,7 +65,7 @@ def server(smollm2, tmp_path_factory):
                         break
             except OSError:
                 time.sleep(2)
-        yield base, smollm2
+        yield base, proc
     finally:
         os.kill(proc.pid, signal.SIGTERM)  # stop the server by its PID
         try:
@@ -75,6 +74,14 @@ def server(smollm2, tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    # the shipped head drafts every step (the guard would settle on plain decoding at batch 1 on this CPU)
+    with serving(smollm2, tmp_path_factory.mktemp("server"), {"model": SPEC, "num_speculative_tokens": 3},
+                 {"adaspec": {"speed_guard": False}}) as (base, _):
+        yield base, smollm2
 
 
 def test_completions_equal_offline_output(server, plain_greedy):
@@ -139,3 +146,103 @@ def test_metrics_show_adaspec_drafting(server):
     assert v.get("vllm:adaspec_request_drafts_per_round_count", 0) == v["vllm:adaspec_request_acceptance_rate_count"]
     rate = v["vllm:adaspec_request_acceptance_rate_sum"] / v["vllm:adaspec_request_acceptance_rate_count"]
     assert 0 < rate <= 1, v
+
+
+# --- soak: many concurrent clients, some vanishing, some malformed; every proposer's default and tree mode ------
+
+SOAK_CONFIGS = {
+    # README's first configuration: MultiBranchProposer with every default (trees on this CPU)
+    "multibranch default": ({"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": 16}, None),
+    # EarlyExitProposer's defaults (shipped head, speed guard on), and its tree mode
+    "early exit default": ({"model": SPEC, "num_speculative_tokens": 3}, None),
+    "early exit tree": ({"model": SPEC, "num_speculative_tokens": 8},
+                        {"adaspec": {"speed_guard": False, "tree": {"budget": 8}}}),
+}
+MALFORMED = [
+    (b"{not json", "bad JSON"),
+    ({"prompt": "Hi", "max_tokens": -1}, "negative max_tokens"),
+    ({"prompt": "Hi", "temperature": -1.0}, "negative temperature"),
+    ({"prompt": "Hi", "max_tokens": "ten"}, "max_tokens not an integer"),
+    ({"prompt": "Hi", "logit_bias": {"100": 5}}, "logit_bias (vLLM: not with speculative decoding)"),
+    ({"prompt": "Hi", "min_p": 0.2}, "min_p (vLLM: not with speculative decoding)"),
+    ({"prompt": "one two " * 1100, "max_tokens": 4}, "prompt longer than max_model_len"),
+    ({"model": "no-such-model", "prompt": "Hi"}, "unknown model"),
+]
+
+
+def soak_jobs(model):
+    """(jobs, what each is) for one soak round."""
+    from conftest import EDGE_PROMPT
+
+    jobs, kinds = [], []
+    for i in list(range(len(PROMPTS))) + [3, 4, 5, 6, 3, 4]:  # the repeats hit the prefix cache (3/4 share a prefix)
+        body = {"model": model, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS[i], "temperature": 0.0}
+        jobs.append({"body": body, "stream": len(jobs) % 2 == 0})
+        kinds.append(("greedy", i))
+    for j in range(4):  # clients that vanish mid-stream
+        jobs.append({"body": {"model": model, "prompt": PROMPTS[7], "max_tokens": 200, "temperature": 0.0},
+                     "stream": True, "drop_after": 2 + j})
+        kinds.append(("dropped", 7))
+    for j in range(2):  # requests aborted by their client (non-streaming, gives up after a second)
+        jobs.append({"body": {"model": model, "prompt": PROMPTS[8], "max_tokens": 400, "temperature": 0.0,
+                              "ignore_eos": True}, "timeout": 1.0})
+        kinds.append(("aborted", 8))
+    jobs.append({"body": {"model": model, "prompt": EDGE_PROMPT, "temperature": 0.0}, "stream": True})
+    kinds.append(("max_model_len", None))
+    for body, what in MALFORMED:
+        jobs.append({"body": body if isinstance(body, bytes) else {"model": model, **body}})
+        kinds.append(("malformed", what))
+    return jobs, kinds
+
+
+def server_rss_mb(proc) -> float:
+    import psutil
+
+    p = psutil.Process(proc.pid)
+    return sum(q.memory_info().rss for q in [p] + p.children(recursive=True)) / 2**20
+
+
+@pytest.mark.parametrize("config", list(SOAK_CONFIGS))
+def test_soak_outputs_exact_bad_requests_4xx_nothing_left_running(config, smollm2, plain_greedy, tmp_path):
+    from conftest import FEATURE_NAMES
+    from soak import run_jobs, scrape, total
+
+    spec, additional = SOAK_CONFIGS[config]
+    edge_text = plain_greedy["features"]["texts"][FEATURE_NAMES.index("max_model_len")]
+    with serving(smollm2, tmp_path, spec, additional) as (base, proc):
+        rss = []
+        for round_ in range(2):
+            jobs, kinds = soak_jobs(smollm2)
+            results = run_jobs(base, jobs)
+            for (kind, what), res in zip(kinds, results):
+                if kind == "greedy":  # equal to the same request served alone (plain decoding, float32)
+                    assert res["status"] == 200 and res["text"] == plain_greedy["mixed"]["texts"][what], (kind, what, res)
+                elif kind == "max_model_len":
+                    assert res["status"] == 200 and res["finish_reason"] == "length", res
+                    assert res["text"] == edge_text, res
+                elif kind == "malformed":
+                    assert res["status"] is not None and 400 <= res["status"] < 500, (what, res)
+                elif kind == "dropped":
+                    assert res["status"] == 200 and res["dropped"], res
+                else:
+                    assert res["error"] == "client timeout", res
+            # Nothing left running or waiting once the engine has noticed the vanished clients, and the drafter
+            # holds no per-request state (its snapshot is written when requests finish).
+            deadline = time.time() + 30
+            while True:
+                m = scrape(base)
+                running, waiting = total(m, "vllm:num_requests_running"), total(m, "vllm:num_requests_waiting")
+                live = {k: v for k, v in m.items() if k.startswith("vllm:adaspec_live_state")}
+                if (running == waiting == 0 and live and not any(live.values())) or time.time() > deadline:
+                    break
+                time.sleep(0.5)
+            assert running == 0 and waiting == 0, m
+            assert live and not any(live.values()), live
+            rss.append(server_rss_mb(proc))
+        # the server still serves, and still exactly
+        res = run_jobs(base, [{"body": {"model": smollm2, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS[1],
+                                        "temperature": 0.0}}])[0]
+        assert res["status"] == 200 and res["text"] == plain_greedy["mixed"]["texts"][1], res
+        # resident memory after warm-up (round 1) stays flat through round 2
+        print(f"soak {config}: server RSS after round 1 {rss[0]:.0f} MiB, after round 2 {rss[1]:.0f} MiB")
+        assert rss[1] - rss[0] < 64, rss

@@ -85,7 +85,7 @@ def metric_values(llm) -> dict:
 
 # Drafter stats that say how things stand now (live per-request state, peaks), not how often something happened:
 # reported as they are after a batch, never as a difference.
-GAUGES = ("tracked_requests", "pool_requests", "suffix_active", "kv_copies", "gram_entries", "tree_kv_copy_peak")
+GAUGES = ("tracked_requests", "pool_requests", "suffix_active", "kv_copies", "gram_entries", "tree_kv_copy_peak", "live")
 
 
 def diff_metrics(after: dict, before: dict) -> dict:
@@ -197,12 +197,27 @@ def _child(job: dict) -> dict:
         del llm
 
 
-def _run_batches(llm, job: dict) -> dict:
+def sampling_params(p: dict):
+    """SamplingParams from JSON: `structured_outputs` as a dict of StructuredOutputsParams fields."""
     from vllm import SamplingParams
 
+    p = dict(p)
+    if isinstance(p.get("structured_outputs"), dict):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        p["structured_outputs"] = StructuredOutputsParams(**p["structured_outputs"])
+    return SamplingParams(**p)
+
+
+def _top(pos: dict) -> list:
+    """One position's logprobs {token: Logprob} -> [[token id, logprob], ...] best first."""
+    return sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda x: -x[1])
+
+
+def _run_batches(llm, job: dict) -> dict:
     results = []
     for batch in job["batches"]:
-        params = [SamplingParams(**p) for p in batch["params"]]
+        params = [sampling_params(p) for p in batch["params"]]
         if len(params) == 1:
             params = params * len(batch["prompts"])
         runs = []
@@ -220,9 +235,17 @@ def _run_batches(llm, job: dict) -> dict:
                     "metrics": diff_metrics(metric_values(llm), before),
                     "adaspec": diff_metrics(adaspec_stats(llm), stats_before),
                     # top log-probs per generated token, [[token id, logprob], ...] best first, when asked for
-                    **({"logprobs": [[sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda x: -x[1])
-                                      for pos in o.outputs[0].logprobs] for o in outs]}
+                    **({"logprobs": [[_top(pos) for pos in o.outputs[0].logprobs] for o in outs]}
                        if outs and outs[0].outputs[0].logprobs is not None else {}),
+                    # per request: every completion (n > 1), why each stopped, and log-probs where that request
+                    # asked for them (None elsewhere)
+                    "completions": [[list(c.token_ids) for c in o.outputs] for o in outs],
+                    "finish_reasons": [[c.finish_reason for c in o.outputs] for o in outs],
+                    "request_logprobs": [None if o.outputs[0].logprobs is None else
+                                         [_top(pos) for pos in o.outputs[0].logprobs] for o in outs],
+                    "prompt_logprobs": [None if o.prompt_logprobs is None else
+                                        [None if pos is None else _top(pos) for pos in o.prompt_logprobs]
+                                        for o in outs],
                 }
             )
         results.append({"runs": runs})

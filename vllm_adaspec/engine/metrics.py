@@ -17,6 +17,8 @@ Metrics (labels: policy, engine):
     vllm:adaspec_tree_nodes_total                tree mode: tree nodes drafted
     vllm:adaspec_tree_rounds_total{depth}        tree mode: trees verified, by accepted depth (tokens accepted)
     vllm:adaspec_tree_kv_moves_total             tree mode: KV slots moved by compaction
+    vllm:adaspec_live_state{kind}                per-request state held now (policies, pools, KV copy tokens,
+                                                 branch grams, ...): 0 once every request finished
 Numbers trail the engine by up to one step and 0.5 s (finished requests are noticed at the next step).
 """
 
@@ -42,7 +44,7 @@ def _histogram(family, labels, hist):
 
 class AdaspecCollector:
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         snaps = read_snapshots()
         names = ["policy", "engine"]
@@ -62,6 +64,8 @@ class AdaspecCollector:
         depth = CounterMetricFamily("vllm:adaspec_tree_rounds", "Trees verified, by accepted depth",
                                     labels=names + ["depth"])
         moves = CounterMetricFamily("vllm:adaspec_tree_kv_moves", "KV slots moved by tree compaction", labels=names)
+        live = GaugeMetricFamily("vllm:adaspec_live_state", "Per-request drafter state held now, by kind",
+                                 labels=names + ["kind"])
         for i, st in enumerate(snaps):
             labels = [str(st.get("policy")), str(i)]
             for n, count in enumerate(st.get("round_lengths", [])):
@@ -76,10 +80,12 @@ class AdaspecCollector:
             moves.add_metric(labels, st.get("tree_kv_moves", 0))
             for d, count in enumerate(st.get("tree_accepted_depth", [])):
                 depth.add_metric(labels + [str(d)], count)
+            for kind, value in st.get("live", {}).items():
+                live.add_metric(labels + [kind], value)
             if "request_acceptance" in st:
                 _histogram(acc_h, labels, st["request_acceptance"])
                 _histogram(len_h, labels, st["request_drafts_per_round"])
-        yield from (rounds, verified, accepted, seconds, finished, caps, acc_h, len_h, nodes, depth, moves)
+        yield from (rounds, verified, accepted, seconds, finished, caps, acc_h, len_h, nodes, depth, moves, live)
 
 
 class AdaspecStatLogger(StatLoggerBase):

@@ -123,6 +123,9 @@ def is_chain(parents: list[int]) -> bool:
     return all(q == i - 1 for i, q in enumerate(parents))
 
 
+_CHAINS_AS_TREES = __import__("os").environ.get("VLLM_ADASPEC_CHAINS_AS_TREES") == "1"  # experiment
+
+
 def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tensor, spec_tokens: dict,
               pending: dict[str, tuple], num_tokens: int) -> TreeStep | None:
     """Match the scheduled drafts against the proposed trees and write depth positions in place.
@@ -142,7 +145,7 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tens
         tokens, parents = proposed[0], proposed[1]
         n = len(spec)
         verified = min(proposed[2], n) if len(proposed) > 2 else n
-        if list(spec) != tokens[:n] or (verified == n and is_chain(parents[:n])):
+        if list(spec) != tokens[:n] or (verified == n and is_chain(parents[:n]) and not _CHAINS_AS_TREES):
             continue
         tree = DraftTree(torch.tensor(tokens[:n]), torch.tensor(parents[:n]))
         start = int(query_start[row])
@@ -188,6 +191,18 @@ def check_branch_slots(req_ids: list[str], query_start: np.ndarray, positions: t
 def forget_branch_slots(req_ids) -> None:
     for r in req_ids:
         _BRANCH_DIRTY.pop(r, None)
+
+
+def live_branch_slots() -> int:
+    return len(_BRANCH_DIRTY)
+
+
+def drop_requests(req_ids) -> None:
+    """Finished or aborted requests: their KV copies and branch-slot records go."""
+    gone = set(req_ids)
+    for key in [key for key in _SEQ_KV if key[0] in gone]:
+        del _SEQ_KV[key]
+    forget_branch_slots(gone)
 
 
 def shrink_tree_seq_lens(step: TreeStep, seq_lens: torch.Tensor) -> None:

@@ -53,7 +53,9 @@ class _AdaspecWorkerMixin:
                 finished=scheduler_output.finished_req_ids,
             )
             if self._adaspec_snapshots is not None:  # for the server's /metrics (engine/metrics.py)
-                self._adaspec_snapshots.maybe_write(drafter.stats)
+                # written at once when requests finished: an idle server then shows their state freed
+                drafter.stats["live"] = drafter.live_state()
+                self._adaspec_snapshots.maybe_write(drafter.stats, force=bool(scheduler_output.finished_req_ids))
         return super().execute_model(scheduler_output)
 
     def adaspec_stats(self) -> dict:

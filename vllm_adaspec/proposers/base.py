@@ -75,7 +75,7 @@ class AdaspecProposer:
         self._record = os.environ.get("VLLM_ADASPEC_RECORD_DRAFTS") == "1"
         # Cost accounting, read through the worker's `adaspec_stats` RPC: drafts returned, wall time inside propose
         # (CPU: synchronous, so this is the drafting cost).
-        self.stats = {"propose_calls": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
+        self.stats = {"propose_calls": 0, "decode_rows": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
                       "policy_seconds": 0.0,
                       # tree mode: trees proposed, their nodes, trees verified as trees, accepted depth histogram
                       "tree_rounds": 0, "tree_nodes": 0, "tree_verified": 0, "tree_kv_moves": 0,
@@ -138,6 +138,11 @@ class AdaspecProposer:
 
     def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
         self._tree_paths = {}
+        if finished and self.tree_mode:  # their tree KV copies and branch-slot records go now, not at the next step
+            from vllm_adaspec.engine import tree_verification as tv
+
+            tv.drop_requests(finished)
+            self.tree_holders.difference_update(finished)
         for st in self.states.finish(finished):
             self.stats["requests_finished"] += 1
             if st.rounds:
@@ -178,6 +183,7 @@ class AdaspecProposer:
         self._before_draft(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         decoding = sum(1 for s in sampled_token_ids if s)
+        self.stats["decode_rows"] += decoding  # target forwards, summed over requests (tau = tokens / this)
         eligible = sum(1 for i, s in enumerate(sampled_token_ids) if s and self._eligible(req_ids[i]))
         cap = self._speed_cap(now, decoding, sum(map(len, sampled_token_ids)), eligible)
         rows, budgets, policies = [], [], []
@@ -282,12 +288,20 @@ class AdaspecProposer:
     def _after_cap(self, cap: int, exploiting: bool) -> None:
         """The guard chose `cap` for the next step (early exit decides whether its exit layers keep their KV)."""
 
+    def live_state(self) -> dict:
+        """Per-request state held right now, by kind (0 everywhere once every request has finished and the engine
+        stepped after it: /metrics `vllm:adaspec_live_state`, the soak test's check that nothing leaks)."""
+        from vllm_adaspec.engine.tree_verification import held_copy_tokens, live_branch_slots
+
+        return {"policies": len(self.states), "tree_kv_copy_tokens": held_copy_tokens(),
+                "tree_holders": len(self.tree_holders), "branch_slot_records": live_branch_slots()}
+
     def get_stats(self) -> dict:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
         return {**copy.deepcopy(self.stats), "tracked_requests": len(self.states),
                 "guard_best": {str(b): k for b, k in self.guard.settled().items()} if self.guard else {},
                 "guard_table": self.guard.table() if self.guard else {},
-                "config": self._config_stats()}
+                "config": self._config_stats(), "live": self.live_state()}
 
 
 def token_rows(rows: list[int], num_tokens_no_spec, token_ids_cpu) -> tuple[np.ndarray, list[np.ndarray]]:

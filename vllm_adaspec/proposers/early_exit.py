@@ -75,6 +75,9 @@ class EarlyExitProposer(AdaspecProposer):
         for r in req_ids:
             self._tree_feats.pop(r, None)
 
+    def live_state(self) -> dict:
+        return {**super().live_state(), "paused_requests": len(self._stale), "tree_features": len(self._tree_feats)}
+
     def on_tree_paths(self, results: dict, kv_moves: int) -> None:
         super().on_tree_paths(results, kv_moves)
         if self._record_trees:  # labels for `adaspec train c2t`: a node is accepted iff it is on the path

@@ -177,6 +177,11 @@ class MultiBranchProposer(AdaspecProposer):
             if self.requests.pop(r, None) is not None and self.suffix is not None:
                 self.suffix.stop(r)
 
+    def live_state(self) -> dict:
+        return {**super().live_state(), "pools": len(self.requests),
+                "suffix_requests": len(self.suffix.cache.active_requests) if self.suffix is not None else 0,
+                "branch_grams": sum(len(st.grams) for st in self.requests.values() if st.grams is not None)}
+
     def _verified_drafts_of(self, req_id: str, scheduled: int) -> int:
         st = self.requests.get(req_id)
         return scheduled if st is None or not st.branches_sent else min(scheduled, st.nodes_sent)
