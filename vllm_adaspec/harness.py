@@ -85,7 +85,8 @@ def metric_values(llm) -> dict:
 
 # Drafter stats that say how things stand now (live per-request state, peaks), not how often something happened:
 # reported as they are after a batch, never as a difference.
-GAUGES = ("tracked_requests", "pool_requests", "suffix_active", "kv_copies", "gram_entries", "tree_kv_copy_peak", "live")
+GAUGES = ("tracked_requests", "pool_requests", "suffix_active", "kv_copies", "gram_entries", "tree_kv_copy_peak", "live",
+          "draft_digest")
 
 
 def diff_metrics(after: dict, before: dict) -> dict:
@@ -102,12 +103,14 @@ def diff_metrics(after: dict, before: dict) -> dict:
     return out
 
 
-def adaspec_stats(llm) -> dict:
-    """The drafter's counters from the (first) worker; {} when the engine runs no adaspec proposer."""
+def adaspec_stats(llm, all_ranks: bool = False):
+    """The drafter's counters from the (first) worker, or from every worker (a list); {} / [] when the engine runs
+    no adaspec proposer."""
     try:
-        return llm.collective_rpc("adaspec_stats")[0] or {}
+        ranks = [r or {} for r in llm.collective_rpc("adaspec_stats")]
     except Exception:  # a worker without our mixin (plain or another method)
-        return {}
+        ranks = []
+    return ranks if all_ranks else (ranks[0] if ranks else {})
 
 
 class EngineHost:
@@ -234,6 +237,8 @@ def _run_batches(llm, job: dict) -> dict:
                     "seconds": seconds,
                     "metrics": diff_metrics(metric_values(llm), before),
                     "adaspec": diff_metrics(adaspec_stats(llm), stats_before),
+                    # "all_ranks": every tensor-parallel rank's counters as they stand (tests compare the ranks)
+                    **({"adaspec_ranks": adaspec_stats(llm, all_ranks=True)} if job.get("all_ranks") else {}),
                     # top log-probs per generated token, [[token id, logprob], ...] best first, when asked for
                     **({"logprobs": [[_top(pos) for pos in o.outputs[0].logprobs] for o in outs]}
                        if outs and outs[0].outputs[0].logprobs is not None else {}),

@@ -117,8 +117,6 @@ def tree_support(vllm_config) -> str | None:
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         return f"tree verification needs an unquantized KV cache (kv_cache_dtype='auto'), got " \
                f"{vllm_config.cache_config.cache_dtype!r}"
-    if vllm_config.parallel_config.tensor_parallel_size > 1:
-        return "tree verification is not proven under tensor parallelism yet"
     return None
 
 

@@ -123,9 +123,6 @@ def is_chain(parents: list[int]) -> bool:
     return all(q == i - 1 for i, q in enumerate(parents))
 
 
-_CHAINS_AS_TREES = __import__("os").environ.get("VLLM_ADASPEC_CHAINS_AS_TREES") == "1"  # experiment
-
-
 def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tensor, spec_tokens: dict,
               pending: dict[str, tuple], num_tokens: int) -> TreeStep | None:
     """Match the scheduled drafts against the proposed trees and write depth positions in place.
@@ -145,7 +142,7 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tens
         tokens, parents = proposed[0], proposed[1]
         n = len(spec)
         verified = min(proposed[2], n) if len(proposed) > 2 else n
-        if list(spec) != tokens[:n] or (verified == n and is_chain(parents[:n]) and not _CHAINS_AS_TREES):
+        if list(spec) != tokens[:n] or (verified == n and is_chain(parents[:n])):
             continue
         tree = DraftTree(torch.tensor(tokens[:n]), torch.tensor(parents[:n]))
         start = int(query_start[row])

@@ -21,6 +21,7 @@ import copy
 import hashlib
 import os
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -75,7 +76,7 @@ class AdaspecProposer:
         self._record = os.environ.get("VLLM_ADASPEC_RECORD_DRAFTS") == "1"
         # Cost accounting, read through the worker's `adaspec_stats` RPC: drafts returned, wall time inside propose
         # (CPU: synchronous, so this is the drafting cost).
-        self.stats = {"propose_calls": 0, "decode_rows": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
+        self.stats = {"propose_calls": 0, "decode_rows": 0, "draft_digest": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
                       "policy_seconds": 0.0,
                       # tree mode: trees proposed, their nodes, trees verified as trees, accepted depth histogram
                       "tree_rounds": 0, "tree_nodes": 0, "tree_verified": 0, "tree_kv_moves": 0,
@@ -216,6 +217,9 @@ class AdaspecProposer:
                     r = rec.setdefault(req_ids[i], {"tokens": [], "drafts": []})
                     r["tokens"] = token_ids_cpu[i, :n].tolist()
                     r["drafts"].append([n, drafts[i][0]])
+        # a digest of every draft proposed: tensor-parallel ranks must propose the same (tests compare it)
+        st["draft_digest"] = zlib.crc32(np.asarray([t for d in drafts for t in d + [-1]], dtype=np.int64).tobytes(),
+                                        st["draft_digest"])
         if rows:
             st["propose_calls"] += 1
             st["draft_tokens"] += sum(map(len, drafts))
@@ -272,7 +276,7 @@ class AdaspecProposer:
             return top
         last = self._interval
         if last is not None and self._pure_decode and last[1] == decoding:
-            self.guard.observe(decoding, last[2], committed, now - last[0])
+            self.guard.observe(decoding, last[2], committed, self._same_on_every_rank(now - last[0]))
         if not decoding:
             cap = top
         elif not eligible:
@@ -284,6 +288,15 @@ class AdaspecProposer:
         self._interval = (now, decoding, cap)
         self.stats["cap_steps"][cap] += 1
         return cap
+
+    def _same_on_every_rank(self, value: float) -> float:
+        """Tensor parallelism: every rank drafts, and must draft the same. The guard's only rank-local input is the
+        step time each rank measured; rank 0's is used everywhere (one small broadcast per observed step)."""
+        if self.vllm_config.parallel_config.tensor_parallel_size == 1:
+            return value
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group().broadcast_object(value, src=0)
 
     def _after_cap(self, cap: int, exploiting: bool) -> None:
         """The guard chose `cap` for the next step (early exit decides whether its exit layers keep their KV)."""

@@ -1,0 +1,68 @@
+"""Tensor parallelism (TP = 2 on this CPU build: multiprocess workers, one core each): every rank drafts, and the
+ranks must draft identically (same drafts, same trees, same speed-guard choices) or their attention diverges and
+their collectives deadlock. SmolLM2-135M has 9 attention heads (not divisible by 2), so this runs a small random
+Llama with SmolLM2's tokenizer (4 heads, 2 KV heads, float32). Greedy output must equal plain TP = 2 decoding for
+MultiBranchProposer (speed guard on: its step times are rank-local, rank 0's are used everywhere; Self-Draft
+branches on, so every step verifies a tree with branch rows) and early-exit trees (the untrained exit: no head is
+trained for this model), and per-rank drafting statistics, including a digest of every draft proposed, must be equal
+across the ranks."""
+
+import os
+import shutil
+
+import pytest
+
+from conftest import ENGINE, MAX_TOKENS, PROMPTS, SPEC, assert_identical
+
+pytestmark = pytest.mark.engine
+
+TP = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "max_num_seqs": 4}
+BATCH = {"prompts": PROMPTS[:4], "params": [{"temperature": 0.0, "max_tokens": m} for m in MAX_TOKENS[:4]]}
+RANK_EQUAL = ("propose_calls", "decode_rows", "draft_tokens", "chosen_nodes", "tree_nodes", "tree_verified",
+              "accepted_drafts", "verified_drafts", "draft_digest", "round_lengths", "tree_accepted_depth",
+              "cap_steps", "branch_rows")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(smollm2, tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper logits than the default init: fewer float32 near-ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in os.listdir(smollm2):
+        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(smollm2, f), out)
+    return str(out)
+
+
+def run(model, engine):
+    from vllm_adaspec.harness import default_env, run_engine
+
+    # vLLM's automatic binding wants a NUMA node per CPU worker; this machine has one: a core per rank instead
+    env = {**default_env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    return run_engine({"model": model, "engine": {**ENGINE, **TP, **engine}, "batches": [BATCH], "all_ranks": True},
+                      env=env)["batches"][0]["runs"][0]
+
+
+def test_tp2_drafts_identically_on_both_ranks_and_output_equals_plain_tp2(tiny_llama):
+    plain = run(tiny_llama, {})
+    arms = [({"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": 20},
+             {"branches": 2, "branch_length": 2}),
+            ({"model": SPEC, "num_speculative_tokens": 8}, {"speed_guard": False, "tree": {"budget": 8}})]
+    for spec, settings in arms:
+        got = run(tiny_llama, {"speculative_config": spec, "additional_config": {"adaspec": settings}})
+        assert_identical(got, plain)
+        ranks = got["adaspec_ranks"]
+        assert len(ranks) == 2 and ranks[0]["tree_verified"] > 20 and ranks[0]["accepted_drafts"] > 0, ranks[0]
+        for key in RANK_EQUAL:
+            assert ranks[0].get(key) == ranks[1].get(key), (spec["model"], key, ranks[0].get(key), ranks[1].get(key))
