@@ -145,7 +145,8 @@ FEATURES = [
     ("min_tokens", "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n", {"min_tokens": 12, "max_tokens": 24}),
     ("stop string", PROMPTS[3], {"stop": ["\n\n"], "max_tokens": 64}),
     ("stop token ids", PROMPTS[0], {"stop_token_ids": [198], "max_tokens": 64}),
-    ("n = 2", PROMPTS[2], {"n": 2, "max_tokens": 24}),
+    # vLLM refuses n > 1 at temperature 0; top_k = 1 at temperature 1 samples the argmax (greedy by another name)
+    ("n = 2", PROMPTS[2], {"n": 2, "temperature": 1.0, "top_k": 1, "seed": 0, "max_tokens": 24}),
     ("json schema", "<|im_start|>user\nGive a person as JSON with name and age.<|im_end|>\n<|im_start|>assistant\n",
      {"structured_outputs": {"json": JSON_SCHEMA}, "max_tokens": 40}),
     ("regex", "The year the first moon landing happened was",

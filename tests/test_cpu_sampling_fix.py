@@ -108,3 +108,22 @@ def test_the_same_check_fails_on_the_unfixed_sampler(vllm_cpu_ops):
     bad_dist = chi2_pvalue(first, torch.softmax(logits[0].double() / T, -1)) < 1e-6
     bad_greedy = not (out[greedy, 0] == int(logits[0].argmax())).all()
     assert bad_dist or bad_greedy
+
+
+def test_a_step_without_draft_rows_survives_a_top_k_request(monkeypatch):
+    """vLLM skips drafting for the whole batch when a request nears max_model_len; such a step still goes through the
+    rejection sampler with zero draft rows, and with a top-k request in the batch vLLM's torch top-k path crashed the
+    engine (k.max() of an empty tensor). With the guard, zero rows come back unchanged; real rows are still cut."""
+    from vllm.v1.sample import rejection_sampler
+
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    monkeypatch.setattr(rejection_sampler, "apply_top_k_top_p", apply_top_k_top_p)  # vLLM's, restored afterwards
+    empty, k = torch.empty(0, 8), torch.empty(0, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="numel"):
+        rejection_sampler.apply_top_k_top_p(empty, k, None)  # vLLM's own, unguarded
+    cpu_sampling_fix.guard_empty_top_k()
+    assert rejection_sampler.apply_top_k_top_p(empty, k, None).shape == (0, 8)
+    x = torch.arange(16, dtype=torch.float32).view(2, 8)
+    cut = rejection_sampler.apply_top_k_top_p(x.clone(), torch.tensor([2, 2], dtype=torch.int32), None)
+    assert torch.isinf(cut).sum() == 12 and cut[0, 6:].tolist() == [6.0, 7.0]

@@ -241,7 +241,7 @@ def _run_batches(llm, job: dict) -> dict:
                     **({"adaspec_ranks": adaspec_stats(llm, all_ranks=True)} if job.get("all_ranks") else {}),
                     # top log-probs per generated token, [[token id, logprob], ...] best first, when asked for
                     **({"logprobs": [[_top(pos) for pos in o.outputs[0].logprobs] for o in outs]}
-                       if outs and outs[0].outputs[0].logprobs is not None else {}),
+                       if outs and all(o.outputs[0].logprobs is not None for o in outs) else {}),
                     # per request: every completion (n > 1), why each stopped, and log-probs where that request
                     # asked for them (None elsewhere)
                     "completions": [[list(c.token_ids) for c in o.outputs] for o in outs],

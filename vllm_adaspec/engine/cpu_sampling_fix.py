@@ -57,6 +57,26 @@ def register_fix() -> bool:
     return True
 
 
+def guard_empty_top_k() -> None:
+    """vLLM's rejection sampler applies top-k / top-p to the target logits of the step's draft rows; when a step
+    carries spec-decode metadata but no draft rows (vLLM skips drafting for a whole batch once any request nears
+    max_model_len) and a request uses top_k, the torch top-k path calls `k.max()` on an empty tensor and the engine
+    dies. Rows to constrain: none, so the logits are returned as they are (idempotent)."""
+    from vllm.v1.sample import rejection_sampler
+
+    original = rejection_sampler.apply_top_k_top_p
+    if getattr(original, "_adaspec_fix", False):
+        return
+
+    def apply_top_k_top_p(logits, k, p, *args, **kwargs):
+        if logits.shape[0] == 0:
+            return logits
+        return original(logits, k, p, *args, **kwargs)
+
+    apply_top_k_top_p._adaspec_fix = True  # type: ignore[attr-defined]
+    rejection_sampler.apply_top_k_top_p = apply_top_k_top_p
+
+
 def install() -> None:
     """Make the CPU platform register our fix after its own overrides (idempotent, CPU only)."""
     from vllm.platforms import current_platform
@@ -71,6 +91,7 @@ def install() -> None:
     def register_triton_kernel_overrides(cls) -> None:
         original.__func__(cls)
         register_fix()
+        guard_empty_top_k()
 
     register_triton_kernel_overrides._adaspec_fix = True  # type: ignore[attr-defined]
     platform_cls.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)

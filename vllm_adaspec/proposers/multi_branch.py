@@ -51,8 +51,13 @@ def usable_pools(resolved, vllm_config) -> tuple[str, ...]:
     from vllm_adaspec.heads.medusa import find_medusa
     from vllm_adaspec.pools.corpus import find_corpus
 
-    checks = {"corpus": lambda: find_corpus(vllm_config.model_config.tokenizer, resolved.corpus),
-              "medusa": lambda: find_medusa(vllm_config.model_config.hf_text_config, resolved.medusa)}
+    def medusa():
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise AdaspecConfigError("vllm_adaspec: the medusa pool needs tensor_parallel_size 1 (its heads read the "
+                                     "unsharded LM head)")
+        find_medusa(vllm_config.model_config.hf_text_config, resolved.medusa)
+
+    checks = {"corpus": lambda: find_corpus(vllm_config.model_config.tokenizer, resolved.corpus), "medusa": medusa}
     out = []
     for pool in resolved.pools:
         if pool in checks:
