@@ -20,7 +20,7 @@ def request(base: str, path: str, body, stream: bool = False, timeout: float = 3
     stream chunks (a client that vanishes). Returns {"status", "text", "chunks", "dropped", "error"}."""
     u = urlparse(base)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    data = body if isinstance(body, bytes) else json.dumps({**body, "stream": True} if stream else body).encode()
     out = {"status": None, "text": "", "chunks": 0, "dropped": False, "error": None, "finish_reason": None}
     try:
         conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})

@@ -3,8 +3,7 @@ ranks must draft identically (same drafts, same trees, same speed-guard choices)
 their collectives deadlock. SmolLM2-135M has 9 attention heads (not divisible by 2), so this runs a small random
 Llama with SmolLM2's tokenizer (4 heads, 2 KV heads, float32). Greedy output must equal plain TP = 2 decoding for
 MultiBranchProposer (speed guard on: its step times are rank-local, rank 0's are used everywhere; Self-Draft
-branches on, so every step verifies a tree with branch rows) and early-exit trees (the untrained exit: no head is
-trained for this model), and per-rank drafting statistics, including a digest of every draft proposed, must be equal
+branches on, so every step verifies a tree with branch rows), and per-rank drafting statistics, including a digest of every draft proposed, must be equal
 across the ranks."""
 
 import os
@@ -12,7 +11,7 @@ import shutil
 
 import pytest
 
-from conftest import ENGINE, MAX_TOKENS, PROMPTS, SPEC, assert_identical
+from conftest import ENGINE, MAX_TOKENS, PROMPTS, assert_identical
 
 pytestmark = pytest.mark.engine
 
@@ -56,9 +55,11 @@ def run(model, engine):
 
 def test_tp2_drafts_identically_on_both_ranks_and_output_equals_plain_tp2(tiny_llama):
     plain = run(tiny_llama, {})
+    # MultiBranchProposer covers what TP can break: trees (tree attention on each rank's heads, KV compaction per
+    # rank), branch rows and the speed guard's rank-local timings. Early-exit trees under TP = 2 were run the same
+    # way by hand (identical output and drafts, session 12's closing note) and are left out to keep the suite short.
     arms = [({"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": 20},
-             {"branches": 2, "branch_length": 2}),
-            ({"model": SPEC, "num_speculative_tokens": 8}, {"speed_guard": False, "tree": {"budget": 8}})]
+             {"branches": 2, "branch_length": 2})]
     for spec, settings in arms:
         got = run(tiny_llama, {"speculative_config": spec, "additional_config": {"adaspec": settings}})
         assert_identical(got, plain)
