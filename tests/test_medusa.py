@@ -124,7 +124,8 @@ def test_default_pools_drop_what_a_model_lacks_and_listed_pools_must_exist(smoll
         hf = AutoConfig.from_pretrained(smollm2)
         for k, v in hf_changes.items():
             setattr(hf, k, v)
-        vc = SimpleNamespace(model_config=SimpleNamespace(tokenizer=smollm2, hf_text_config=hf))
+        vc = SimpleNamespace(model_config=SimpleNamespace(tokenizer=smollm2, hf_text_config=hf),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1))
         cfg = resolve_config(parse_adaspec_config({"adaspec": section}, proposer="multi_branch"), architectures=None,
                              num_layers=30, num_speculative_tokens=16, proposer="multi_branch")
         return cfg, vc

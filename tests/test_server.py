@@ -99,26 +99,17 @@ def test_completions_equal_offline_output(server, plain_greedy):
 
 def test_metrics_show_speculation(server):
     base, _ = server
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:spec_decode_num_"):
-            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
-            values[name] = values.get(name, 0) + value
+    values = scrape(base, "vllm:spec_decode_num_")
     assert values.get("vllm:spec_decode_num_drafts_total", 0) > 0, values
     assert values.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0, values
 
 
 def scrape(base, prefix):
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
-            values[name] = values.get(name, 0) + value
-    return values
+    """/metrics families starting with prefix, each summed over its labels."""
+    from soak import scrape as samples, total
+
+    found = samples(base, prefix)
+    return {name: total(found, name) for name in {k.split("{")[0] for k in found}}
 
 
 def test_metrics_show_adaspec_drafting(server):

@@ -49,11 +49,14 @@ class SnapshotWriter:
         self.interval = interval
         self._last = 0.0
 
-    def maybe_write(self, stats: dict, force: bool = False) -> bool:
+    def maybe_write(self, stats, force: bool = False) -> bool:
+        """stats: a dict, or a function returning one (called only when a snapshot is due)."""
         now = time.monotonic()
         if self.path is None or (not force and now - self._last < self.interval):
             return False
         self._last = now
+        if callable(stats):
+            stats = stats()
         tmp = self.path + ".tmp"
         try:
             with open(tmp, "w") as f:

@@ -43,11 +43,11 @@ class TreeRequest:
     tree: DraftTree
     mask: torch.Tensor  # [n + 1, n + 1] bool ancestor-or-self over verification rows
     visible: torch.Tensor | None = None  # [1, 1, n + 1, root + n + 1] bool, built by the first layer
-    verified: int = -1  # nodes 0..verified-1 are verified; the rest are draft-branch rows, harvested (-1: all)
+    branch_rows: int = 0  # the last nodes are draft-branch rows (pools/branches.py): read, not verified
 
     @property
     def num_verified(self) -> int:
-        return len(self.tree) if self.verified < 0 else self.verified
+        return len(self.tree) - self.branch_rows
 
 
 @dataclass
@@ -148,8 +148,7 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tens
         start = int(query_start[row])
         root_pos = int(positions[start])
         positions[start + 1:start + 1 + n] = root_pos + tree.depths.to(positions.dtype)
-        requests.append(TreeRequest(row, req_id, start, root_pos, tree, ancestor_mask(tree),
-                                    verified=-1 if verified == n else verified))
+        requests.append(TreeRequest(row, req_id, start, root_pos, tree, ancestor_mask(tree), branch_rows=n - verified))
     return TreeStep(num_tokens, requests) if requests else None
 
 
@@ -166,7 +165,7 @@ def check_branch_slots(req_ids: list[str], query_start: np.ndarray, positions: t
     the request's committed prefix (positions below its first row, which this forward reads as final). Then: this
     forward's rows overwrite their positions, and its branch rows leave theirs dirty. Compaction only ever moves
     verified nodes to root + 1 .. root + accepted, below every branch position (branch rows come after the nodes)."""
-    branch_rows = {r.req_id: r for r in step.requests if r.verified >= 0} if step is not None else {}
+    branch_rows = {r.req_id: r for r in step.requests if r.branch_rows} if step is not None else {}
     for row, req_id in enumerate(req_ids):
         start, end = int(query_start[row]), int(query_start[row + 1])
         if end <= start:
@@ -178,7 +177,7 @@ def check_branch_slots(req_ids: list[str], query_start: np.ndarray, positions: t
         dirty = {p for p in dirty if p >= end - start + root}
         r = branch_rows.get(req_id)
         if r is not None:
-            dirty |= set(range(root + 1 + r.verified, root + 1 + len(r.tree)))
+            dirty |= set(range(root + 1 + r.num_verified, root + 1 + len(r.tree)))
         if dirty:
             _BRANCH_DIRTY[req_id] = dirty
         else:

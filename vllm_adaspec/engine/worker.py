@@ -6,6 +6,8 @@ them from the runner it is attached to. Selected automatically by `engine.plugin
 
 from __future__ import annotations
 
+import os
+
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -54,8 +56,8 @@ class _AdaspecWorkerMixin:
             )
             if self._adaspec_snapshots is not None:  # for the server's /metrics (engine/metrics.py)
                 # written at once when requests finished: an idle server then shows their state freed
-                drafter.stats["live"] = drafter.live_state()
-                self._adaspec_snapshots.maybe_write(drafter.stats, force=bool(scheduler_output.finished_req_ids))
+                self._adaspec_snapshots.maybe_write(lambda: {**drafter.stats, "live": drafter.live_state()},
+                                                    force=bool(scheduler_output.finished_req_ids))
         return super().execute_model(scheduler_output)
 
     def adaspec_stats(self) -> dict:
@@ -68,8 +70,6 @@ def _install_tree_verification(runner, drafter) -> None:
     """Tree mode: depth positions after `_prepare_inputs`, tree-mask attention, tree rejection sampling + KV
     compaction (engine/tree_verification.py)."""
     from vllm_adaspec.engine import tree_verification as tv
-
-    import os
 
     tv.install_cpu_attention_patch()
     prepare = runner._prepare_inputs

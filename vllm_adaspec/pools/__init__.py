@@ -37,6 +37,33 @@ class Candidates:
         return len(self.tokens)
 
 
+def continuation_trie(continuations, depth: int, max_nodes: int, key) -> Candidates:
+    """Candidates from weighted continuations [(tokens, weight), ...] of the root: shared prefixes are one node (at
+    most `max_nodes`, each continuation cut at `depth`), and a node's probability given its parent is the share of
+    the parent's weight that continues with it (the root's: of all weight). key(prob) -> its calibration key."""
+    out = Candidates()
+    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    count: list[float] = []
+    total = 0
+    for cont, weight in continuations:
+        total += weight
+        parent = -1
+        for t in cont[:depth]:
+            node = children.get((parent, t))
+            if node is None:
+                if len(out) >= max_nodes:
+                    break
+                node = children[(parent, t)] = out.add(parent, t, 0.0, ())
+                count.append(0)
+            count[node] += weight
+            parent = node
+    for i, parent in enumerate(out.parents):
+        prob = count[i] / (count[parent] if parent >= 0 else total)
+        out.probs[i] = prob
+        out.keys[i] = key(prob)
+    return out
+
+
 def prob_bucket(p: float) -> int:
     """0..9: which tenth of [0, 1] a probability falls in (calibration keys)."""
     return min(9, max(0, int(p * 10)))

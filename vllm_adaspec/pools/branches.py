@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 
-from vllm_adaspec.pools import Candidates, prob_bucket
+from vllm_adaspec.pools import Candidates, continuation_trie, prob_bucket
 
 GRAM = 4  # gram length G (the paper's): a key token and up to three continuation tokens
 BRANCH_INITS = ("prompt", "random")
@@ -33,18 +33,22 @@ class GramCache:
     def __init__(self, per_key: int = 8, max_keys: int = 2048):
         self.per_key, self.max_keys = per_key, max_keys
         self.grams: OrderedDict[int, OrderedDict[tuple[int, ...], int]] = OrderedDict()  # key -> {cont: hits}
+        self.size = 0  # grams held (read every step for /metrics: kept, not counted)
 
     def add(self, key: int, cont: tuple[int, ...]) -> None:
         conts = self.grams.get(key)
         if conts is None:
             conts = self.grams[key] = OrderedDict()
             if len(self.grams) > self.max_keys:
-                self.grams.popitem(last=False)
+                self.size -= len(self.grams.popitem(last=False)[1])
         else:
             self.grams.move_to_end(key)
-        conts[cont] = conts.pop(cont, 0) + 1
+        hits = conts.pop(cont, 0)
+        conts[cont] = hits + 1
+        self.size += hits == 0
         if len(conts) > self.per_key:
             conts.popitem(last=False)
+            self.size -= 1
 
     def lookup(self, key: int) -> list[tuple[tuple[int, ...], int]]:
         """(continuation, hits) under `key`, most recent first."""
@@ -52,7 +56,7 @@ class GramCache:
         return [] if not conts else list(reversed(conts.items()))
 
     def __len__(self) -> int:
-        return sum(map(len, self.grams.values()))
+        return self.size
 
 
 def init_branches(prompt: list[int], n: int, length: int, how: str, seed: int, vocab_size: int) -> list[list[int]]:
@@ -113,27 +117,6 @@ def append_branches(tokens: list[int], parents: list[int], branches: list[list[i
 def propose_branches(cache: GramCache, last_token: int, depth: int, max_nodes: int = 64) -> Candidates:
     """The trie of the grams under the request's last token (each continuation up to `depth` tokens): a node's
     probability given its parent is its share of the parent's hits, as in the context pool."""
-    out = Candidates()
     found = cache.lookup(last_token)
-    if not found or depth < 1:
-        return out
-    children: dict[tuple[int, int], int] = {}
-    count: list[int] = []
-    total = 0
-    for cont, hits in found:
-        parent = -1
-        total += hits
-        for t in cont[:depth]:
-            node = children.get((parent, t))
-            if node is None:
-                if len(out) >= max_nodes:
-                    break
-                node = children[(parent, t)] = out.add(parent, t, 0.0, ())
-                count.append(0)
-            count[node] += hits
-            parent = node
-    for i, parent in enumerate(out.parents):
-        prob = count[i] / (count[parent] if parent >= 0 else total)
-        out.probs[i] = prob
-        out.keys[i] = ("branches", min(len(found), 4), prob_bucket(prob))
-    return out
+    matches = min(len(found), 4)
+    return continuation_trie(found, depth, max_nodes, lambda prob: ("branches", matches, prob_bucket(prob)))

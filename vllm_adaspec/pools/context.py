@@ -8,7 +8,7 @@ request."""
 
 from __future__ import annotations
 
-from vllm_adaspec.pools import Candidates, prob_bucket
+from vllm_adaspec.pools import Candidates, continuation_trie, prob_bucket
 
 
 class ContextIndex:
@@ -39,26 +39,8 @@ class ContextIndex:
 def propose_context(index: ContextIndex, depth: int, max_matches: int = 32, max_nodes: int = 64) -> Candidates:
     """The trie of the continuations (up to `depth` tokens) of the last tokens' most recent matches."""
     n, ends = index.matches()
-    out = Candidates()
     if not n:
-        return out
+        return Candidates()
     toks = index.tokens
-    ends = ends[-max_matches:]
-    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-    count: list[int] = []
-    for p in ends:
-        parent = -1
-        for t in toks[p:p + depth]:
-            node = children.get((parent, t))
-            if node is None:
-                if len(out) >= max_nodes:
-                    break
-                node = children[(parent, t)] = out.add(parent, t, 0.0, ())
-                count.append(0)
-            count[node] += 1
-            parent = node
-    for i, parent in enumerate(out.parents):
-        prob = count[i] / (count[parent] if parent >= 0 else len(ends))
-        out.probs[i] = prob
-        out.keys[i] = ("context", n, prob_bucket(prob))
-    return out
+    return continuation_trie(((toks[p:p + depth], 1) for p in ends[-max_matches:]), depth, max_nodes,
+                             lambda prob: ("context", n, prob_bucket(prob)))

@@ -67,6 +67,7 @@ class AdaspecProposer:
         self.tree_holders: set[str] = set()  # requests admitted to tree mode last step (they keep KV copies)
         self._tree_paths: dict[int, list[int]] = {}  # this step's accepted tree paths, by batch row
         self._extra_rows = 0  # rows a tree carries besides its nodes (draft branches)
+        self._tp = vllm_config.parallel_config.tensor_parallel_size > 1
         self._target_hidden, self._verified_drafts = None, None
         self.guard = self._make_guard()
         self._interval = None  # (start time, decoding batch size, cap) of the previous propose call
@@ -76,8 +77,10 @@ class AdaspecProposer:
         self._record = os.environ.get("VLLM_ADASPEC_RECORD_DRAFTS") == "1"
         # Cost accounting, read through the worker's `adaspec_stats` RPC: drafts returned, wall time inside propose
         # (CPU: synchronous, so this is the drafting cost).
-        self.stats = {"propose_calls": 0, "decode_rows": 0, "draft_digest": 0, "draft_passes": 0, "draft_tokens": 0, "draft_seconds": 0.0,
-                      "policy_seconds": 0.0,
+        self.stats = {"propose_calls": 0, "decode_rows": 0, "draft_passes": 0, "draft_tokens": 0,
+                      "draft_seconds": 0.0, "policy_seconds": 0.0,
+                      # tensor parallelism: a CRC of every draft proposed (ranks must propose the same)
+                      "draft_digest": 0,
                       # tree mode: trees proposed, their nodes, trees verified as trees, accepted depth histogram
                       "tree_rounds": 0, "tree_nodes": 0, "tree_verified": 0, "tree_kv_moves": 0,
                       "tree_capped": 0, "tree_kv_copy_peak": 0,
@@ -217,9 +220,9 @@ class AdaspecProposer:
                     r = rec.setdefault(req_ids[i], {"tokens": [], "drafts": []})
                     r["tokens"] = token_ids_cpu[i, :n].tolist()
                     r["drafts"].append([n, drafts[i][0]])
-        # a digest of every draft proposed: tensor-parallel ranks must propose the same (tests compare it)
-        st["draft_digest"] = zlib.crc32(np.asarray([t for d in drafts for t in d + [-1]], dtype=np.int64).tobytes(),
-                                        st["draft_digest"])
+        if self._tp:  # a digest of every draft proposed: the ranks must propose the same (tests compare it)
+            st["draft_digest"] = zlib.crc32(np.asarray([t for d in drafts for t in d + [-1]], np.int64).tobytes(),
+                                            st["draft_digest"])
         if rows:
             st["propose_calls"] += 1
             st["draft_tokens"] += sum(map(len, drafts))
@@ -292,7 +295,7 @@ class AdaspecProposer:
     def _same_on_every_rank(self, value: float) -> float:
         """Tensor parallelism: every rank drafts, and must draft the same. The guard's only rank-local input is the
         step time each rank measured; rank 0's is used everywhere (one small broadcast per observed step)."""
-        if self.vllm_config.parallel_config.tensor_parallel_size == 1:
+        if not self._tp:
             return value
         from vllm.distributed import get_tp_group
 

@@ -52,7 +52,7 @@ def usable_pools(resolved, vllm_config) -> tuple[str, ...]:
     from vllm_adaspec.pools.corpus import find_corpus
 
     def medusa():
-        if getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) > 1:
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
             raise AdaspecConfigError("vllm_adaspec: the medusa pool needs tensor_parallel_size 1 (its heads read the "
                                      "unsharded LM head)")
         find_medusa(vllm_config.model_config.hf_text_config, resolved.medusa)
