@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from vllm_adaspec.data.prompts import load_prompts
+from vllm_adaspec.data.prompts import WORKLOAD_MIX, load_prompts
 from vllm_adaspec.harness import run_engine
 from vllm_adaspec.models import resolve_model
 
@@ -273,7 +274,8 @@ def merge_rounds(per_round: list[dict], todo: dict) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"])
+    p.add_argument("--datasets", nargs="+", default=["mix"],
+                   help="prompt sets (vllm_adaspec.data.PROMPT_SETS); 'mix' = the workload mix: " + ", ".join(WORKLOAD_MIX))
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -307,7 +309,8 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = {ds: load_prompts(ds, args.num_prompts, tokenizer=tok) for ds in args.datasets}
+    datasets = [d for ds in args.datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
+    prompts = {ds: load_prompts(ds, args.num_prompts, tokenizer=tok) for ds in datasets}
     plan = calls(prompts, args.batch_sizes, args.repeats, args.max_tokens, args.temperature)
     tags = [c.pop("tag") for c in plan]
     engine = {"dtype": args.dtype, "max_model_len": 2048, "seed": 0, "enforce_eager": True}
@@ -341,6 +344,8 @@ def main(argv=None) -> int:
     results = merge_rounds(per_round, todo)
 
     table = markdown(results, args)
+    if len({key.split("|")[0] for key in results["plain"]}) > 1:
+        table = mix_table(results) + "\n\nEvery cell:\n\n" + table
     if any(k.startswith("adaspec-ee") for k in results):
         table += "\n\nBreak-even at batch 1 (first repeat):\n\n" + break_even(results)
     if any(" branches N=" in name for name in results):
@@ -361,6 +366,38 @@ def main(argv=None) -> int:
         plot_branch_heatmap(results, out.with_name(out.stem + "_branches.png"))
     print(table)
     return 0
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def mix_table(results: dict) -> str:
+    """Per batch size: each task type's speedup over plain and tau for every method, then the geometric mean over
+    the types (speedup; tau), and each method's geometric-mean ratio to vLLM's `suffix` when it ran."""
+    names = [n for n in results if n != "plain"]
+    out = []
+    for bs in sorted({int(k.split("|")[1]) for k in results["plain"]}):
+        keys = [k for k in results["plain"] if int(k.split("|")[1]) == bs]
+        lines = [f"batch {bs}: speedup over plain / tau (tokens per target forward); plain in tok/s", "",
+                 "| task type | plain | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for key in keys:
+            cells = [f"{results[n][key]['speedup']:.2f}x / {results[n][key]['tau']:.2f}"
+                     + ("" if results[n][key]["identical"] in (None, results[n][key]["n"]) else
+                        f" ({results[n][key]['identical']}/{results[n][key]['n']} identical)") for n in names]
+            lines.append(f"| {key.split('|')[0]} | {results['plain'][key]['tok_s']:.1f} | " + " | ".join(cells) + " |")
+        lines.append("| **geometric mean** | | " + " | ".join(
+            f"**{geomean(results[n][k]['speedup'] for k in keys):.2f}x** / {geomean(results[n][k]['tau'] for k in keys):.2f}"
+            for n in names) + " |")
+        if "suffix" in results:
+            lines.append("| vs vLLM suffix (geo. mean; worst type) | | " + " | ".join(
+                f"{geomean(results[n][k]['speedup'] / results['suffix'][k]['speedup'] for k in keys):.2f}x; "
+                f"{min(results[n][k]['speedup'] / results['suffix'][k]['speedup'] for k in keys):.2f}x "
+                f"({min(keys, key=lambda k: results[n][k]['speedup'] / results['suffix'][k]['speedup']).split('|')[0]})"
+                for n in names) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
 
 
 def branch_grid(results: dict) -> dict:

@@ -29,7 +29,7 @@ from vllm_adaspec.trees.trie import Calibration, best_prefix, feedback, merge, r
 OUT = Path(__file__).parent / "out"
 # Relative time of a verification step by rows (1 = plain decoding), batch 1 (chains; trees cost --tree-factor more);
 # from benchmarks/verify_cost.py on this CPU. Replaced by --cost.
-from vllm_adaspec.proposers.multi_branch import VERIFY_COST  # noqa: E402
+from vllm_adaspec.policies.cost_model import VERIFY_COST  # noqa: E402
 from vllm_adaspec.trees.trie import cost_curve  # noqa: E402
 
 DEFAULT_COST = cost_curve(VERIFY_COST)

@@ -30,7 +30,7 @@ def test_explicit_values_are_kept():
 @pytest.mark.parametrize(
     "section, words",
     [
-        ({"exit_layers": 6}, ["unknown key", "'exit_layers'", "allowed keys: exit_layer, policy, exit_head, speed_guard"]),
+        ({"exit_layers": 6}, ["unknown key", "'exit_layers'", "allowed keys: exit_layer, policy, exit_head, cost_model"]),
         ({"exit_layer": "six"}, ["['exit_layer']", "must be an integer", "str 'six'"]),
         ({"exit_layer": True}, ["['exit_layer']", "must be an integer", "bool"]),
         ({"exit_layer": 6.0}, ["['exit_layer']", "must be an integer", "float"]),
@@ -42,7 +42,10 @@ def test_explicit_values_are_kept():
         ({"policy": {"name": "adaedl", "beta2": 1.0}}, ["['policy']", "beta2 must be in [0, 1)", "got 1.0"]),
         ({"policy": {"name": "thompson-beta", "alpha0": "1"}}, ["['policy']", "'alpha0' must be a number"]),
         ({"policy": {"name": "fixed", "k": 3}}, ["['policy']", "takes: none"]),
-        ({"speed_guard": "yes"}, ["['speed_guard']", "must be true or false", "str 'yes'"]),
+        ({"speed_guard": "yes"}, ["['speed_guard']", "must be true or false", "str 'yes'", "older name of 'cost_model'"]),
+        ({"cost_model": "fast"}, ["['cost_model']", "must be one of 'online', 'prior', 'off'", "'fast'"]),
+        ({"cost_model": True}, ["['cost_model']", "must be one of", "True"]),
+        ({"cost_model": "off", "speed_guard": False}, ["['cost_model']", "not both"]),
         ({"exit_head": ""}, ["['exit_head']", "'auto', 'none' or a checkpoint folder"]),
     ],
 )
@@ -51,6 +54,18 @@ def test_bad_settings_name_the_key_and_what_is_allowed(section, words):
         parse_adaspec_config({"adaspec": section})
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("section, proposer, expected", [
+    ({}, "early_exit", "online"), ({}, "multi_branch", "online"), ({"cost_model": "prior"}, "multi_branch", "prior"),
+    ({"cost_model": "off"}, "early_exit", "off"),
+    # the older name keeps its meaning: on = the cost model, off = drafts sized as before (MultiBranchProposer's
+    # shipped curve; early exit: the policy's length)
+    ({"speed_guard": True}, "early_exit", "online"), ({"speed_guard": False}, "early_exit", "off"),
+    ({"speed_guard": False}, "multi_branch", "prior"),
+])
+def test_cost_model_setting(section, proposer, expected):
+    assert parse_adaspec_config({"adaspec": section}, proposer=proposer).cost_model == expected
 
 
 def test_section_must_be_a_mapping():

@@ -12,7 +12,7 @@ EE = "vllm_adaspec.EarlyExitProposer"
 MB = "vllm_adaspec.MultiBranchProposer"
 CASES = {
     "unknown key": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_layr": 6}}, {},
-                    ["unknown key(s) 'exit_layr'", "allowed keys: exit_layer, policy, exit_head, speed_guard"]),
+                    ["unknown key(s) 'exit_layr'", "allowed keys: exit_layer, policy, exit_head, cost_model"]),
     "exit head not a string": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_head": 5}}, {},
                                ["['exit_head']: must be 'auto', 'none' or a checkpoint folder; got 5"]),
     "exit head missing": ({"model": EE, "num_speculative_tokens": 3}, {"adaspec": {"exit_head": "/no/such/head"}}, {},
@@ -36,7 +36,7 @@ CASES = {
                      ["['pools']: unknown pool(s) 'ngram'; known: context, suffix, recycled, corpus"]),
     "early-exit key for multibranch": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"exit_layer": 6}},
                                        {}, ["unknown key(s) 'exit_layer' for MultiBranchProposer",
-                                            "allowed keys: pools, corpus, medusa, policy, speed_guard, tree, acceptance"]),
+                                            "allowed keys: pools, corpus, medusa, policy, cost_model, tree, acceptance"]),
     "model policy for multibranch": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"policy": "adaedl"}},
                                      {}, ["'adaedl' reads a drafting model's distribution"]),
     "multibranch budget over K": ({"model": MB, "num_speculative_tokens": 4}, {"adaspec": {"tree": {"budget": 8}}},

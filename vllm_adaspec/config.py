@@ -25,13 +25,19 @@ class AdaspecConfigError(ValueError):
 
 # Which settings each proposer reads: a common part (draft-length policy, speed guard, token trees) and a part of
 # its own. Keys of another proposer are refused like unknown keys.
-COMMON_KEYS = ("policy", "speed_guard", "tree")
+COMMON_KEYS = ("policy", "cost_model", "speed_guard", "tree")
 PROPOSER_KEYS = {
-    "early_exit": ("exit_layer", "policy", "exit_head", "speed_guard", "tree", "acceptance"),
-    "multi_branch": ("pools", "corpus", "medusa", "policy", "speed_guard", "tree", "acceptance", "branches",
-                     "branch_length", "branch_init"),
-    "probe": ("policy", "speed_guard", "tree"),
+    "early_exit": ("exit_layer", "policy", "exit_head", "cost_model", "speed_guard", "tree", "acceptance"),
+    "multi_branch": ("pools", "corpus", "medusa", "policy", "cost_model", "speed_guard", "tree", "acceptance",
+                     "branches", "branch_length", "branch_init"),
+    "probe": ("policy", "cost_model", "speed_guard", "tree"),
 }
+# How drafts are sized against what verifying them costs (policies/cost_model.py):
+#   "online"  the step cost model, fitted online from the engine's own step times, starting from the shipped curve
+#   "prior"   the shipped curve only, never refitted (MultiBranchProposer; early exit: as "off")
+#   "off"     no cost model: every candidate within the budget is verified (early exit: the policy's length)
+COST_MODELS = ("online", "prior", "off")
+OLD_NAMES = ("speed_guard",)  # still accepted, not listed
 PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBranchProposer",
                     "probe": "ProbeProposer"}
 # Tree keys per proposer: early exit grows its trees from the exit head (top_k, depth; the builder picks nodes by
@@ -72,9 +78,9 @@ class AdaspecConfig:
     # model if there is one (else the untrained exit, with a warning); "none" = the untrained exit
     # (final norm + LM head on h_N).
     exit_head: str = "auto"
-    # Cap each step's drafts at the k in 0..K with the best measured throughput for the current batch size
-    # (policies/speed_guard.py): drafting is switched off where it does not pay. false = always up to K.
-    speed_guard: bool = True
+    # How drafts are sized against their verification cost (COST_MODELS). `speed_guard` is its older name:
+    # true = "online", false = "prior" (MultiBranchProposer) / "off" (early exit), what it meant before.
+    cost_model: str = "online"
     # Token-tree drafting (engine/tree_verification.py): {"budget": nodes per tree, "top_k": children per chain
     # node, "depth": chain depth (default ceil(budget / top_k))}. None = chains.
     tree: "TreeSettings | None" = None
@@ -229,7 +235,7 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None, proposer: 
         hint = (f" ({', '.join(map(repr, other))} belong to another proposer)" if other else "")
         raise AdaspecConfigError(
             f"additional_config['{SECTION}']: unknown key(s) {', '.join(map(repr, unknown))} for "
-            f"{PROPOSER_CLASSES[proposer]}{hint}; allowed keys: {', '.join(allowed)}"
+            f"{PROPOSER_CLASSES[proposer]}{hint}; allowed keys: {', '.join(k for k in allowed if k not in OLD_NAMES)}"
         )
     exit_layer = section.get("exit_layer")
     if exit_layer is not None:
@@ -240,16 +246,29 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None, proposer: 
     exit_head = section.get("exit_head", "auto")
     if not isinstance(exit_head, str) or not exit_head:
         raise _fail("exit_head", f"must be 'auto', 'none' or a checkpoint folder; got {exit_head!r}")
-    speed_guard = section.get("speed_guard", True)
-    if not isinstance(speed_guard, bool):
-        raise _fail("speed_guard", f"must be true or false, got {type(speed_guard).__name__} {speed_guard!r}")
+    cost_model = _parse_cost_model(section, proposer)
     return AdaspecConfig(exit_layer=exit_layer, policy=policy, policy_params=policy_params, exit_head=exit_head,
-                         speed_guard=speed_guard, tree=_parse_tree(section.get("tree"), proposer),
+                         cost_model=cost_model, tree=_parse_tree(section.get("tree"), proposer),
                          pools=_parse_pools(section.get("pools", DEFAULT_POOLS)), pools_given="pools" in section,
                          corpus=_parse_artifact("corpus", section, "a corpus table (corpus.npz or its folder)"),
                          medusa=_parse_artifact("medusa", section, "a Medusa heads folder (`adaspec train medusa`)"),
                          acceptance=_parse_acceptance(section.get("acceptance")),
                          **_parse_branches(section))
+
+
+def _parse_cost_model(section: Mapping, proposer: str) -> str:
+    if "cost_model" in section and "speed_guard" in section:
+        raise _fail("cost_model", "give 'cost_model' or its older name 'speed_guard', not both")
+    if "speed_guard" in section:
+        guard = section["speed_guard"]
+        if not isinstance(guard, bool):
+            raise _fail("speed_guard", f"must be true or false, got {type(guard).__name__} {guard!r} (it is the "
+                                       f"older name of 'cost_model': one of {', '.join(map(repr, COST_MODELS))})")
+        return "online" if guard else ("prior" if proposer == "multi_branch" else "off")
+    value = section.get("cost_model", "online")
+    if value not in COST_MODELS:
+        raise _fail("cost_model", f"must be one of {', '.join(map(repr, COST_MODELS))}, got {value!r}")
+    return value
 
 
 def _parse_branches(section: Mapping) -> dict:
@@ -324,7 +343,7 @@ class ResolvedConfig:
     policy: str
     exit_head: str | None = None  # checkpoint folder, or None for the untrained exit
     policy_params: dict = field(default_factory=dict)
-    speed_guard: bool = True
+    cost_model: str = "online"
     exit_head_setting: str = "auto"  # what the user asked for: "auto", "none" or a folder
     tree: TreeSettings | None = None
     pools: tuple[str, ...] = DEFAULT_POOLS
@@ -400,7 +419,7 @@ def resolve_config(
         )
     return ResolvedConfig(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
                           policy_params=cfg.policy_params,
-                          exit_head=head, speed_guard=cfg.speed_guard, exit_head_setting=cfg.exit_head,
+                          exit_head=head, cost_model=cfg.cost_model, exit_head_setting=cfg.exit_head,
                           tree=cfg.tree, acceptance=cfg.acceptance)
 
 
@@ -453,7 +472,7 @@ def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int) -> Resolv
                                  "sdist must be built against the installed torch: scripts/setup.sh shows how); "
                                  "remove 'suffix' from pools to run without it")
     return ResolvedConfig(exit_layer=0, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
-                          policy_params=cfg.policy_params, speed_guard=cfg.speed_guard, exit_head_setting="none",
+                          policy_params=cfg.policy_params, cost_model=cfg.cost_model, exit_head_setting="none",
                           tree=tree, pools=pools, pools_given=cfg.pools_given, corpus=cfg.corpus, medusa=cfg.medusa,
                           acceptance=cfg.acceptance, branches=cfg.branches, branch_length=cfg.branch_length,
                           branch_init=cfg.branch_init)

@@ -18,6 +18,7 @@ class RequestState:
     rounds: int = 0  # verification rounds that carried drafts
     drafted: int = 0  # total drafts verified
     accepted: int = 0  # total drafts accepted
+    rejected: int = 0  # rounds that ended in a rejected draft (accepted / (accepted + rejected): a draft's chance)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class RequestStates:
         st.rounds += 1
         st.drafted += drafted
         st.accepted += accepted
+        st.rejected += accepted < drafted
         st.drafted_last = 0
         st.policy.observe(drafted, accepted)
         return drafted, accepted

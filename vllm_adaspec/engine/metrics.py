@@ -11,7 +11,9 @@ Metrics (labels: policy, engine):
     vllm:adaspec_accepted_drafts_total           of those, accepted
     vllm:adaspec_draft_seconds_total             time spent drafting
     vllm:adaspec_requests_finished_total         requests finished
-    vllm:adaspec_speed_guard_steps_total{cap}    decode steps by the speed guard's draft cap (0 = plain)
+    vllm:adaspec_decode_steps_total{drafting}    decode steps without (0) and with (1) drafts from us
+    vllm:adaspec_step_cost_seconds{batch,rows}   the step cost model's fit: seconds of a step of `batch` decoding
+                                                 requests with `rows` drafted rows in all (0, 1, 3, 7, 15, 31)
     vllm:adaspec_request_acceptance_rate         histogram over finished requests that drafted
     vllm:adaspec_request_drafts_per_round        histogram over finished requests that drafted
     vllm:adaspec_tree_nodes_total                tree mode: tree nodes drafted
@@ -29,6 +31,7 @@ import logging
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from vllm_adaspec.metrics import read_snapshots, summary_line
+from vllm_adaspec.policies.cost_model import STEP_COST_ROWS
 
 logger = logging.getLogger("vllm_adaspec")
 _REGISTERED = []  # one collector per process, however many loggers vLLM builds
@@ -54,8 +57,10 @@ class AdaspecCollector:
         accepted = CounterMetricFamily("vllm:adaspec_accepted_drafts", "Drafts accepted by the target", labels=names)
         seconds = CounterMetricFamily("vllm:adaspec_draft_seconds", "Seconds spent drafting", labels=names)
         finished = CounterMetricFamily("vllm:adaspec_requests_finished", "Requests finished", labels=names)
-        caps = CounterMetricFamily("vllm:adaspec_speed_guard_steps", "Decode steps by the speed guard's draft cap",
-                                   labels=names + ["cap"])
+        steps = CounterMetricFamily("vllm:adaspec_decode_steps", "Decode steps without (0) and with (1) drafts",
+                                    labels=names + ["drafting"])
+        costs = GaugeMetricFamily("vllm:adaspec_step_cost_seconds", "Fitted seconds of a step by batch size and "
+                                  "drafted rows", labels=names + ["batch", "rows"])
         acc_h = HistogramMetricFamily("vllm:adaspec_request_acceptance_rate",
                                       "Per finished request: accepted / verified drafts", labels=names)
         len_h = HistogramMetricFamily("vllm:adaspec_request_drafts_per_round",
@@ -74,8 +79,11 @@ class AdaspecCollector:
             accepted.add_metric(labels, st.get("accepted_drafts", 0))
             seconds.add_metric(labels, st.get("draft_seconds", 0.0))
             finished.add_metric(labels, st.get("requests_finished", 0))
-            for cap, count in enumerate(st.get("cap_steps", [])):
-                caps.add_metric(labels + [str(cap)], count)
+            for drafting, count in enumerate(st.get("draft_steps", [])):
+                steps.add_metric(labels + [str(drafting)], count)
+            for batch, (_, *millis) in st.get("step_costs", {}).items():
+                for rows, value in zip(STEP_COST_ROWS, millis):
+                    costs.add_metric(labels + [batch, str(rows - 1)], value / 1e3)
             nodes.add_metric(labels, st.get("tree_nodes", 0))
             moves.add_metric(labels, st.get("tree_kv_moves", 0))
             for d, count in enumerate(st.get("tree_accepted_depth", [])):
@@ -85,7 +93,8 @@ class AdaspecCollector:
             if "request_acceptance" in st:
                 _histogram(acc_h, labels, st["request_acceptance"])
                 _histogram(len_h, labels, st["request_drafts_per_round"])
-        yield from (rounds, verified, accepted, seconds, finished, caps, acc_h, len_h, nodes, depth, moves, live)
+        yield from (rounds, verified, accepted, seconds, finished, steps, costs, acc_h, len_h, nodes, depth, moves,
+                    live)
 
 
 class AdaspecStatLogger(StatLoggerBase):

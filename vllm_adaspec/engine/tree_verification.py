@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_adaspec.trees import DraftTree, ancestor_mask, verify_greedy, verify_sample_match, verify_typical
+from vllm_adaspec.trees.tree import is_chain
 
 
 @dataclass
@@ -117,10 +118,6 @@ def tree_compatible(sp) -> bool:
             and not sp.logit_bias and not sp.allowed_token_ids and not sp.bad_words
             and sp.structured_outputs is None and not getattr(sp, "watermarking", None)
             and getattr(sp, "thinking_token_budget", None) is None and not getattr(sp, "logprob_token_ids", None))
-
-
-def is_chain(parents: list[int]) -> bool:
-    return all(q == i - 1 for i, q in enumerate(parents))
 
 
 def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tensor, spec_tokens: dict,

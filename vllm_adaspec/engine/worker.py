@@ -56,8 +56,7 @@ class _AdaspecWorkerMixin:
             )
             if self._adaspec_snapshots is not None:  # for the server's /metrics (engine/metrics.py)
                 # written at once when requests finished: an idle server then shows their state freed
-                self._adaspec_snapshots.maybe_write(lambda: {**drafter.stats, "live": drafter.live_state()},
-                                                    force=bool(scheduler_output.finished_req_ids))
+                self._adaspec_snapshots.maybe_write(drafter.snapshot, force=bool(scheduler_output.finished_req_ids))
         return super().execute_model(scheduler_output)
 
     def adaspec_stats(self) -> dict:

@@ -1,4 +1,4 @@
-"""What every adaspec proposer shares: the per-request states and draft-length policies, the speed guard, the
+"""What every adaspec proposer shares: the per-request states and draft-length policies, the step cost model, the
 statistics, and the interface our worker (engine/worker.py) drives. A proposer subclasses `AdaspecProposer`,
 implements `load_model` and `_draft`, and needs no glue of its own.
 
@@ -29,9 +29,11 @@ import torch
 from vllm_adaspec.config import parse_adaspec_config, resolve_config
 from vllm_adaspec.metrics import ACCEPTANCE_BUCKETS, DRAFTS_PER_ROUND_BUCKETS, new_histogram, observe
 from vllm_adaspec.policies import make_policy
-from vllm_adaspec.policies.speed_guard import SpeedGuard
+from vllm_adaspec.policies.cost_model import VERIFY_COST, DraftCost, StepCostModel
 from vllm_adaspec.requests import RequestStates, bonus_rows
 from vllm_adaspec.trees import admit_within
+from vllm_adaspec.trees.tree import is_chain
+
 
 
 def request_seed(req_id: str, base_seed: int) -> int:
@@ -69,9 +71,15 @@ class AdaspecProposer:
         self._extra_rows = 0  # rows a tree carries besides its nodes (draft branches)
         self._tp = vllm_config.parallel_config.tensor_parallel_size > 1
         self._target_hidden, self._verified_drafts = None, None
-        self.guard = self._make_guard()
-        self._interval = None  # (start time, decoding batch size, cap) of the previous propose call
-        self._pure_decode = False  # the step being verified carried no prefill tokens
+        # What a step costs by its rows (policies/cost_model.py): fitted online from the engine's own step times
+        # ("online"), the shipped curve only ("prior"), or none ("off": drafts are not sized by cost).
+        self.costs = StepCostModel(VERIFY_COST) if self.cfg.cost_model != "off" else None
+        self._last_end = None  # perf_counter when the previous propose call returned
+        self._step = None  # (decoding requests, rows, tree requests, tree rows) of the pure decode step since then
+        self._steps = 0  # engine steps since the previous propose call (an observation needs exactly one)
+        self._last_propose = (0, 0, 0.0)  # (decoding requests, draft passes, seconds) of the previous propose call
+        self.draft_costs = DraftCost()  # our own work per step: pools, bookkeeping, draft passes
+        self._chain_counts = [0, 0]  # accepted drafts, rejections (engine-wide: the prior of each request's rate)
         # Tests compare drafters with plain-torch references: per request, its committed tokens and the first draft
         # proposed after each committed length (stats["first_drafts"]).
         self._record = os.environ.get("VLLM_ADASPEC_RECORD_DRAFTS") == "1"
@@ -86,7 +94,8 @@ class AdaspecProposer:
                       "tree_capped": 0, "tree_kv_copy_peak": 0,
                       "tree_accepted_depth": [0] * (k + 1),
                       "plain_switches": 0,
-                      "cap_steps": [0] * (self._guard_max() + 1),
+                      # decode steps without / with drafts from us (the cost model's choice: [plain, drafting])
+                      "draft_steps": [0, 0], "cost_observations": 0,
                       # rounds by the number of drafts the policy proposed (0: it rejected the first one)
                       "round_lengths": [0] * (k + 1),
                       "policy": self.cfg.policy,
@@ -99,14 +108,6 @@ class AdaspecProposer:
     def _policy_max(self) -> int:
         return self.cfg.num_speculative_tokens
 
-    def _guard_max(self) -> int:
-        """Caps the speed guard tries: 0..this (0 = plain decoding)."""
-        return self.cfg.num_speculative_tokens
-
-    def _make_guard(self):
-        # The guard models chains (k drafts -> throughput); tree mode runs without it unless a proposer says so.
-        return SpeedGuard(self._guard_max(), seed=self.base_seed) if self.cfg.speed_guard and self.tree is None else None
-
     def _eligible(self, req_id: str) -> bool:
         return True
 
@@ -117,6 +118,11 @@ class AdaspecProposer:
 
     def _before_draft(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> None:
         """Every propose call, before the drafting rows are chosen: all rows' committed tokens (pools learn here)."""
+
+    def _size_drafts(self, rows: list[int], budgets: list[int], decoding: int) -> list[int]:
+        """The cost model's cap on each drafting row's budget before drafting (early exit: chain lengths from the
+        requests' acceptance and the draft pass cost). MultiBranchProposer sizes its trees after drafting."""
+        return budgets
 
     def _on_step(self, scheduled: dict, pure: bool) -> None:
         """After on_schedule's bookkeeping (early exit pauses its exit layers' KV upkeep here)."""
@@ -155,11 +161,19 @@ class AdaspecProposer:
         if finished:
             self._on_finished(finished)
         pure = bool(scheduled)
+        rows = tree_requests = tree_rows = 0
         for req_id, n in scheduled.items():
-            drafts = len(spec_tokens.get(req_id, ()))
+            spec = spec_tokens.get(req_id, ())
+            drafts = len(spec)
             self.states.scheduled(req_id, self._verified_drafts_of(req_id, drafts))
             pure = pure and n == 1 + drafts
-        self._pure_decode = pure
+            rows += n
+            planned = self.pending_trees.get(req_id) if drafts else None
+            if planned is not None and not is_chain(planned[1][:drafts]):
+                tree_requests += 1
+                tree_rows += drafts
+        self._steps += 1
+        self._step = (len(scheduled), rows, tree_requests, tree_rows) if pure else None
         self._on_step(scheduled, pure)
 
     def on_tree_paths(self, results: dict, kv_moves: int) -> None:
@@ -182,14 +196,14 @@ class AdaspecProposer:
                 f"{type(self).__name__} was not attached to a model runner: the vllm_adaspec plugin did not install "
                 "its worker (is the package installed in the environment vLLM runs in?)")
         now = time.perf_counter()
+        self._observe_step(now)
+        passes_before = self.stats["draft_passes"]
         req_ids = self.runner.input_batch.req_ids
         self.pending_trees = {}
         self._before_draft(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         decoding = sum(1 for s in sampled_token_ids if s)
         self.stats["decode_rows"] += decoding  # target forwards, summed over requests (tau = tokens / this)
-        eligible = sum(1 for i, s in enumerate(sampled_token_ids) if s and self._eligible(req_ids[i]))
-        cap = self._speed_cap(now, decoding, sum(map(len, sampled_token_ids)), eligible)
         rows, budgets, policies = [], [], []
         tp = time.perf_counter()  # policy time: its decisions, feedback and the statistics it asks for
         for i, sampled in enumerate(sampled_token_ids):
@@ -199,16 +213,23 @@ class AdaspecProposer:
             drafted, accepted = self.states.verified(req_id, len(sampled))
             self.stats["verified_drafts"] += drafted
             self.stats["accepted_drafts"] += accepted
+            if drafted:  # the engine's chain acceptance: accepted drafts, rounds ended by a rejection
+                self._chain_counts[0] += accepted
+                self._chain_counts[1] += accepted < drafted
             if not self._eligible(req_id):
                 continue
             policy = self.states.get(req_id).policy
-            budget = min(policy.begin_round(), self._cap_budget(cap))
+            budget = min(policy.begin_round(), self._policy_max())
             if budget > 0:
                 rows.append(i)
                 budgets.append(budget)
                 policies.append(policy)
         policy_s = time.perf_counter() - tp
         t0 = time.perf_counter()
+        if rows and self.costs is not None:
+            budgets = self._size_drafts(rows, budgets, decoding)
+            kept = [e for e, b in enumerate(budgets) if b > 0]
+            rows, budgets, policies = [rows[e] for e in kept], [budgets[e] for e in kept], [policies[e] for e in kept]
         policy_s += self._draft(rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids,
                                 drafts)
         st = self.stats
@@ -229,12 +250,35 @@ class AdaspecProposer:
             st["draft_seconds"] += time.perf_counter() - t0
             for i in rows:
                 st["round_lengths"][min(len(drafts[i]), len(st["round_lengths"]) - 1)] += 1
+        if decoding:
+            st["draft_steps"][any(drafts)] += 1
         st["policy_seconds"] += policy_s
+        self._last_end = time.perf_counter()
+        self._last_propose = (decoding, st["draft_passes"] - passes_before, self._last_end - now)
         return drafts
 
-    def _cap_budget(self, cap: int) -> int:
-        """The guard's cap as a draft budget (early exit: the same number)."""
-        return cap
+    def _observe_step(self, now: float) -> None:
+        """Feed the cost model the engine step that ran since the previous propose call returned: its seconds, by
+        its decoding requests and verified rows (chains and trees apart). Only pure decode steps (prefill chunks
+        cost what they cost), and only when exactly one step ran in between."""
+        step, steps, last = self._step, self._steps, self._last_end
+        self._steps, self._step = 0, None
+        if self.costs is None or self.cfg.cost_model != "online" or step is None or steps != 1 or last is None:
+            return
+        batch, rows, tree_requests, tree_rows = step
+        decoding, passes, own = self._last_propose
+        seconds, own = self._same_on_every_rank((now - last, own))
+        self.costs.observe(batch, rows, seconds, tree_requests, tree_rows)
+        self.draft_costs.observe(decoding, passes, own)
+        self.stats["cost_observations"] += 1
+
+    def _step_seconds(self, decoding: int):
+        """rows -> expected seconds of the next step (verification + our own work without draft passes) for
+        `decoding` requests, in relative units until the first step is measured; and the seconds tree
+        verification adds, (tree requests, tree rows) -> seconds."""
+        curve = self.costs.curve(decoding)
+        own = self.draft_costs.predict(decoding, 0) if self.costs.unit else 0.0
+        return (lambda rows: curve(rows) + own), (lambda reqs, n: self.costs.tree_extra(decoding, reqs, n))
 
     # --- shared helpers ---
     def _tree_rows(self, rows: list[int], req_ids: list[str], num_tokens_no_spec) -> list[bool]:
@@ -270,39 +314,14 @@ class AdaspecProposer:
         rows_of = bonus_rows([len(s) for s in sampled_token_ids], self._verified_drafts, self._tree_paths)
         return [rows_of[i] for i in rows]
 
-    def _speed_cap(self, now: float, decoding: int, committed: int, eligible: int) -> int:
-        """Feed the guard the interval that just ended (drafts of the last cap + their verification), pick the
-        cap for the next step. Steps with prefill chunks are not observed: their time is not the decode cost.
-        With no request left that may draft, the step is plain decoding (cap 0)."""
-        top = self._guard_max()
-        if self.guard is None:
-            return top
-        last = self._interval
-        if last is not None and self._pure_decode and last[1] == decoding:
-            self.guard.observe(decoding, last[2], committed, self._same_on_every_rank(now - last[0]))
-        if not decoding:
-            cap = top
-        elif not eligible:
-            cap = 0
-            self._after_cap(cap, exploiting=True)
-        else:
-            cap = self.guard.choose(decoding)
-            self._after_cap(cap, exploiting=self.guard.exploiting)
-        self._interval = (now, decoding, cap)
-        self.stats["cap_steps"][cap] += 1
-        return cap
-
-    def _same_on_every_rank(self, value: float) -> float:
-        """Tensor parallelism: every rank drafts, and must draft the same. The guard's only rank-local input is the
-        step time each rank measured; rank 0's is used everywhere (one small broadcast per observed step)."""
+    def _same_on_every_rank(self, value):
+        """Tensor parallelism: every rank drafts, and must draft the same. The cost model's only rank-local inputs
+        are the times each rank measured; rank 0's are used everywhere (one small broadcast per observed step)."""
         if not self._tp:
             return value
         from vllm.distributed import get_tp_group
 
         return get_tp_group().broadcast_object(value, src=0)
-
-    def _after_cap(self, cap: int, exploiting: bool) -> None:
-        """The guard chose `cap` for the next step (early exit decides whether its exit layers keep their KV)."""
 
     def live_state(self) -> dict:
         """Per-request state held right now, by kind (0 everywhere once every request has finished and the engine
@@ -312,11 +331,15 @@ class AdaspecProposer:
         return {"policies": len(self.states), "tree_kv_copy_tokens": held_copy_tokens(),
                 "tree_holders": len(self.tree_holders), "branch_slot_records": live_branch_slots()}
 
+    def snapshot(self) -> dict:
+        """What /metrics shows (engine/metrics.py): the counters, the live state and the step cost model's fit."""
+        return {**self.stats, "live": self.live_state(),
+                "step_costs": self.costs.table() if self.costs is not None else {}}
+
     def get_stats(self) -> dict:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
         return {**copy.deepcopy(self.stats), "tracked_requests": len(self.states),
-                "guard_best": {str(b): k for b, k in self.guard.settled().items()} if self.guard else {},
-                "guard_table": self.guard.table() if self.guard else {},
+                "step_costs": self.costs.table() if self.costs is not None else {},
                 "config": self._config_stats(), "live": self.live_state()}
 
 

@@ -10,6 +10,7 @@ so its rejection sampler stays lossless (the draft distribution is a point mass)
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import numpy as np
@@ -19,7 +20,14 @@ from vllm_adaspec.kernels.entropy_topk import entropy_topk
 from vllm_adaspec.policies import POLICIES
 from vllm_adaspec.proposers.base import AdaspecProposer, request_seed  # noqa: F401 (request_seed: re-export)
 from vllm_adaspec.trees import GrowingTree, add_children, best_subtree, to_expand
+from vllm_adaspec.trees.trie import best_prefix
 from vllm_adaspec.trees.c2t import ENTROPY_TOP_N, confidence, node_features, select_layer
+
+
+ACCEPT_PRIOR = 4.0  # a request's acceptance starts from the engine's rate, worth this many drafts
+PASS_PRIOR = 0.25  # a draft pass / a plain target step, until measured (the first quarter of the layers + a head)
+EXPLORE = 0.03  # share of steps that draft one token where the cost model drafts nothing
+PAUSE_AFTER = 32  # decode steps without drafts after which the exit layers' KV upkeep stops
 
 
 class EarlyExitProposer(AdaspecProposer):
@@ -35,12 +43,15 @@ class EarlyExitProposer(AdaspecProposer):
         self.wants_target_hidden = getattr(POLICIES[self.cfg.policy], "needs_score", False)
         self._check_rows = os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1"
         self.exit_head = None  # checkpoint folder in use, None = untrained exit
-        # Where plain decoding wins, the guard also stops the exit layers' KV upkeep (a layer's worth of work on
-        # every target step). Requests decoded without it have holes in that KV and never draft again. Eager mode
-        # only: under torch.compile the hook is traced into the target's graph with its flag as a constant.
+        # Where plain decoding wins (the cost model drafts nothing for PAUSE_AFTER decode steps in a row), the exit
+        # layers' KV upkeep stops too (a layer's worth of work on every target step). Requests decoded without it
+        # have holes in that KV and never draft again. Eager mode only: under torch.compile the hook is traced into
+        # the target's graph with its flag as a constant.
         self._can_pause_feed = bool(vllm_config.model_config.enforce_eager)
         self._feed_next = True
+        self._plain_streak = 0  # decode steps in a row the cost model drafted nothing
         self._stale: set[str] = set()
+        self._rng = random.Random(self.base_seed)  # exploration draws: the same on every tensor-parallel rank
         self.c2t = None  # C2T's classifier parameters (tree builder "c2t")
         # `adaspec train c2t` reads, per verified tree, its nodes' features and which nodes were accepted.
         self._record_trees = os.environ.get("VLLM_ADASPEC_RECORD_TREES") == "1"
@@ -100,8 +111,42 @@ class EarlyExitProposer(AdaspecProposer):
                 self.stats["plain_switches"] += len(new)
                 self._stale.update(new)
 
-    def _after_cap(self, cap: int, exploiting: bool) -> None:
-        self._feed_next = cap > 0 or not exploiting
+    def _size_drafts(self, rows: list[int], budgets: list[int], decoding: int) -> list[int]:
+        """Chain lengths from the cost model: a request's j-th draft is accepted with chance a^j (a: its share of
+        drafts accepted, from a prior at the engine's rate); drafts are taken best first across the batch while the
+        batch's expected tokens per second rise, a step costing its verified rows (the fitted curve) plus one draft
+        pass per depth drafted. Tree mode keeps the budgets (the tree builder sizes trees). When nothing pays, now
+        and then (EXPLORE) every request drafts one token so that acceptance keeps being measured."""
+        if self.tree is not None:
+            return budgets
+        req_ids = self.runner.input_batch.req_ids
+        total_acc, total_rej = self._chain_counts
+        engine_rate = (total_acc + 1) / (total_acc + total_rej + 2)
+        units = []
+        for e, (i, budget) in enumerate(zip(rows, budgets)):
+            st = self.states.get(req_ids[i])
+            a = (st.accepted + ACCEPT_PRIOR * engine_rate) / (st.accepted + st.rejected + ACCEPT_PRIOR)
+            units += [(a ** j, e, j) for j in range(1, budget + 1)]
+        units.sort(key=lambda u: (-u[0], u[2]))
+        step_cost, _ = self._step_seconds(decoding)
+        if self.costs.unit:
+            per_pass = self.draft_costs.predict(decoding, 1) - self.draft_costs.predict(decoding, 0)
+        else:
+            per_pass = PASS_PRIOR  # relative units until the first step is measured
+        extra, depth = [0.0], 0
+        for _, _, j in units:
+            depth = max(depth, j)
+            extra.append(depth * per_pass)
+        keep = best_prefix([u[0] for u in units], float(decoding), step_cost, decoding, extra)
+        sized = [0] * len(rows)
+        for _, e, j in units[:keep]:
+            sized[e] = max(sized[e], j)
+        drafting = any(sized)
+        if not drafting and self._rng.random() < EXPLORE:
+            sized = [min(1, b) for b in budgets]
+        self._plain_streak = 0 if drafting else self._plain_streak + 1
+        self._feed_next = self._plain_streak < PAUSE_AFTER
+        return sized
 
     def _draft(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts) -> float:
         if not rows:

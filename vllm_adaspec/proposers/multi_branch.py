@@ -27,20 +27,10 @@ from vllm_adaspec.pools.branches import GramCache, append_branches, harvest, ini
 from vllm_adaspec.pools.context import ContextIndex, propose_context
 from vllm_adaspec.pools.recycled import RecycleTable, propose_recycled
 from vllm_adaspec.proposers.base import AdaspecProposer, request_seed
-from vllm_adaspec.policies.speed_guard import SpeedGuard
-from vllm_adaspec.trees.trie import (Calibration, Trie, best_prefix, cost_curve, feedback, merge, ranked,
-                                     streak_state, subtree)
+from vllm_adaspec.trees.trie import Calibration, Trie, best_prefix, feedback, merge, ranked, streak_state, subtree
 
 logger = logging.getLogger("vllm_adaspec")
 
-# Relative time of a verification step by the rows it verifies in all (the batch's requests + their draft nodes;
-# 1 = a plain decoding step of one request), measured on the 2-core CPU of benchmarks/RESULTS.md with
-# benchmarks/verify_cost.py at batch 1 (1-17 rows) and 8 (8-136 rows): one curve fits both. Past it, its last slope.
-# The proposer spends nodes only where their expected gain beats it.
-VERIFY_COST = {1: 1.0, 2: 1.07, 3: 1.14, 4: 1.29, 5: 1.38, 8: 1.47, 10: 1.55, 16: 1.79, 24: 2.02, 32: 2.4,
-               40: 2.62, 48: 3.3, 56: 3.55, 64: 4.17, 80: 4.81, 96: 5.78, 136: 7.45}
-# Tree verification over chain verification of the same rows (the tree path's own attention and bookkeeping).
-TREE_COST = 1.15
 
 
 def usable_pools(resolved, vllm_config) -> tuple[str, ...]:
@@ -143,7 +133,6 @@ class MultiBranchProposer(AdaspecProposer):
         self.medusa_trees: dict[int, object] = {}  # budget -> pools.medusa.SparseTree, built once
         self._check_rows = os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1"
         self.calibration = Calibration()
-        self.cost = cost_curve(VERIFY_COST)
         self.requests: dict[str, RequestPools] = {}
         # Self-Draft: N branches of L tokens per tree-verified request (0: off; tree mode only: a chain forward
         # cannot mask them apart)
@@ -155,15 +144,6 @@ class MultiBranchProposer(AdaspecProposer):
                            "branch_grams": 0})
 
     # --- AdaspecProposer hooks ---
-    def _guard_max(self) -> int:
-        return 1  # the guard chooses between plain decoding (0) and drafting at the cost-aware budget (1)
-
-    def _make_guard(self):
-        return SpeedGuard(1, seed=self.base_seed) if self.cfg.speed_guard else None
-
-    def _cap_budget(self, cap: int) -> int:
-        return self.cfg.tree.budget if cap else 0
-
     def _policy_max(self) -> int:
         return self.cfg.tree.budget
 
@@ -263,24 +243,32 @@ class MultiBranchProposer(AdaspecProposer):
             tries.append(trie)
             cands.append(order)
             self.stats["trie_nodes"] += len(trie)
-        # Across the batch: the nodes with the highest path probability first, as many as the cost curve pays for.
+        # Across the batch: the nodes with the highest path probability first, as many as the step cost pays for
+        # (expected tokens per second of the whole batch; cost_model "off": every candidate).
         flat = sorted(((tries[e].path[node], e, j) for e, order in enumerate(cands) for j, node in enumerate(order)),
                       key=lambda x: -x[0])
         decoding = sum(1 for s in sampled_token_ids if s)
         branching = [bool(self.num_branches and treeish[e] and self.requests[req_ids[i]].branches)
                      for e, i in enumerate(rows)]
         base_rows = decoding + self._extra_rows * sum(branching)  # branch rows run whatever the trees hold
-        keep = best_prefix([p for p, _, _ in flat], float(decoding), self.cost, base_rows)
         count = [0] * len(rows)
+        if self.costs is None:
+            keep = len(flat)
+        else:
+            step_cost, tree_extra = self._step_seconds(decoding)
+            keep = best_prefix([p for p, _, _ in flat], float(decoding), step_cost, base_rows)
         for _, e, j in flat[:keep]:
             count[e] = max(count[e], j + 1)  # a prefix of a request's ranked nodes is closed under parents
+        chosen_of = [cands[e][:count[e]] for e in range(len(rows))]
+        if self.costs is not None:  # trees cost more than chains of their rows: keep each only where it pays
+            chains_where_cheaper(tries, chosen_of, [treeish[e] and not branching[e] for e in range(len(rows))],
+                                 decoding + sum(p for p, _, _ in flat[:keep]), base_rows + keep,
+                                 sum(branching), self._extra_rows * sum(branching), step_cost, tree_extra)
         for e, i in enumerate(rows):
             st = self.requests[req_ids[i]]
-            chosen = cands[e][:count[e]]
+            chosen = chosen_of[e]
             if not chosen and not branching[e]:
                 continue
-            if treeish[e] and not branching[e] and is_tree(tries[e], chosen):
-                chosen = tree_or_chain(tries[e], chosen, self.cost)  # with branches the step is a tree anyway
             tokens, parents, order = subtree(tries[e], chosen)
             st.trie, st.chosen, st.nodes_sent = tries[e], order, len(tokens)
             drafts[i] = tokens
@@ -391,13 +379,27 @@ def is_tree(trie: Trie, nodes: list[int]) -> bool:
     return len(set(parents)) < len(parents)
 
 
-def tree_or_chain(trie: Trie, nodes: list[int], cost) -> list[int]:
-    """A tree costs TREE_COST more to verify than a chain of as many rows: keep it only if its expected tokens per
-    unit of time beat those of its best path alone."""
-    chain = best_path(trie, len(nodes), among=set(nodes))
-    tree_rate = (1 + sum(trie.path[i] for i in nodes)) / (TREE_COST * cost(1 + len(nodes)))
-    chain_rate = (1 + sum(trie.path[i] for i in chain)) / cost(1 + len(chain))
-    return nodes if tree_rate > chain_rate else chain
+def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch: list[bool], tokens: float,
+                         rows: int, tree_requests: int, tree_rows: int, cost, tree_extra) -> None:
+    """Tree verification costs more than a chain of as many rows (its own attention: tree_extra(requests, rows)).
+    For each request whose chosen nodes branch (and `may_switch`), keep the tree only if the batch's expected
+    tokens per second beat those with the tree's best path alone; chosen[e] is replaced in place. tokens / rows:
+    the batch's expected tokens and rows with every choice as it stands; tree_requests / tree_rows: tree rows that
+    cannot switch (draft branches)."""
+    branching = [e for e, nodes in enumerate(chosen) if may_switch[e] and is_tree(tries[e], nodes)]
+    tree_requests += len(branching)
+    tree_rows += sum(len(chosen[e]) for e in branching)
+    for e in branching:
+        nodes, trie = chosen[e], tries[e]
+        chain = best_path(trie, len(nodes), among=set(nodes))
+        t_chain = tokens - sum(trie.path[i] for i in nodes) + sum(trie.path[i] for i in chain)
+        r_chain = rows - len(nodes) + len(chain)
+        tree_rate = tokens / (cost(rows) + tree_extra(tree_requests, tree_rows))
+        chain_rate = t_chain / (cost(r_chain) + tree_extra(tree_requests - 1, tree_rows - len(nodes)))
+        if chain_rate >= tree_rate:
+            chosen[e] = chain
+            tokens, rows = t_chain, r_chain
+            tree_requests, tree_rows = tree_requests - 1, tree_rows - len(nodes)
 
 
 def best_path(trie: Trie, budget: int, among: set[int] | None = None) -> list[int]:

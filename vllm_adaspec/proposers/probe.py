@@ -41,9 +41,6 @@ class ProbeProposer(AdaspecProposer):
         self._last = None  # (time, size) of the previous propose call
         self.stats["probe_seconds"] = {}
 
-    def _make_guard(self):
-        return None
-
     def load_model(self, target_model) -> None:
         pass
 

@@ -41,6 +41,11 @@ class DraftTree:
         return [i for i, q in enumerate(self.parents.tolist()) if q == node]
 
 
+def is_chain(parents) -> bool:
+    """Whether breadth-first parents [-1, 0, 1, ...] describe a chain (each node the child of the one before)."""
+    return all(q == i - 1 for i, q in enumerate(parents))
+
+
 def depths_of(parents: list[int]) -> list[int]:
     d: list[int] = []
     for q in parents:

@@ -107,14 +107,16 @@ def subtree(t: Trie, nodes: Sequence[int]) -> tuple[list[int], list[int], list[i
     return [t.tokens[i] for i in order], [new[t.parents[i]] if t.parents[i] >= 0 else -1 for i in order], order
 
 
-def best_prefix(gains: Sequence[float], base_tokens: float, cost: Callable[[int], float], base_rows: int) -> int:
+def best_prefix(gains: Sequence[float], base_tokens: float, cost: Callable[[int], float], base_rows: int,
+                extra: Sequence[float] | None = None) -> int:
     """How many of the candidate nodes (sorted by gain, best first) to verify: the k that maximises expected tokens
-    per unit of time, (base_tokens + sum(gains[:k])) / cost(base_rows + k), where cost(r) is the relative time of
-    a verification step of r rows in all (the batch's requests plus the nodes)."""
-    best_k, best, total = 0, base_tokens / cost(base_rows), base_tokens
+    per unit of time, (base_tokens + sum(gains[:k])) / (cost(base_rows + k) + extra[k]), where cost(r) is the time of
+    a verification step of r rows in all (the batch's requests plus the nodes) and extra[k] [len(gains) + 1] what
+    else the first k nodes cost (early exit: draft passes; default nothing)."""
+    best_k, best, total = 0, base_tokens / (cost(base_rows) + (extra[0] if extra else 0.0)), base_tokens
     for k, g in enumerate(gains, start=1):
         total += g
-        rate = total / cost(base_rows + k)
+        rate = total / (cost(base_rows + k) + (extra[k] if extra else 0.0))
         if rate > best:
             best_k, best = k, rate
     return best_k

@@ -1,0 +1,93 @@
+"""The step cost model (policies/cost_model.py): fits the engine's step times by rows, per batch-size bucket."""
+
+import random
+
+import pytest
+
+from vllm_adaspec.policies.cost_model import StepCostModel, prior_curve
+
+PRIOR = {1: 1.0, 2: 1.07, 3: 1.14, 4: 1.29, 5: 1.38, 8: 1.47, 16: 1.79, 32: 2.4, 64: 4.17, 136: 7.45}
+
+
+def machine(rows: float, batch: int = 1) -> float:
+    """A made-up engine unlike the prior: 20 ms flat up to 4 rows, a jump at 5, then 1.5 ms per row."""
+    return 0.020 + (0.008 if rows >= 5 else 0.0) + 0.0015 * max(0, rows - 5) + 0.001 * (batch - 1)
+
+
+def test_prior_curve_interpolates_and_extends_the_last_slope():
+    f = prior_curve({1: 1.0, 3: 2.0, 5: 2.5})
+    assert f(1) == 1.0 and f(2) == pytest.approx(1.5) and f(7) == pytest.approx(3.0)
+
+
+def test_before_any_step_the_prior_shape_decides():
+    m = StepCostModel(PRIOR)
+    assert m.predict(1, 16) / m.predict(1, 1) == pytest.approx(1.79, rel=1e-6)
+    assert m.predict(8, 64) / m.predict(8, 8) == pytest.approx(4.17 / 1.47, rel=1e-6)
+
+
+def test_fit_recovers_a_curve_unlike_the_prior_where_steps_were_seen():
+    rng = random.Random(0)
+    m = StepCostModel(PRIOR)
+    for _ in range(600):
+        rows = rng.choice([1, 2, 3, 4, 5, 6, 8, 12, 17])
+        m.observe(1, rows, machine(rows) * rng.uniform(0.97, 1.03))
+    for rows in (1, 2, 3, 4, 5, 6, 8, 12, 17):
+        assert m.predict(1, rows) == pytest.approx(machine(rows), rel=0.04), rows
+    # the jump at 5 rows is learned: 4 -> 5 costs far more than 3 -> 4 (the prior has it the other way round)
+    c = m.curve(1)
+    assert c(5) - c(4) > 3 * (c(4) - c(3))
+
+
+def test_outliers_do_not_bend_the_curve():
+    rng = random.Random(1)
+    m = StepCostModel(PRIOR)
+    for k in range(800):
+        rows = rng.choice([1, 2, 3, 4, 6])
+        t = machine(rows) * rng.uniform(0.98, 1.02)
+        m.observe(1, rows, t * 10 if k % 20 == 7 else t)  # 5% of steps stalled (a collection, the OS)
+    for rows in (1, 2, 3, 4, 6):
+        assert m.predict(1, rows) == pytest.approx(machine(rows), rel=0.06), rows
+
+
+def test_buckets_are_fitted_apart_and_a_new_bucket_starts_from_the_prior_at_the_machines_scale():
+    m = StepCostModel(PRIOR)
+    for _ in range(300):
+        m.observe(1, 1, 0.030)
+        m.observe(1, 3, 0.031)
+    # batch 8 has no data: the prior's shape at the scale batch 1 measured (30 ms for its 1-row step)
+    assert m.predict(8, 8) == pytest.approx(0.030 * 1.47, rel=0.05)
+    for _ in range(300):
+        m.observe(8, 8, 0.080)
+        m.observe(8, 16, 0.090)
+    assert m.predict(8, 8) == pytest.approx(0.080, rel=0.03)
+    assert m.predict(1, 1) == pytest.approx(0.030, rel=0.03)  # batch 1 unchanged by batch 8's steps
+
+
+def test_tree_rows_are_priced_apart_from_chain_rows():
+    rng = random.Random(2)
+    m = StepCostModel(PRIOR)
+    for _ in range(600):
+        rows = rng.choice([1, 3, 5, 9])
+        tree = rows > 1 and rng.random() < 0.5
+        extra = (0.004 + 0.0005 * (rows - 1)) if tree else 0.0  # per tree request + per tree row
+        m.observe(1, rows, machine(rows) + extra, tree_requests=int(tree), tree_rows=(rows - 1) if tree else 0)
+    assert m.tree_extra(1, 1, 8) == pytest.approx(0.004 + 0.0005 * 8, rel=0.2)
+    assert m.predict(1, 9) == pytest.approx(machine(9), rel=0.05)
+
+
+def test_it_follows_the_machine_when_its_speed_changes():
+    m = StepCostModel(PRIOR)
+    for _ in range(400):
+        m.observe(1, 2, 0.020)
+    for _ in range(1500):  # the machine became 1.5x slower
+        m.observe(1, 2, 0.030)
+    assert m.predict(1, 2) == pytest.approx(0.030, rel=0.05)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_meaningless_steps_are_ignored(bad):
+    m = StepCostModel(PRIOR)
+    m.observe(1, 2, bad)
+    m.observe(0, 2, 0.02)
+    m.observe(4, 2, 0.02)  # fewer rows than requests
+    assert m.observations == 0 and m.unit is None

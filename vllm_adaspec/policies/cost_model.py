@@ -1,0 +1,215 @@
+"""What a decoding step costs, learned online from the engine's own step times: the drafters' price list.
+
+A step of b decoding requests verifies R = b + (their drafted rows) rows in one target forward. Its time is a curve
+in R (matrix products: flat while the weights dominate, then rising; this CPU's library jumps at a few row
+counts), plus what tree verification adds (its own attention per tree request and row). The curve is fitted per
+batch-size bucket, so whatever requests happen to run only move the point on the curve, never the curve:
+acceptance is not in it (the speed guard it replaces compared tokens/s of whole intervals, which mixed both).
+
+Model, per bucket: seconds = sum_a w_a hat_a(R) + k_req * tree_requests + k_row * tree_rows, hat_a the piecewise-linear
+basis on anchor row counts. Ridge regression towards a prior (the shipped relative curve `prior`, scaled by the
+machine's measured plain step), with a first-difference penalty so that evidence at one row count moves its
+neighbours too, exponential forgetting (the machine's speed drifts) and residuals clipped at a few robust standard
+deviations (a garbage collection or the OS must not bend the curve). A bucket with no data of its own starts from
+the prior at the global scale, so a new machine (GPU, bigger model) needs no hand measurement.
+
+Pure Python + numpy: no vLLM, no torch. The drafter owns one model and feeds it one observation per pure decode
+step; `curve(b)` returns seconds by total rows for its node choice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["VERIFY_COST", "DraftCost", "StepCostModel", "prior_curve"]
+
+# Relative time of a verification step by the rows it verifies in all (the batch's requests + their drafts; 1 = a
+# plain decoding step of one request), measured on the 2-core CPU of benchmarks/RESULTS.md with
+# benchmarks/verify_cost.py at batch 1 (1-17 rows) and 8 (8-136 rows), SmolLM2-135M: one curve fits both. The prior
+# every engine starts from, scaled to its own plain step, then refitted online.
+VERIFY_COST = {1: 1.0, 2: 1.07, 3: 1.14, 4: 1.29, 5: 1.38, 8: 1.47, 10: 1.55, 16: 1.79, 24: 2.02, 32: 2.4,
+               40: 2.62, 48: 3.3, 56: 3.55, 64: 4.17, 80: 4.81, 96: 5.78, 136: 7.45}
+
+# Anchor row counts of the fitted curve (total rows of a forward): dense where CPU matrix libraries switch paths.
+ANCHORS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
+STEP_COST_ROWS = (1, 2, 4, 8, 16, 32)  # the table's points: 1 + drafted rows above the batch's own
+UNIT_STEPS = 31  # steps whose median sets the prior's scale in seconds
+# Tree verification over chain verification, prior: per tree request a tenth of a plain step, per tree row 2%.
+TREE_REQUEST_PRIOR, TREE_ROW_PRIOR = 0.10, 0.02
+
+
+def prior_curve(anchors: dict[int, float]) -> Callable[[float], float]:
+    """Relative step time by rows, linear between measured anchors {rows: time} and along the last slope past
+    them (VERIFY_COST: 1 = a plain step of one request)."""
+    xs = sorted(anchors)
+    ys = [anchors[x] for x in xs]
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+
+    def f(rows: float) -> float:
+        if rows >= xs[-1]:
+            return ys[-1] + slope * (rows - xs[-1])
+        return float(np.interp(rows, xs, ys))
+
+    return f
+
+
+def hat(rows: float, anchors: np.ndarray) -> tuple[int, float]:
+    """Piecewise-linear basis at `rows`: (left anchor index i, weight of anchor i + 1); anchor i gets 1 - weight.
+    Past the last anchor the last segment extends (weights outside [0, 1])."""
+    i = int(np.searchsorted(anchors, rows, side="right")) - 1
+    i = min(max(i, 0), len(anchors) - 2)
+    return i, (rows - anchors[i]) / (anchors[i + 1] - anchors[i])
+
+
+@dataclass
+class _Bucket:
+    xtx: np.ndarray  # [F, F] forgotten sum of x x^T
+    xty: np.ndarray  # [F] forgotten sum of x y
+    n: float = 0.0  # forgotten count of observations
+    solved: np.ndarray | None = None  # cached weights
+    dirty: bool = True
+    scale: float = 0.0  # robust residual scale (seconds)
+
+
+@dataclass
+class StepCostModel:
+    """seconds(batch, rows, tree_requests, tree_rows) of one verification step, learned online.
+
+    prior: {rows: relative time}, 1 = a plain step of one request; strength: the prior's weight, in observations per
+    anchor; smooth: weight of the first-difference penalty; forget: per-observation forgetting factor of a bucket."""
+    prior: dict[int, float]
+    strength: float = 0.5
+    smooth: float = 0.5
+    forget: float = 0.998
+    clip: float = 3.0
+    anchors: np.ndarray = field(default_factory=lambda: np.asarray(ANCHORS, dtype=np.float64))
+    unit: float | None = None  # seconds of a plain one-request step (the prior's scale): median of the first ratios
+    _ratios: list = field(default_factory=list)
+    buckets: dict[int, _Bucket] = field(default_factory=dict)
+    observations: int = 0
+
+    def __post_init__(self):
+        rel = prior_curve(self.prior)
+        self._prior_rel = np.asarray([rel(a) for a in self.anchors] + [TREE_REQUEST_PRIOR, TREE_ROW_PRIOR])
+        a = len(self.anchors)
+        d = np.zeros((a - 1, a + 2))
+        d[np.arange(a - 1), np.arange(a - 1)] = -1.0
+        d[np.arange(a - 1), np.arange(1, a)] = 1.0
+        self._precision = self.strength * np.eye(a + 2) + self.smooth * d.T @ d  # [F, F] prior precision
+        self._precision[a:, a:] += self.strength * np.eye(2) * 4  # tree terms: few data, keep them near the prior
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """1 -> 1, 2-3 -> 2, 4-7 -> 3, 8-15 -> 4, ...: steps with similar batch sizes share a curve."""
+        return max(1, batch).bit_length()
+
+    def features(self, rows: float, tree_requests: int = 0, tree_rows: int = 0) -> np.ndarray:
+        x = np.zeros(len(self.anchors) + 2)
+        i, w = hat(rows, self.anchors)
+        x[i], x[i + 1] = 1.0 - w, w
+        x[-2], x[-1] = tree_requests, tree_rows
+        return x
+
+    def _weights(self, b: int) -> np.ndarray:
+        """[F] fitted weights of bucket b, in seconds (relative units before the first observation)."""
+        unit = self.unit or 1.0
+        prior = self._prior_rel * unit
+        bk = self.buckets.get(b)
+        if bk is None:
+            return prior
+        if bk.dirty or bk.solved is None:
+            bk.solved = np.linalg.solve(self._precision + bk.xtx, self._precision @ prior + bk.xty)
+            bk.dirty = False
+        return bk.solved
+
+    def predict(self, batch: int, rows: float, tree_requests: int = 0, tree_rows: int = 0) -> float:
+        return float(self.features(rows, tree_requests, tree_rows) @ self._weights(self.bucket(batch)))
+
+    def curve(self, batch: int) -> Callable[[float], float]:
+        """seconds by total rows of a chain step for `batch` decoding requests (tabulated once per call)."""
+        w = self._weights(self.bucket(batch))
+        anchors = self.anchors
+        vals = w[:len(anchors)]
+
+        def cost(rows: float) -> float:
+            i, t = hat(rows, anchors)
+            return float(vals[i] * (1.0 - t) + vals[i + 1] * t)
+
+        return cost
+
+    def tree_extra(self, batch: int, tree_requests: int, tree_rows: int) -> float:
+        """Seconds tree verification adds over chains of the same rows."""
+        w = self._weights(self.bucket(batch))
+        return float(w[-2] * tree_requests + w[-1] * tree_rows)
+
+    def observe(self, batch: int, rows: int, seconds: float, tree_requests: int = 0, tree_rows: int = 0) -> None:
+        """One pure decode step: `batch` requests, `rows` rows verified in all, `seconds` of step time (drafting
+        excluded)."""
+        if not (seconds > 0 and math.isfinite(seconds)) or batch < 1 or rows < batch:
+            return
+        x = self.features(rows, tree_requests, tree_rows)
+        if len(self._ratios) < UNIT_STEPS:  # the machine's scale: early steps read through the prior's shape
+            self._ratios.append(seconds / float(x @ self._prior_rel))
+            self.unit = float(np.median(self._ratios))
+            for bk in self.buckets.values():
+                bk.dirty = True
+        b = self.bucket(batch)
+        bk = self.buckets.get(b)
+        if bk is None:
+            f = len(x)
+            bk = self.buckets[b] = _Bucket(np.zeros((f, f)), np.zeros(f))
+        expected = float(x @ self._weights(b))
+        resid = seconds - expected
+        if bk.n >= 8:  # robust: a residual past `clip` scales counts only that far (floor: 3% of the step)
+            limit = self.clip * max(bk.scale, 0.03 * expected)
+            resid = max(-limit, min(limit, resid))
+        # robust scale: mean absolute residual (x 1.25 ~ a standard deviation), forgotten like the data
+        bk.scale = abs(resid) * 1.25 if bk.n == 0 else 0.97 * bk.scale + 0.03 * abs(resid) * 1.25
+        y = expected + resid
+        bk.xtx *= self.forget
+        bk.xty *= self.forget
+        bk.xtx += np.outer(x, x)
+        bk.xty += x * y
+        bk.n = bk.n * self.forget + 1.0
+        bk.dirty = True
+        self.observations += 1
+
+    def table(self) -> dict[str, list]:
+        """{"batch size": [observations, milliseconds of a step with each of STEP_COST_ROWS - 1 drafted rows]} for
+        every bucket with steps: what the model believes (statistics, /metrics)."""
+        out = {}
+        for b in sorted(self.buckets):
+            batch = 1 << (b - 1)
+            out[str(batch)] = [round(self.buckets[b].n, 1)] + [round(self.predict(batch, batch + r - 1) * 1e3, 3)
+                                                                for r in STEP_COST_ROWS]
+        return out
+
+
+@dataclass
+class DraftCost:
+    """Seconds of the drafter's own work per step, per batch-size bucket, as fixed + per_pass * passes (passes: the
+    drafting model's forward passes that step; 0 for model-free drafting), fitted with forgetting."""
+    forget: float = 0.98
+    stats: dict[int, np.ndarray] = field(default_factory=dict)  # bucket -> [n, sum x, sum x^2, sum y, sum xy]
+
+    def observe(self, batch: int, passes: int, seconds: float) -> None:
+        if not (seconds >= 0 and math.isfinite(seconds)) or batch < 1:
+            return
+        b = StepCostModel.bucket(batch)
+        s = self.stats.setdefault(b, np.zeros(5))
+        s *= self.forget
+        s += (1.0, passes, passes * passes, seconds, passes * seconds)
+
+    def predict(self, batch: int, passes: int) -> float:
+        s = self.stats.get(StepCostModel.bucket(batch))
+        if s is None or s[0] <= 0:
+            return 0.0
+        n, sx, sxx, sy, sxy = s
+        var = sxx / n - (sx / n) ** 2
+        slope = (sxy / n - sx / n * sy / n) / var if var > 1e-9 else 0.0
+        slope = max(slope, 0.0)
+        return max(0.0, sy / n - slope * sx / n) + slope * passes
