@@ -18,7 +18,7 @@ BASE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024}
 ENGINES = {
     "plain": BASE,
     "adaspec": {**BASE, "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": 2},
-                "additional_config": {"adaspec": {"speed_guard": False}}},
+                "additional_config": {"adaspec": {"cost_model": "off"}}},
     "ngram": {**BASE, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
                                              "prompt_lookup_min": 1}},
 }

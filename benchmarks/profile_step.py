@@ -1,54 +1,156 @@
-"""Where a speculative step's time goes: cProfile around one in-process `LLM.generate` (after a warm-up generate).
+"""Where a decoding step's time goes: wall time per engine step, split into its parts, for any speculative method.
 
-    VLLM_CPU_OMP_THREADS_BIND=0-1 python benchmarks/profile_step.py --tree '{"budget": 2, "top_k": 2}'
-    VLLM_CPU_OMP_THREADS_BIND=0-1 python benchmarks/profile_step.py --k 2          # a chain of 2, for comparison
+Runs one engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), wraps the functions a step goes through with
+timers (inclusive wall time; nested parts are inside their callers), generates a warm-up batch, then the measured
+batch, and prints milliseconds per engine step for each part. Methods in one call run one after another in fresh
+processes; compare them at equal work (same prompts, same tokens). Run alone: timings of a shared CPU mean nothing.
 
-Prints the generate's seconds and the functions with the most own time. Run it alone: timings of a shared CPU
-mean nothing.
+    .venv/bin/python benchmarks/profile_step.py --methods suffix '{"pools": ["suffix"]}' --batch-size 1
+    .venv/bin/python benchmarks/profile_step.py --methods plain default --datasets mix --num-prompts 1
+
+A method is "plain", "suffix" (vLLM's), "ngram" (vLLM's), "default" (MultiBranchProposer's defaults) or a JSON
+object of MultiBranchProposer settings (K = the tree budget, default 16).
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
+import subprocess
+import sys
 import time
+from collections import defaultdict
 
-PROMPT = 'def quicksort(values):\n    """Sort a list of integers and return the sorted list."""\n'
+# (label, import path of the class, method): the parts of a step, outermost first
+PARTS = [
+    ("engine step", "vllm.v1.engine.core:EngineCore", "step"),
+    ("  schedule", "vllm.v1.core.sched.scheduler:Scheduler", "schedule"),
+    ("  update from output", "vllm.v1.core.sched.scheduler:Scheduler", "update_from_output"),
+    ("  execute_model", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "execute_model"),
+    ("    update states", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_update_states"),
+    ("    prepare inputs", None, "_prepare_inputs"),  # instance attribute: adaspec wraps it per runner
+    ("    model forward", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_model_forward"),
+    ("      attention (all layers)", "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl", "forward"),
+    ("  sample_tokens", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "sample_tokens"),
+    ("    sample / verify", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_sample"),
+    ("    bookkeeping", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_bookkeeping_sync"),
+    ("    propose (drafter)", None, "propose_draft_token_ids"),
+    ("      adaspec propose", "vllm_adaspec.proposers.base:AdaspecProposer", "propose"),
+    ("  adaspec on_schedule", "vllm_adaspec.proposers.base:AdaspecProposer", "on_schedule"),
+]
+
+
+def method_config(spec: str, budget_default: int = 16) -> dict:
+    if spec == "plain":
+        return {}
+    if spec == "suffix":
+        return {"speculative_config": {"method": "suffix", "suffix_decoding_max_cached_requests": 0}}
+    if spec == "ngram":
+        return {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+                                       "prompt_lookup_min": 2}}
+    settings = {} if spec == "default" else json.loads(spec)
+    k = settings.get("tree", {}).get("budget", budget_default)
+    return {"speculative_config": {"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": k},
+            "additional_config": {"adaspec": settings}}
+
+
+def _timed(fn, label, acc):
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc[label][0] += time.perf_counter() - t0
+            acc[label][1] += 1
+
+    wrapper._adaspec_timed = True
+    return wrapper
+
+
+def install(acc) -> None:
+    import importlib
+
+    for label, where, name in PARTS:
+        if where is None:
+            continue
+        mod, cls = where.split(":")
+        klass = getattr(importlib.import_module(mod), cls)
+        setattr(klass, name, _timed(getattr(klass, name), label, acc))
+
+
+def child(args) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_adaspec.data.prompts import WORKLOAD_MIX, load_prompts
+    from vllm_adaspec.models import resolve_model
+
+    acc = defaultdict(lambda: [0.0, 0])
+    model = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(model)
+    sets = [d for ds in args.datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
+    prompts = [p for ds in sets for p in load_prompts(ds, args.num_prompts, tokenizer=tok)]
+    install(acc)
+    llm = LLM(model=model, dtype="float32", max_model_len=2048, seed=0, enforce_eager=True,
+              kv_cache_memory_bytes=2**30, disable_log_stats=False, **method_config(args.method))
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    for label, where, name in PARTS:
+        if where is None:
+            setattr(runner, name, _timed(getattr(runner, name), label, acc))
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    llm.generate(prompts[:args.batch_size], params, use_tqdm=False)  # warm-up
+    acc.clear()
+    t0 = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(prompts), args.batch_size):
+        outs = llm.generate(prompts[i:i + args.batch_size], params, use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    wall = time.perf_counter() - t0
+    steps = acc["engine step"][1]
+    return {"method": args.method, "wall": wall, "tokens": tokens, "steps": steps,
+            "parts": {label: [1e3 * acc[label][0] / max(1, steps), acc[label][1] / max(1, steps)]
+                      for label, _, _ in PARTS}}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the tree budget, else 2)")
-    p.add_argument("--tree", type=json.loads, default=None, help='e.g. \'{"budget": 2, "top_k": 2}\'')
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--top", type=int, default=25, help="rows of the profile to print")
+    p.add_argument("--methods", nargs="+", default=["suffix", '{"pools": ["suffix"]}'])
+    p.add_argument("--datasets", nargs="+", default=["mix"])
+    p.add_argument("--num-prompts", type=int, default=1, help="prompts per dataset")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--out", default=None, help="JSON of every method's parts")
+    p.add_argument("--method", help=argparse.SUPPRESS)  # child side
     args = p.parse_args()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in this process, so cProfile sees it
-
-    from vllm import LLM, SamplingParams
-
-    from vllm_adaspec.models import fetch_model
-
-    settings = {"speed_guard": False}
-    if args.tree is not None:
-        settings["tree"] = args.tree
-    k = args.k or (args.tree["budget"] if args.tree else 2)
-    llm = LLM(model=str(fetch_model(args.model)), dtype="float32", max_model_len=2048, seed=0, enforce_eager=True,
-              speculative_config={"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": k},
-              additional_config={"adaspec": settings})
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate([PROMPT], params)  # warm-up
-    start = time.perf_counter()
-    prof = cProfile.Profile()
-    prof.enable()
-    llm.generate([PROMPT], params)
-    prof.disable()
-    print(f"generate: {time.perf_counter() - start:.2f} s for {args.max_tokens} tokens")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    if args.method is not None:
+        print("@@" + json.dumps(child(args)), flush=True)
+        return
+    results = []
+    for m in args.methods:
+        cmd = [sys.executable, __file__, "--method", m, "--model", args.model, "--datasets", *args.datasets,
+               "--num-prompts", str(args.num_prompts), "--batch-size", str(args.batch_size),
+               "--max-tokens", str(args.max_tokens)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in out.stdout.splitlines() if x.startswith("@@")), None)
+        if line is None:
+            sys.exit(f"{m} failed:\n{out.stderr[-3000:]}")
+        results.append(json.loads(line[2:]))
+        print(f"[profile] {m}: {results[-1]['tokens']} tokens in {results[-1]['wall']:.1f} s", file=sys.stderr)
+    head = "| part (ms per engine step) | " + " | ".join(r["method"] for r in results) + " |"
+    print(head + "\n|---|" + "---|" * len(results))
+    for label, _, _ in PARTS:
+        indent = len(label) - len(label.lstrip())
+        print(f"| {'. ' * (indent // 2)}{label.strip()} | "
+              + " | ".join(f"{r['parts'][label][0]:.2f}" for r in results) + " |")
+    print("| tokens / s | " + " | ".join(f"{r['tokens'] / r['wall']:.1f}" for r in results) + " |")
+    print("| tokens / engine step | " + " | ".join(f"{r['tokens'] / max(1, r['steps']):.2f}" for r in results) + " |")
+    print("| engine steps | " + " | ".join(str(r["steps"]) for r in results) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

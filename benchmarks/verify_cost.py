@@ -26,7 +26,7 @@ def measure(model: str, shape: str, batch: int, k: int, rounds: int, dtype: str)
     prompts = (load_prompts("humaneval", batch))
     engine = {"dtype": dtype, "max_model_len": 2048, "seed": 0, "enforce_eager": True,
               "speculative_config": {"model": "vllm_adaspec.ProbeProposer", "num_speculative_tokens": k},
-              "additional_config": {"adaspec": {"speed_guard": False, "tree": {"budget": k}}}}
+              "additional_config": {"adaspec": {"cost_model": "off", "tree": {"budget": k}}}}
     tokens = (k + 1) * rounds + 8
     params = [{"temperature": 0.0, "max_tokens": tokens, "ignore_eos": True}]
     env = default_env()

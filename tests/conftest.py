@@ -57,8 +57,8 @@ def spec_engine(exit_layer: int, k: int, **extra):
     return {
         **ENGINE,
         "speculative_config": {"model": SPEC, "num_speculative_tokens": k},
-        # The speed guard would switch slow drafting off; these tests want every drafting path exercised.
-        "additional_config": {"adaspec": {"exit_layer": exit_layer, "speed_guard": False}},
+        # No cost model: it would switch slow drafting off; these tests want every drafting path exercised.
+        "additional_config": {"adaspec": {"exit_layer": exit_layer, "cost_model": "off"}},
         **extra,
     }
 
@@ -174,8 +174,25 @@ def assert_features_match(run, plain):
     assert run["finish_reasons"][edge] == ["length"] and 0 < len(run["completions"][edge][0]) <= 27
 
 
-# Four requests of equal length: one batch size throughout (the speed guard's known-answer test).
+# Four requests of equal length: one batch size throughout (the cost model's known answer for early exit).
 GUARD_BATCH = {"prompts": PROMPTS[:4], "params": [{"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}]}
+
+
+# The cost model's known answer: two requests copy a long passage (drafts of their own prompt are accepted), two
+# write something new from a short request (no candidate worth a row), all four in one batch.
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He cleaned the great lens, trimmed "
+           "the wick and wound the clockwork that turned the light. Ships passing the rocky point counted the "
+           "flashes, three short and one long, and knew exactly where they were. In winter the storms shook the "
+           "tower and salt spray reached the gallery, but the light never failed. When the keeper retired, the "
+           "village gave him a brass telescope, and he spent his last years watching the ships from his garden.")
+COPY_OR_NOT = {"prompts": [f"<|im_start|>user\nRepeat this text exactly, word for word:\n\n{PASSAGE}<|im_end|>\n"
+                           "<|im_start|>assistant\n",
+                           "<|im_start|>user\nWrite a short poem about autumn leaves.<|im_end|>\n<|im_start|>assistant\n",
+                           f"<|im_start|>user\nCopy the following paragraph:\n\n{PASSAGE}<|im_end|>\n"
+                           "<|im_start|>assistant\n",
+                           "<|im_start|>user\nGive me three tips for a job interview.<|im_end|>\n<|im_start|>assistant\n"],
+               "params": [{"temperature": 0.0, "max_tokens": 96, "ignore_eos": True}]}
+COPYING = (0, 2)  # which of COPY_OR_NOT's requests copy
 
 
 @pytest.fixture(scope="session")
@@ -183,9 +200,10 @@ def plain_greedy(smollm2, engines):
     """Reference: vLLM without speculation, same engine settings, every batch the engine tests compare with."""
     res = engines.run({"model": smollm2, "engine": ENGINE,
                        "batches": [greedy_batch(), greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS), SAMPLED_MIX, COUNTS,
-                                   TREE_MIX, GUARD_BATCH, COPY_COUNTS, FEATURES_BATCH]})
+                                   TREE_MIX, GUARD_BATCH, COPY_COUNTS, FEATURES_BATCH, COPY_OR_NOT]})
     runs = [b["runs"][0] for b in res["batches"]]
-    return dict(zip(["mixed", "grow", "sampled_mix", "counts", "tree_mix", "guard", "copy_counts", "features"], runs))
+    return dict(zip(["mixed", "grow", "sampled_mix", "counts", "tree_mix", "guard", "copy_counts", "features",
+                     "copy_or_not"], runs))
 
 
 def pytest_collection_modifyitems(config, items):

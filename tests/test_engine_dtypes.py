@@ -34,7 +34,7 @@ def dtype_runs(smollm2, engines, tree_engines, prompts):
     batch = {"prompts": prompts, "params": [{"temperature": 0.0, "max_tokens": 64}]}
     for dtype in DTYPES + ["bfloat16-tree"]:
         tree = dtype.endswith("-tree")
-        settings = {"speed_guard": False,
+        settings = {"cost_model": "off",
                     **({"tree": {"budget": 4, "top_k": 2}, "policy": "thompson-cali"} if tree else {})}
         engine = {**ENGINE, "dtype": dtype.removesuffix("-tree"), "additional_config": {"adaspec": settings},
                   "speculative_config": {"model": SPEC, "num_speculative_tokens": 4 if tree else 3}}

@@ -15,8 +15,8 @@ branches on and off both give plain decoding's tokens."""
 import pytest
 from stats import two_sample_chi2_pvalue
 
-from conftest import (COPY_COUNTS, ENGINE, FEATURES_BATCH, GROW_MAX_TOKENS, GROW_PROMPTS, TREE_MIX,
-                      assert_features_match, assert_identical, greedy_batch)
+from conftest import (COPY_COUNTS, COPY_OR_NOT, COPYING, ENGINE, FEATURES_BATCH, GROW_MAX_TOKENS, GROW_PROMPTS,
+                      TREE_MIX, assert_features_match, assert_identical, greedy_batch)
 
 pytestmark = pytest.mark.engine
 
@@ -27,7 +27,8 @@ CHECK_BRANCHES = {"VLLM_ADASPEC_CHECK_BRANCH_SLOTS": "1"}
 
 
 def mb_engine(budget=8, **extra):
-    settings = {"speed_guard": False, "tree": {"budget": budget}, **extra.pop("settings", {})}
+    # the shipped cost curve, not refitted: node choice does not depend on how fast this machine happens to be
+    settings = {"cost_model": "prior", "tree": {"budget": budget}, **extra.pop("settings", {})}
     k = budget + settings.get("branches", 0) * settings.get("branch_length", 0)
     return {**ENGINE, "speculative_config": {"model": MB, "num_speculative_tokens": k},
             "additional_config": {"adaspec": settings}, **extra}
@@ -147,3 +148,23 @@ def test_medusa_heads_draft_from_the_right_rows_and_greedy_stays_exact(smollm2, 
     # Medusa drafts are accepted (the heads predict): a broken row or head would sit near 0.
     m = run["metrics"]
     assert m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"] > 0.3, m
+
+
+def test_cost_model_drafts_for_the_requests_whose_drafts_pay(smollm2, plain_greedy, tree_engines):
+    """A batch whose answer is known: two requests copy a passage of their prompt (the context and suffix pools
+    predict them), two write something new (their candidates are rare guesses). The online cost model prices every
+    row from this engine's own step times and takes nodes by their calibrated chance across the batch: the copying
+    requests draft in most of their steps and get many tokens per step; the others verify few rows. Whatever the
+    machine, the old per-batch guard could only switch all four on or off together."""
+    engine = mb_engine(budget=16, settings={"pools": ["context", "suffix"], "cost_model": "online"})
+    run = tree_engines.run({"model": smollm2, "engine": engine, "batches": [COPY_OR_NOT],
+                            "env": {"VLLM_ADASPEC_RECORD_DRAFTS": "1"}})["batches"][0]["runs"][0]
+    assert_identical(run, plain_greedy["copy_or_not"])
+    st = run["adaspec"]
+    assert st["config"]["cost_model"] == "online" and st["cost_observations"] > 40, st
+    per = {i: st["finished"][rid] for i, rid in enumerate(run["request_ids"])}  # [steps, rounds, drafted, accepted]
+    for i, (steps, rounds, drafted, accepted) in per.items():
+        if i in COPYING:  # drafts in most steps, several tokens per step
+            assert rounds > 0.6 * steps and accepted > 1.5 * steps, (i, per[i])
+        else:  # few rows: less than a third of a row per step on average
+            assert drafted < steps / 3, (i, per[i])

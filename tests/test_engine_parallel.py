@@ -1,8 +1,8 @@
 """Tensor parallelism (TP = 2 on this CPU build: multiprocess workers, one core each): every rank drafts, and the
-ranks must draft identically (same drafts, same trees, same speed-guard choices) or their attention diverges and
+ranks must draft identically (same drafts, same trees, same cost-model choices) or their attention diverges and
 their collectives deadlock. SmolLM2-135M has 9 attention heads (not divisible by 2), so this runs a small random
 Llama with SmolLM2's tokenizer (4 heads, 2 KV heads, float32). Greedy output must equal plain TP = 2 decoding for
-MultiBranchProposer (speed guard on: its step times are rank-local, rank 0's are used everywhere; Self-Draft
+MultiBranchProposer (step cost model on: its step times are rank-local, rank 0's are used everywhere; Self-Draft
 branches on, so every step verifies a tree with branch rows), and per-rank drafting statistics, including a digest of every draft proposed, must be equal
 across the ranks."""
 
@@ -19,7 +19,7 @@ TP = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "max_num_
 BATCH = {"prompts": PROMPTS[:4], "params": [{"temperature": 0.0, "max_tokens": m} for m in MAX_TOKENS[:4]]}
 RANK_EQUAL = ("propose_calls", "decode_rows", "draft_tokens", "chosen_nodes", "tree_nodes", "tree_verified",
               "accepted_drafts", "verified_drafts", "draft_digest", "round_lengths", "tree_accepted_depth",
-              "cap_steps", "branch_rows")
+              "draft_steps", "branch_rows", "cost_observations", "step_costs")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def run(model, engine):
 def test_tp2_drafts_identically_on_both_ranks_and_output_equals_plain_tp2(tiny_llama):
     plain = run(tiny_llama, {})
     # MultiBranchProposer covers what TP can break: trees (tree attention on each rank's heads, KV compaction per
-    # rank), branch rows and the speed guard's rank-local timings. Early-exit trees under TP = 2 were run the same
+    # rank), branch rows and the cost model's rank-local timings. Early-exit trees under TP = 2 were run the same
     # way by hand (identical output and drafts, session 12's closing note) and are left out to keep the suite short.
     arms = [({"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": 20},
              {"branches": 2, "branch_length": 2})]

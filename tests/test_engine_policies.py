@@ -14,7 +14,7 @@ def test_policy_is_lossless_and_varies_the_draft_length(smollm2, plain_greedy, p
     # thompson-cali reads the target's hidden state at the row that sampled each request's last token: with greedy
     # decoding that row must give the same token again under the LM head (the drafter counts mismatches).
     engine = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": K},
-              "additional_config": {"adaspec": {"policy": policy, "speed_guard": False}}}
+              "additional_config": {"adaspec": {"policy": policy, "cost_model": "off"}}}
     # the mixed batch's first six prompts, at most 48 tokens each: 20+ rounds per policy
     short = [min(m, 48) for m in MAX_TOKENS[:6]]
     run = engines.run({"model": smollm2, "engine": engine, "batches": [greedy_batch(PROMPTS[:6], short)],

@@ -23,10 +23,10 @@ pytestmark = pytest.mark.engine
 
 
 def tree_engine(budget=8, top_k=2, k=8, **settings):
-    # The shipped head (N = 6) drafts; guard off (tree mode runs without it anyway).
+    # The shipped head (N = 6) drafts; no cost model (trees keep their budget with it anyway).
     tree = {"budget": budget, "top_k": top_k, **settings.pop("tree", {})}
     return {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": k},
-            "additional_config": {"adaspec": {"speed_guard": False, "tree": tree, **settings}}}
+            "additional_config": {"adaspec": {"cost_model": "off", "tree": tree, **settings}}}
 
 
 def test_greedy_tree_decoding_is_identical_to_plain(smollm2, plain_greedy, tree_engines, engines):
@@ -41,7 +41,7 @@ def test_greedy_tree_decoding_is_identical_to_plain(smollm2, plain_greedy, tree_
     # Drafting under the tree mask: a tree of 8 nodes must accept more per step than a chain of 8 drafts (measured
     # 0.94 vs 0.69 tokens); nodes drafted past a wrong mask would be garbage and lose that.
     chain = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": 8},
-             "additional_config": {"adaspec": {"speed_guard": False}}}
+             "additional_config": {"adaspec": {"cost_model": "off"}}}
     cst = engines.run({"model": smollm2, "engine": chain, "batches": [greedy_batch()]})["batches"][0]["runs"][0]
     tree_rate = st["accepted_drafts"] / st["tree_rounds"]
     chain_rate = cst["adaspec"]["accepted_drafts"] / (cst["adaspec"]["verified_drafts"] / 8)

@@ -30,7 +30,7 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, kv_cache_memory_bytes=2**28,
               seed=0, speculative_config={"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": 2},
-              additional_config={"adaspec": {"speed_guard": False}})
+              additional_config={"adaspec": {"cost_model": "off"}})
     outs = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     stats = llm.collective_rpc("adaspec_stats")[0]
     files["drafter"] = sys.modules["vllm_adaspec.proposers.early_exit"].__file__

@@ -52,6 +52,7 @@ def add_demo(sub) -> None:
     p.add_argument("--exit-head", default="auto", help="'auto' (shipped head), 'none' (untrained), or a folder")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="default: the best measured")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=6, help="rounds of prompts (each: new prompts of 3 task types)")
     p.set_defaults(func=cmd_demo)
 
 
@@ -59,8 +60,11 @@ def cmd_demo(args) -> int:
     from vllm_adaspec.demo import print_demo, run_demo
 
     k = args.num_speculative_tokens or DEMO_K[args.proposer]
+    if args.rounds < 1 or args.max_tokens < 1:
+        print("adaspec demo: --rounds and --max-tokens must be >= 1", file=sys.stderr)
+        return 2
     res = run_demo(args.model, args.exit_layer, k, args.max_tokens, exit_head=args.exit_head,
-                   proposer=args.proposer)
+                   proposer=args.proposer, rounds=args.rounds)
     print_demo(res, k)
     return 0
 

@@ -163,6 +163,86 @@ class EngineHost:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
+class EngineSession:
+    """One engine kept alive in its own child Python: built once, then `generate(batch)` as often as wanted (the
+    same result as one batch's run of `run_engine`). Several sessions can stand side by side and take turns, so a
+    comparison alternates methods without paying an engine start per turn; `start` returns at once, `wait` blocks
+    until the engine is built (several sessions build in parallel)."""
+
+    def __init__(self, model: str, engine: dict, env: dict | None = None, python: str = sys.executable):
+        self.work = tempfile.mkdtemp(prefix="adaspec-session-")
+        self.log = os.path.join(self.work, "session.log")
+        self._log_file = open(self.log, "a")
+        self.proc = subprocess.Popen([python, "-m", "vllm_adaspec.harness", "--session"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log_file, text=True,
+                                     env=env or default_env(workdir=self.work))
+        self._send({"model": model, "engine": engine})
+        self.ready = False
+
+    def _send(self, obj: dict) -> None:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def _receive(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                result = json.loads(line[len(MARK):])
+                if "error" in result:
+                    raise EngineRunError(f"engine session failed: {result['error']}\n{self._tail()}")
+                return result
+        self.proc.wait()
+        raise EngineRunError(f"engine session died (exit {self.proc.returncode}):\n{self._tail()}")
+
+    def wait(self) -> None:
+        if not self.ready:
+            self._receive()
+            self.ready = True
+
+    def generate(self, batch: dict) -> dict:
+        self.wait()
+        self._send(batch)
+        return self._receive()
+
+    def _tail(self, lines: int = 60) -> str:
+        self._log_file.flush()
+        with open(self.log) as f:
+            return "\n".join(f.read().splitlines()[-lines:])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _session_loop() -> None:
+    """Child side of EngineSession: the first stdin line builds the engine, every further line is one batch."""
+    from vllm import LLM
+
+    spec = json.loads(sys.stdin.readline())
+    try:
+        llm = LLM(model=spec["model"], disable_log_stats=False, **{"kv_cache_memory_bytes": 2**30, **spec["engine"]})
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        sys.stdout.write(MARK + json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
+        sys.stdout.flush()
+        return
+    sys.stdout.write(MARK + json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        try:
+            result = _run_batches(llm, {"batches": [json.loads(line)]})["batches"][0]["runs"][0]
+        except Exception as e:  # noqa: BLE001
+            result = {"error": f"{type(e).__name__}: {e}"}
+        sys.stdout.write(MARK + json.dumps(result) + "\n")
+        sys.stdout.flush()
+    llm.llm_engine.engine_core.shutdown()
+
+
 def _host_loop() -> None:
     """Child side of EngineHost: one JSON job per stdin line, one result line per job."""
     import gc
@@ -234,6 +314,7 @@ def _run_batches(llm, job: dict) -> dict:
                 {
                     "token_ids": [list(o.outputs[0].token_ids) for o in outs],
                     "texts": [o.outputs[0].text for o in outs],
+                    "request_ids": [o.request_id for o in outs],
                     "seconds": seconds,
                     "metrics": diff_metrics(metric_values(llm), before),
                     "adaspec": diff_metrics(adaspec_stats(llm), stats_before),
@@ -260,6 +341,9 @@ def _run_batches(llm, job: dict) -> dict:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--host"]:
         _host_loop()
+        os._exit(0)
+    if sys.argv[1:] == ["--session"]:
+        _session_loop()
         os._exit(0)
     result = _child(json.loads(sys.stdin.read()))
     sys.stdout.write(MARK + json.dumps(result) + "\n")

@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 @dataclass
 class RequestState:
     policy: object
+    steps: int = 0  # decode steps (target forwards that committed tokens for it)
     drafted_last: int = 0  # drafts verified in the last round (what the scheduler actually scheduled)
     rounds: int = 0  # verification rounds that carried drafts
     drafted: int = 0  # total drafts verified
@@ -40,6 +41,7 @@ class RequestStates:
         """Verification emitted `num_sampled` tokens (accepted drafts + 1) for `req_id`.
         Returns (drafts verified, drafts accepted) of that round; (0, 0) when it carried none."""
         st = self.get(req_id)
+        st.steps += 1
         drafted = st.drafted_last
         if drafted == 0:
             return 0, 0
@@ -52,9 +54,9 @@ class RequestStates:
         st.policy.observe(drafted, accepted)
         return drafted, accepted
 
-    def finish(self, req_ids: Iterable[str]) -> list[RequestState]:
-        """Drop finished requests; returns their final states (for per-request statistics)."""
-        return [st for st in (self.states.pop(r, None) for r in req_ids) if st is not None]
+    def finish(self, req_ids: Iterable[str]) -> dict[str, RequestState]:
+        """Drop finished requests; returns their final states by id (for per-request statistics)."""
+        return {r: st for r, st in ((r, self.states.pop(r, None)) for r in req_ids) if st is not None}
 
     def __len__(self) -> int:
         return len(self.states)

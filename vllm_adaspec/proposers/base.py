@@ -153,8 +153,10 @@ class AdaspecProposer:
 
             tv.drop_requests(finished)
             self.tree_holders.difference_update(finished)
-        for st in self.states.finish(finished):
+        for req_id, st in self.states.finish(finished).items():
             self.stats["requests_finished"] += 1
+            if self._record:  # tests: what each request did (decode steps, rounds with drafts, drafts, accepted)
+                self.stats.setdefault("finished", {})[req_id] = [st.steps, st.rounds, st.drafted, st.accepted]
             if st.rounds:
                 observe(self.stats["request_acceptance"], st.accepted / st.drafted)
                 observe(self.stats["request_drafts_per_round"], st.drafted / st.rounds)

@@ -172,7 +172,7 @@ def collect_trees(st: C2TSettings, progress: bool = True) -> list[list[tuple[np.
     llm = LLM(model=st.model, dtype="float32", seed=st.seed, max_model_len=2048, enforce_eager=True,
               kv_cache_memory_bytes=2**31,
               speculative_config={"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": st.budget},
-              additional_config={"adaspec": {"exit_head": st.exit_head, "speed_guard": False, "policy": "fixed",
+              additional_config={"adaspec": {"exit_head": st.exit_head, "cost_model": "off", "policy": "fixed",
                                              "tree": {"budget": st.budget, "top_k": st.top_k,
                                                       "max_depth": st.max_depth}}})
     params = SamplingParams(temperature=0.0, max_tokens=st.max_tokens, detokenize=False)
