@@ -41,8 +41,9 @@ def methods(args) -> dict[str, dict]:
         out["ngram"] = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5,
                                                "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
     if "suffix" in args.methods:
-        # Suffix decoding caches past responses across requests; with repeated identical prompts (repeats, and the
-        # same prompts at batch 1 then 8) that turns later runs into replays. 0 keeps every cell independent.
+        # vLLM's suffix decoding at its defaults (K = 24, 10000 cached responses): what its users run. Its cache of
+        # past responses (and our suffix pool's) would replay a prompt seen before: each engine sees each prompt
+        # once (one engine per batch size; --repeats > 1 warns).
         out["suffix"] = {"speculative_config": {"method": "suffix",
                                                 "suffix_decoding_max_cached_requests": args.suffix_cached_requests}}
     if "medusa" in args.methods:
@@ -55,12 +56,13 @@ def methods(args) -> dict[str, dict]:
                                                      "num_speculative_tokens": k}}
     if "multibranch" in args.methods:
         for spec in args.mb:
-            # MultiBranchProposer: K = the node budget; guard as given (default on).
+            # MultiBranchProposer: K = the node budget; cost model as given (default online).
             settings = json.loads(spec)
             budget = settings.get("tree", {}).get("budget", 16)
             n, length = settings.get("branches", 0), settings.get("branch_length", 4)
             label = "multibranch " + "+".join(settings.get("pools", ["default"])) + f" B={budget}" + (
                 " guard off" if settings.get("speed_guard") is False else "") + (
+                f" cost {settings['cost_model']}" if "cost_model" in settings else "") + (
                 f" branches N={n} L={length}" + (" random" if settings.get("branch_init") == "random" else "")
                 if n else "")
             # Self-Draft branch rows are drafts to vLLM's scheduler: K = node budget + N * L
@@ -289,8 +291,8 @@ def main(argv=None) -> int:
                    help="also run the default settings (shipped head, speed guard on) with this K; 0 = skip")
     p.add_argument("--exit-head", default="auto", help="'auto', 'none', a checkpoint folder, or a pattern with {n}")
     p.add_argument("--ks", type=int, nargs="*", default=[3], help="fixed-K rows (guard off); none: only the default row")
-    p.add_argument("--suffix-cached-requests", type=int, default=0,
-                   help="suffix decoding's cross-request response cache; >0 lets repeats replay earlier outputs")
+    p.add_argument("--suffix-cached-requests", type=int, default=10000,
+                   help="vLLM suffix decoding's cross-request response cache (its default: 10000)")
     p.add_argument("--policies", nargs="*", default=[],
                    help="adaptive policy rows (names or JSON objects), each with K = --policy-k and the guard off")
     p.add_argument("--policy-k", type=int, default=10)
@@ -311,8 +313,12 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(model)
     datasets = [d for ds in args.datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
     prompts = {ds: load_prompts(ds, args.num_prompts, tokenizer=tok) for ds in datasets}
-    plan = calls(prompts, args.batch_sizes, args.repeats, args.max_tokens, args.temperature)
-    tags = [c.pop("tag") for c in plan]
+    if args.repeats > 1:
+        print("warning: --repeats > 1 runs every prompt again in the same engine, where vLLM's suffix cache and "
+              "adaspec's suffix pool replay their earlier outputs: use --rounds (fresh engines)", file=sys.stderr)
+    # one engine per (method, batch size): a batch size never meets prompts another one already ran
+    plans = {bs: calls(prompts, [bs], args.repeats, args.max_tokens, args.temperature) for bs in args.batch_sizes}
+    tags = {bs: [c.pop("tag") for c in plan] for bs, plan in plans.items()}
     engine = {"dtype": args.dtype, "max_model_len": 2048, "seed": 0, "enforce_eager": True}
     warmup = {"prompts": ["Hello"], "params": [{"temperature": 0.0, "max_tokens": 8}]}
 
@@ -322,23 +328,25 @@ def main(argv=None) -> int:
     todo = methods(args)
     plain_ids = None
     per_round: list[dict[str, dict]] = []
-    bar = tqdm(total=args.rounds * len(todo), desc="engines", file=sys.stderr)
+    bar = tqdm(total=args.rounds * len(todo) * len(plans), desc="engines", file=sys.stderr)
     for rnd in range(args.rounds):
         order = list(todo) if rnd % 2 == 0 else list(reversed(todo))  # round 1 runs plain first: reference ids
         results: dict[str, dict] = {}
         for name in order:
-            t0 = time.perf_counter()
-            res = run_engine({"model": model, "engine": {**engine, **todo[name]}, "batches": [warmup] + plan})
-            runs = [b["runs"][0] for b in res["batches"][1:]]
-            rows = summarize(runs, tags, plain_ids)
+            rows = {}
+            for bs, plan in plans.items():
+                t0 = time.perf_counter()
+                res = run_engine({"model": model, "engine": {**engine, **todo[name]}, "batches": [warmup] + plan})
+                runs = [b["runs"][0] for b in res["batches"][1:]]
+                rows.update(summarize(runs, tags[bs], plain_ids))
+                annotate_exit(rows, runs, model)
+                bar.update()
+                tqdm.write(f"round {rnd + 1}: {name} batch {bs}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
             if name == "plain" and plain_ids is None:  # later rounds' plain runs are checked against round 1
                 plain_ids = {k: v["ids"] for k, v in rows.items()}
                 for v in rows.values():
                     v["identical"] = v["n"]
-            annotate_exit(rows, runs, model)
             results[name] = rows
-            bar.update()
-            tqdm.write(f"round {rnd + 1}: {name}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
         per_round.append(results)
     bar.close()
     results = merge_rounds(per_round, todo)

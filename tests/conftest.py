@@ -187,11 +187,13 @@ PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dus
            "village gave him a brass telescope, and he spent his last years watching the ships from his garden.")
 COPY_OR_NOT = {"prompts": [f"<|im_start|>user\nRepeat this text exactly, word for word:\n\n{PASSAGE}<|im_end|>\n"
                            "<|im_start|>assistant\n",
-                           "<|im_start|>user\nWrite a short poem about autumn leaves.<|im_end|>\n<|im_start|>assistant\n",
+                           "<|im_start|>user\nTell me about the history of Rome.<|im_end|>\n<|im_start|>assistant\n",
                            f"<|im_start|>user\nCopy the following paragraph:\n\n{PASSAGE}<|im_end|>\n"
                            "<|im_start|>assistant\n",
-                           "<|im_start|>user\nGive me three tips for a job interview.<|im_end|>\n<|im_start|>assistant\n"],
-               "params": [{"temperature": 0.0, "max_tokens": 96, "ignore_eos": True}]}
+                           "<|im_start|>user\nWhat are the benefits of regular exercise?<|im_end|>\n"
+                           "<|im_start|>assistant\n"],
+               # the writing requests stop when the copying ones would: every step of theirs shares the batch with both
+               "params": [{"temperature": 0.0, "max_tokens": m, "ignore_eos": True} for m in (96, 16, 96, 16)]}
 COPYING = (0, 2)  # which of COPY_OR_NOT's requests copy
 
 

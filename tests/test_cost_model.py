@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from vllm_adaspec.policies.cost_model import StepCostModel, prior_curve
+from vllm_adaspec.policies.cost_model import PER_REQUEST_PRIOR, StepCostModel, prior_curve
 
 PRIOR = {1: 1.0, 2: 1.07, 3: 1.14, 4: 1.29, 5: 1.38, 8: 1.47, 16: 1.79, 32: 2.4, 64: 4.17, 136: 7.45}
 
@@ -22,7 +22,8 @@ def test_prior_curve_interpolates_and_extends_the_last_slope():
 def test_before_any_step_the_prior_shape_decides():
     m = StepCostModel(PRIOR)
     assert m.predict(1, 16) / m.predict(1, 1) == pytest.approx(1.79, rel=1e-6)
-    assert m.predict(8, 64) / m.predict(8, 8) == pytest.approx(4.17 / 1.47, rel=1e-6)
+    per = 7 * PER_REQUEST_PRIOR  # batch 8: seven requests more than the prior's unit step
+    assert m.predict(8, 64) / m.predict(8, 8) == pytest.approx((4.17 + per) / (1.47 + per), rel=1e-6)
 
 
 def test_fit_recovers_a_curve_unlike_the_prior_where_steps_were_seen():
@@ -55,7 +56,7 @@ def test_buckets_are_fitted_apart_and_a_new_bucket_starts_from_the_prior_at_the_
         m.observe(1, 1, 0.030)
         m.observe(1, 3, 0.031)
     # batch 8 has no data: the prior's shape at the scale batch 1 measured (30 ms for its 1-row step)
-    assert m.predict(8, 8) == pytest.approx(0.030 * 1.47, rel=0.05)
+    assert m.predict(8, 8) == pytest.approx(0.030 * (1.47 + 7 * PER_REQUEST_PRIOR), rel=0.05)
     for _ in range(300):
         m.observe(8, 8, 0.080)
         m.observe(8, 16, 0.090)
@@ -91,3 +92,14 @@ def test_meaningless_steps_are_ignored(bad):
     m.observe(0, 2, 0.02)
     m.observe(4, 2, 0.02)  # fewer rows than requests
     assert m.observations == 0 and m.unit is None
+
+
+def test_decisions_are_optimistic_only_where_steps_were_not_seen():
+    rng = random.Random(3)
+    m = StepCostModel(PRIOR)
+    for _ in range(400):
+        rows = rng.choice([1, 2, 3])
+        m.observe(1, rows, machine(rows) * rng.uniform(0.95, 1.05))
+    c = m.curve(1)
+    assert c(2) == pytest.approx(m.predict(1, 2), rel=0.02)  # seen often: the fit itself
+    assert c(16) < 0.97 * m.predict(1, 16)  # never seen: priced lower than the fit, so that it gets tried

@@ -161,10 +161,13 @@ def test_cost_model_drafts_for_the_requests_whose_drafts_pay(smollm2, plain_gree
                             "env": {"VLLM_ADASPEC_RECORD_DRAFTS": "1"}})["batches"][0]["runs"][0]
     assert_identical(run, plain_greedy["copy_or_not"])
     st = run["adaspec"]
-    assert st["config"]["cost_model"] == "online" and st["cost_observations"] > 40, st
-    per = {i: st["finished"][rid] for i, rid in enumerate(run["request_ids"])}  # [steps, rounds, drafted, accepted]
+    assert st["config"]["cost_model"] == "online" and st["cost_observations"] > 10, st
+    # [decode steps, rounds with drafts, drafts, accepted] by prompt (the engine's ids extend the outputs' ids)
+    per = {i: next(v for k, v in st["per_request"].items() if k.split("-")[0] == rid)
+           for i, rid in enumerate(run["request_ids"])}
+    copy_rows = min(per[i][2] / per[i][0] for i in COPYING)  # drafted rows per step of the copying requests
     for i, (steps, rounds, drafted, accepted) in per.items():
         if i in COPYING:  # drafts in most steps, several tokens per step
-            assert rounds > 0.6 * steps and accepted > 1.5 * steps, (i, per[i])
-        else:  # few rows: less than a third of a row per step on average
-            assert drafted < steps / 3, (i, per[i])
+            assert rounds > 0.6 * steps and accepted > 1.5 * steps, (i, per)
+        else:  # drafts in at most half of its steps, a fifth of the rows per step the copying requests get
+            assert rounds <= 0.5 * steps and drafted / steps < copy_rows / 5, (i, per)

@@ -1,7 +1,10 @@
+import json
+
 import pytest
 
 from vllm_adaspec.data import (
     PROMPT_SETS,
+    WORKLOAD_MIX,
     apply_chat_template,
     load_humaneval,
     load_mtbench_first_turns,
@@ -49,7 +52,7 @@ def test_apply_chat_template_one_user_turn():
 
 
 def test_load_prompts_by_name():
-    assert set(PROMPT_SETS) == {"humaneval", "mtbench", "repetitive"}
+    assert set(PROMPT_SETS) == {"humaneval", "mtbench", "repetitive", *WORKLOAD_MIX}
     assert load_prompts("humaneval", 2, EchoTokenizer()) == load_humaneval(2)  # completions: raw
     assert load_prompts("mtbench", 2, EchoTokenizer())[0].startswith("user:Compose")
     assert load_prompts("mtbench", 2) == load_mtbench_first_turns(2)
@@ -78,3 +81,44 @@ def test_real_chat_template_smollm2():
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
     ids = tok(text)["input_ids"]
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and ids[1] != ids[0]  # no doubled BOS
+
+
+MIX_TYPES = ("summarization", "translation", "rag", "math", "code_edit", "chat", "agent")
+
+
+def test_workload_mix_is_seven_task_types_plus_humaneval_and_mtbench():
+    assert WORKLOAD_MIX == (*MIX_TYPES, "humaneval", "mtbench")
+
+
+@pytest.mark.parametrize("name", MIX_TYPES)
+def test_mix_loaders_are_deterministic_conversations_that_fit_the_context(name):
+    from vllm_adaspec.data.mix import MIX
+
+    convs = MIX[name]()
+    assert len(convs) >= 20, len(convs)  # enough for 8 prompts per type in benchmarks and 6 demo rounds
+    assert MIX[name](3) == convs[:3] and convs == MIX[name]()  # the same prompts, in the same order, every time
+    texts = set()
+    for conv in convs:
+        assert conv and all(set(m) == {"role", "content"} and m["content"] for m in conv)
+        assert conv[-1]["role"] == "user" and {m["role"] for m in conv} <= {"system", "user", "assistant"}
+        assert sum(len(m["content"]) for m in conv) < 6500  # about 1600 tokens at most: room for 256 new ones
+        texts.add(json.dumps(conv))
+    assert len(texts) == len(convs)  # no prompt twice (suffix caches would replay it)
+    rendered = load_prompts(name, 2, EchoTokenizer())
+    assert rendered[0].endswith("|assistant:") and rendered[0].count("user:") >= 1
+
+
+def test_mix_prompts_are_what_each_type_says():
+    from vllm_adaspec.data.mix import gsm_problem, load_agent, load_chat, load_code_edit, load_rag, load_translation
+
+    assert load_translation(1)[0][0]["content"].startswith("Translate the following German text into English.")
+    rag = load_rag(1)[0][0]["content"]
+    assert "\n\nQuestion: " in rag and "[1] " in rag and "\n\n[2] " in rag  # retrieved passages, numbered
+    assert "```python\ndef " in load_code_edit(1)[0][0]["content"]
+    chat = load_chat(1)[0]
+    assert [m["role"] for m in chat][:3] == ["user", "assistant", "user"]
+    agent = load_agent(1)[0]
+    assert agent[0]["role"] == "system" and [m["role"] for m in agent[1:]] == ["user", "assistant"] * 3 + ["user"]
+    assert all(json.loads(m["content"])["name"] for m in agent if m["role"] == "assistant")  # JSON tool calls
+    text, answer = gsm_problem(0)
+    assert gsm_problem(0) == (text, answer) and gsm_problem(1) != gsm_problem(0) and isinstance(answer, int)

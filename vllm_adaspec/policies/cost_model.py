@@ -6,15 +6,20 @@ counts), plus what tree verification adds (its own attention per tree request an
 batch-size bucket, so whatever requests happen to run only move the point on the curve, never the curve:
 acceptance is not in it (the speed guard it replaces compared tokens/s of whole intervals, which mixed both).
 
-Model, per bucket: seconds = sum_a w_a hat_a(R) + k_req * tree_requests + k_row * tree_rows, hat_a the piecewise-linear
-basis on anchor row counts. Ridge regression towards a prior (the shipped relative curve `prior`, scaled by the
+Model, per bucket: seconds = sum_a w_a hat_a(R) + k_b * (b - 1) + k_req * tree_requests + k_row * tree_rows, hat_a
+the piecewise-linear basis on anchor row counts (b - 1: what each request adds besides its rows: its attention over
+its own context, its bookkeeping). Ridge regression towards a prior (the shipped relative curve, scaled by the
 machine's measured plain step), with a first-difference penalty so that evidence at one row count moves its
 neighbours too, exponential forgetting (the machine's speed drifts) and residuals clipped at a few robust standard
 deviations (a garbage collection or the OS must not bend the curve). A bucket with no data of its own starts from
 the prior at the global scale, so a new machine (GPU, bigger model) needs no hand measurement.
 
+Decisions read `curve(b)`: the fit lowered where the data are thin, by up to OPTIMISM of it at a row count never
+seen and shrinking as steps there are measured (optimism in the face of uncertainty), so that row counts the prior
+overprices get tried; `predict` is the fit itself.
+
 Pure Python + numpy: no vLLM, no torch. The drafter owns one model and feeds it one observation per pure decode
-step; `curve(b)` returns seconds by total rows for its node choice.
+step.
 """
 
 from __future__ import annotations
@@ -28,18 +33,23 @@ import numpy as np
 __all__ = ["VERIFY_COST", "DraftCost", "StepCostModel", "prior_curve"]
 
 # Relative time of a verification step by the rows it verifies in all (the batch's requests + their drafts; 1 = a
-# plain decoding step of one request), measured on the 2-core CPU of benchmarks/RESULTS.md with
-# benchmarks/verify_cost.py at batch 1 (1-17 rows) and 8 (8-136 rows), SmolLM2-135M: one curve fits both. The prior
-# every engine starts from, scaled to its own plain step, then refitted online.
-VERIFY_COST = {1: 1.0, 2: 1.07, 3: 1.14, 4: 1.29, 5: 1.38, 8: 1.47, 10: 1.55, 16: 1.79, 24: 2.02, 32: 2.4,
-               40: 2.62, 48: 3.3, 56: 3.55, 64: 4.17, 80: 4.81, 96: 5.78, 136: 7.45}
+# plain decoding step of one request), SmolLM2-135M float32 on the 2-core CPU of benchmarks/RESULTS.md
+# (benchmarks/verify_cost.py, session 13: batch 1, 1-17 rows; batch 8, 8-136 rows less PER_REQUEST_PRIOR * 7),
+# smoothed to a rising curve (this CPU's matrix library is even cheaper at 3-6 rows than at 1: the fit finds that).
+# The prior every engine starts from, scaled to its own plain step, then refitted online.
+VERIFY_COST = {1: 1.0, 2: 1.05, 4: 1.05, 8: 1.08, 12: 1.15, 16: 1.3, 24: 1.65, 32: 1.95, 48: 2.9, 64: 3.7,
+               96: 5.1, 136: 6.4}
+PER_REQUEST_PRIOR = 0.02  # what each decoding request adds besides its rows, relative
 
 # Anchor row counts of the fitted curve (total rows of a forward): dense where CPU matrix libraries switch paths.
 ANCHORS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
 STEP_COST_ROWS = (1, 2, 4, 8, 16, 32)  # the table's points: 1 + drafted rows above the batch's own
 UNIT_STEPS = 31  # steps whose median sets the prior's scale in seconds
-# Tree verification over chain verification, prior: per tree request a tenth of a plain step, per tree row 2%.
-TREE_REQUEST_PRIOR, TREE_ROW_PRIOR = 0.10, 0.02
+# Tree verification over chain verification, prior: per tree request a fifth of a plain step, per tree row 1%
+# (session 13: the CPU tree path's attention over each tree request's prefix, 30 layers).
+TREE_REQUEST_PRIOR, TREE_ROW_PRIOR = 0.2, 0.01
+EXTRA = 3  # features past the anchors: requests - 1, tree requests, tree rows
+OPTIMISM = 0.15  # decisions see an untried row count this much cheaper than the fit (the prior's own uncertainty)
 
 
 def prior_curve(anchors: dict[int, float]) -> Callable[[float], float]:
@@ -94,56 +104,66 @@ class StepCostModel:
 
     def __post_init__(self):
         rel = prior_curve(self.prior)
-        self._prior_rel = np.asarray([rel(a) for a in self.anchors] + [TREE_REQUEST_PRIOR, TREE_ROW_PRIOR])
+        self._prior_rel = np.asarray([rel(a) for a in self.anchors]
+                                     + [PER_REQUEST_PRIOR, TREE_REQUEST_PRIOR, TREE_ROW_PRIOR])
         a = len(self.anchors)
-        d = np.zeros((a - 1, a + 2))
+        d = np.zeros((a - 1, a + EXTRA))
         d[np.arange(a - 1), np.arange(a - 1)] = -1.0
         d[np.arange(a - 1), np.arange(1, a)] = 1.0
-        self._precision = self.strength * np.eye(a + 2) + self.smooth * d.T @ d  # [F, F] prior precision
-        self._precision[a:, a:] += self.strength * np.eye(2) * 4  # tree terms: few data, keep them near the prior
+        self._precision = self.strength * np.eye(a + EXTRA) + self.smooth * d.T @ d  # [F, F] prior precision
+        self._precision[a:, a:] += self.strength * np.eye(EXTRA) * 4  # few data on these: keep them near the prior
 
     @staticmethod
     def bucket(batch: int) -> int:
         """1 -> 1, 2-3 -> 2, 4-7 -> 3, 8-15 -> 4, ...: steps with similar batch sizes share a curve."""
         return max(1, batch).bit_length()
 
-    def features(self, rows: float, tree_requests: int = 0, tree_rows: int = 0) -> np.ndarray:
-        x = np.zeros(len(self.anchors) + 2)
+    def features(self, rows: float, batch: int = 1, tree_requests: int = 0, tree_rows: int = 0) -> np.ndarray:
+        x = np.zeros(len(self.anchors) + EXTRA)
         i, w = hat(rows, self.anchors)
         x[i], x[i + 1] = 1.0 - w, w
-        x[-2], x[-1] = tree_requests, tree_rows
+        x[-3], x[-2], x[-1] = batch - 1, tree_requests, tree_rows
         return x
 
-    def _weights(self, b: int) -> np.ndarray:
-        """[F] fitted weights of bucket b, in seconds (relative units before the first observation)."""
-        unit = self.unit or 1.0
-        prior = self._prior_rel * unit
+    def _fit(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Bucket b's fitted weights [F] in seconds (relative units before the first observation), and their
+        optimistic version for decisions (anchor weights lowered by one posterior standard deviation)."""
+        prior = self._prior_rel * (self.unit or 1.0)
         bk = self.buckets.get(b)
         if bk is None:
-            return prior
+            return prior, prior
         if bk.dirty or bk.solved is None:
-            bk.solved = np.linalg.solve(self._precision + bk.xtx, self._precision @ prior + bk.xty)
+            cov = np.linalg.inv(self._precision + bk.xtx)  # [F, F] posterior covariance / residual variance
+            w = cov @ (self._precision @ prior + bk.xty)
+            low = w.copy()
+            a = len(self.anchors)
+            # unseen: diag(cov) * strength ~ 1 (the prior alone); seen n times: ~ strength / n
+            untried = np.sqrt(np.clip(np.diag(cov)[:a] * self.strength, 0.0, 1.0))
+            low[:a] = w[:a] * (1.0 - OPTIMISM * untried)
+            bk.solved = (w, low)
             bk.dirty = False
         return bk.solved
 
     def predict(self, batch: int, rows: float, tree_requests: int = 0, tree_rows: int = 0) -> float:
-        return float(self.features(rows, tree_requests, tree_rows) @ self._weights(self.bucket(batch)))
+        return float(self.features(rows, batch, tree_requests, tree_rows) @ self._fit(self.bucket(batch))[0])
 
     def curve(self, batch: int) -> Callable[[float], float]:
-        """seconds by total rows of a chain step for `batch` decoding requests (tabulated once per call)."""
-        w = self._weights(self.bucket(batch))
+        """seconds by total rows of a chain step for `batch` decoding requests, optimistic where untried (what
+        decisions read)."""
+        w = self._fit(self.bucket(batch))[1]
         anchors = self.anchors
         vals = w[:len(anchors)]
+        base = float(w[-3] * (batch - 1))
 
         def cost(rows: float) -> float:
             i, t = hat(rows, anchors)
-            return float(vals[i] * (1.0 - t) + vals[i + 1] * t)
+            return float(vals[i] * (1.0 - t) + vals[i + 1] * t) + base
 
         return cost
 
     def tree_extra(self, batch: int, tree_requests: int, tree_rows: int) -> float:
         """Seconds tree verification adds over chains of the same rows."""
-        w = self._weights(self.bucket(batch))
+        w = self._fit(self.bucket(batch))[0]
         return float(w[-2] * tree_requests + w[-1] * tree_rows)
 
     def observe(self, batch: int, rows: int, seconds: float, tree_requests: int = 0, tree_rows: int = 0) -> None:
@@ -151,7 +171,7 @@ class StepCostModel:
         excluded)."""
         if not (seconds > 0 and math.isfinite(seconds)) or batch < 1 or rows < batch:
             return
-        x = self.features(rows, tree_requests, tree_rows)
+        x = self.features(rows, batch, tree_requests, tree_rows)
         if len(self._ratios) < UNIT_STEPS:  # the machine's scale: early steps read through the prior's shape
             self._ratios.append(seconds / float(x @ self._prior_rel))
             self.unit = float(np.median(self._ratios))
@@ -162,7 +182,7 @@ class StepCostModel:
         if bk is None:
             f = len(x)
             bk = self.buckets[b] = _Bucket(np.zeros((f, f)), np.zeros(f))
-        expected = float(x @ self._weights(b))
+        expected = float(x @ self._fit(b)[0])
         resid = seconds - expected
         if bk.n >= 8:  # robust: a residual past `clip` scales counts only that far (floor: 3% of the step)
             limit = self.clip * max(bk.scale, 0.03 * expected)

@@ -75,7 +75,7 @@ class AdaspecProposer:
         # ("online"), the shipped curve only ("prior"), or none ("off": drafts are not sized by cost).
         self.costs = StepCostModel(VERIFY_COST) if self.cfg.cost_model != "off" else None
         self._last_end = None  # perf_counter when the previous propose call returned
-        self._step = None  # (decoding requests, rows, tree requests, tree rows) of the pure decode step since then
+        self._step_shape = None  # (decoding requests, rows, tree requests, tree rows) of the pure decode step since
         self._steps = 0  # engine steps since the previous propose call (an observation needs exactly one)
         self._last_propose = (0, 0, 0.0)  # (decoding requests, draft passes, seconds) of the previous propose call
         self.draft_costs = DraftCost()  # our own work per step: pools, bookkeeping, draft passes
@@ -155,8 +155,6 @@ class AdaspecProposer:
             self.tree_holders.difference_update(finished)
         for req_id, st in self.states.finish(finished).items():
             self.stats["requests_finished"] += 1
-            if self._record:  # tests: what each request did (decode steps, rounds with drafts, drafts, accepted)
-                self.stats.setdefault("finished", {})[req_id] = [st.steps, st.rounds, st.drafted, st.accepted]
             if st.rounds:
                 observe(self.stats["request_acceptance"], st.accepted / st.drafted)
                 observe(self.stats["request_drafts_per_round"], st.drafted / st.rounds)
@@ -175,7 +173,7 @@ class AdaspecProposer:
                 tree_requests += 1
                 tree_rows += drafts
         self._steps += 1
-        self._step = (len(scheduled), rows, tree_requests, tree_rows) if pure else None
+        self._step_shape = (len(scheduled), rows, tree_requests, tree_rows) if pure else None
         self._on_step(scheduled, pure)
 
     def on_tree_paths(self, results: dict, kv_moves: int) -> None:
@@ -218,6 +216,9 @@ class AdaspecProposer:
             if drafted:  # the engine's chain acceptance: accepted drafts, rounds ended by a rejection
                 self._chain_counts[0] += accepted
                 self._chain_counts[1] += accepted < drafted
+            if self._record:  # tests: what each request did so far (decode steps, rounds with drafts, drafts, accepted)
+                rs = self.states.get(req_id)
+                self.stats.setdefault("per_request", {})[req_id] = [rs.steps, rs.rounds, rs.drafted, rs.accepted]
             if not self._eligible(req_id):
                 continue
             policy = self.states.get(req_id).policy
@@ -263,8 +264,8 @@ class AdaspecProposer:
         """Feed the cost model the engine step that ran since the previous propose call returned: its seconds, by
         its decoding requests and verified rows (chains and trees apart). Only pure decode steps (prefill chunks
         cost what they cost), and only when exactly one step ran in between."""
-        step, steps, last = self._step, self._steps, self._last_end
-        self._steps, self._step = 0, None
+        step, steps, last = self._step_shape, self._steps, self._last_end
+        self._steps, self._step_shape = 0, None
         if self.costs is None or self.cfg.cost_model != "online" or step is None or steps != 1 or last is None:
             return
         batch, rows, tree_requests, tree_rows = step
@@ -342,7 +343,7 @@ class AdaspecProposer:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
         return {**copy.deepcopy(self.stats), "tracked_requests": len(self.states),
                 "step_costs": self.costs.table() if self.costs is not None else {},
-                "config": self._config_stats(), "live": self.live_state()}
+                "config": {"cost_model": self.cfg.cost_model, **self._config_stats()}, "live": self.live_state()}
 
 
 def token_rows(rows: list[int], num_tokens_no_spec, token_ids_cpu) -> tuple[np.ndarray, list[np.ndarray]]:
