@@ -157,6 +157,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         rep["c2t_seconds"] += run.get("adaspec", {}).get("c2t_seconds", 0.0)
         rep["branch_rows"] += run.get("adaspec", {}).get("branch_rows", 0)  # Self-Draft rows: drafts to vLLM
         rep["decode_rows"] += run.get("adaspec", {}).get("decode_rows", 0)  # target forwards over requests
+        rep["forwards"] = rep.get("forwards", 0) + m.get("adaspec:forwards", 0)  # the same, counted by the scheduler
         lengths = run.get("adaspec", {}).get("round_lengths")
         if lengths:
             rep["round_lengths"] = [a + b for a, b in zip(rep.get("round_lengths", [0] * len(lengths)), lengths)]
@@ -168,7 +169,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         reps = list(c["reps"].values())
         rep = reps[0]
         # Draft cost c = one draft pass / one target step. At batch 1 each committed round is one target forward.
-        forwards = rep["decode_rows"] or max(1, rep["tokens"] - rep["accepted"])
+        forwards = rep.get("forwards") or rep["decode_rows"] or max(1, rep["tokens"] - rep["accepted"])
         target_step = (rep["seconds"] - rep["draft_seconds"]) / forwards
         c_cost = (rep["draft_seconds"] / rep["draft_passes"]) / target_step if rep["draft_passes"] and bs == 1 else None
         verified = rep["draft_tokens"] - rep["branch_rows"]  # drafts vLLM counted, less the unverified branch rows
@@ -192,9 +193,10 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
             "tok_s": statistics.median(x["tokens"] / x["seconds"] for x in reps),
             "tok_s_all": [x["tokens"] / x["seconds"] for x in reps],
             "tokens": rep["tokens"],
-            # tokens per target forward: counted forwards where the drafter counts them (adaspec); else from vLLM's
-            # accepted drafts, which overstates tau a little (drafts accepted past max_tokens are counted, then cut)
-            "tau": rep["tokens"] / rep["decode_rows"] if rep["decode_rows"] else
+            # tokens per target forward (forwards that drafted nothing included), counted by the scheduler for every
+            # method; vLLM's accepted-draft counter would overstate it (it counts drafts accepted past a stop)
+            "tau": rep["tokens"] / rep["forwards"] if rep.get("forwards") else
+            rep["tokens"] / rep["decode_rows"] if rep["decode_rows"] else
             rep["tokens"] / max(1, rep["tokens"] - rep["accepted"]),
             "drafts": rep["drafts"],
             "draft_tokens": rep["draft_tokens"],

@@ -44,8 +44,8 @@ PARTS = [
 def method_config(spec: str, budget_default: int = 16) -> dict:
     if spec == "plain":
         return {}
-    if spec == "suffix":
-        return {"speculative_config": {"method": "suffix", "suffix_decoding_max_cached_requests": 0}}
+    if spec == "suffix":  # vLLM's defaults (K = 24, 10000 cached responses)
+        return {"speculative_config": {"method": "suffix"}}
     if spec == "ngram":
         return {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
                                        "prompt_lookup_min": 2}}
@@ -102,12 +102,21 @@ def child(args) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.generate(prompts[:args.batch_size], params, use_tqdm=False)  # warm-up
     acc.clear()
+    prof = None
+    if args.cprofile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     tokens = 0
     for i in range(0, len(prompts), args.batch_size):
         outs = llm.generate(prompts[i:i + args.batch_size], params, use_tqdm=False)
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     wall = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(args.cprofile)
     steps = acc["engine step"][1]
     return {"method": args.method, "wall": wall, "tokens": tokens, "steps": steps,
             "parts": {label: [1e3 * acc[label][0] / max(1, steps), acc[label][1] / max(1, steps)]
@@ -123,6 +132,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", default=None, help="JSON of every method's parts")
+    p.add_argument("--cprofile", default=None, help="also write a cProfile of the measured generate to this file")
     p.add_argument("--method", help=argparse.SUPPRESS)  # child side
     args = p.parse_args()
     if args.method is not None:
@@ -133,6 +143,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--method", m, "--model", args.model, "--datasets", *args.datasets,
                "--num-prompts", str(args.num_prompts), "--batch-size", str(args.batch_size),
                "--max-tokens", str(args.max_tokens)]
+        if args.cprofile:
+            cmd += ["--cprofile", f"{args.cprofile}.{len(results)}"]
         out = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in out.stdout.splitlines() if x.startswith("@@")), None)
         if line is None:

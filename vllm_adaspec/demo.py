@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from vllm_adaspec.harness import EngineSession
+from vllm_adaspec.harness import FORWARDS, EngineSession
 from vllm_adaspec.models import resolve_model
 
 # Task types of the workload mix (data/mix.py + HumanEval, MT-Bench) in the order rounds draw them: each round takes
@@ -87,9 +87,7 @@ def summarize_demo(runs: dict[str, list[list[dict]]], plan, proposer: str) -> di
     def totals(calls):
         tokens = sum(len(c["token_ids"][0]) for c in calls)
         seconds = sum(c["seconds"] for c in calls)
-        forwards = sum(c.get("adaspec", {}).get("decode_rows", 0) for c in calls)
-        if not forwards:  # vLLM's own methods: every forward commits its accepted drafts + 1
-            forwards = tokens - sum(c["metrics"].get("vllm:spec_decode_num_accepted_tokens", 0) for c in calls)
+        forwards = sum(c["metrics"].get(FORWARDS, 0) for c in calls)  # target forwards that committed tokens
         return tokens, seconds, max(1, forwards)
 
     out = {"proposer": proposer, "rounds": len(plan), "types": [[t for t, _ in p] for p in plan]}

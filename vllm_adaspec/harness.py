@@ -72,8 +72,32 @@ def run_engine(job: dict, env: dict | None = None, timeout: float = 1800, python
     raise EngineRunError(f"engine run failed (exit {proc.returncode}):\n{tail}")
 
 
+# Target forwards that committed tokens, summed over requests (an in-process engine's scheduler counts them; see
+# count_forwards): tau = generated tokens / this, for every method alike. vLLM's accepted-draft counter cannot give it:
+# it counts drafts accepted past a stop or max_tokens too, which short outputs make large.
+FORWARDS = "adaspec:forwards"
+_FORWARDS = [0]
+
+
+def count_forwards() -> None:
+    """Wrap the scheduler class of this process so each step adds its requests that got new tokens (idempotent)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.update_from_output
+    if getattr(original, "_adaspec_counted", False):
+        return
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        result = original(self, scheduler_output, model_runner_output)
+        _FORWARDS[0] += sum(1 for outs in result.values() for o in outs.outputs if o.new_token_ids)
+        return result
+
+    update_from_output._adaspec_counted = True  # type: ignore[attr-defined]
+    Scheduler.update_from_output = update_from_output
+
+
 def metric_values(llm) -> dict:
-    out = {}
+    out = {FORWARDS: _FORWARDS[0]}
     for m in llm.get_metrics():
         if m.name in COUNTERS:
             out[m.name] = out.get(m.name, 0) + m.value
@@ -225,6 +249,7 @@ def _session_loop() -> None:
     from vllm import LLM
 
     spec = json.loads(sys.stdin.readline())
+    count_forwards()
     try:
         llm = LLM(model=spec["model"], disable_log_stats=False, **{"kv_cache_memory_bytes": 2**30, **spec["engine"]})
     except Exception as e:  # noqa: BLE001 - reported to the parent
@@ -269,6 +294,7 @@ def _host_loop() -> None:
 def _child(job: dict) -> dict:
     from vllm import LLM
 
+    count_forwards()
     engine = {"kv_cache_memory_bytes": 2**30, **job.get("engine", {})}
     llm = LLM(model=job["model"], disable_log_stats=False, **engine)
     try:

@@ -294,8 +294,9 @@ def masked_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vi
 @dataclass
 class SequenceKV:
     """One tree request's K, V in one attention layer, contiguous: positions 0..final-1 are final (committed and
-    compacted: never written again), so a step gathers from the paged cache only what came after them; the rows of
-    the current forward (root + nodes) are written right after the prefix, as scratch."""
+    compacted: never written again), so a step gathers from the paged cache only what came after them (nothing when
+    the request's last step was a tree: `advance_copies` kept its accepted rows); the rows of the current forward
+    (root + nodes) are written right after the prefix, as scratch."""
     k: torch.Tensor  # [capacity, H, D]
     v: torch.Tensor
     final: int = 0
@@ -422,6 +423,24 @@ def compact_kv_cpu(caches: list[tuple[torch.Tensor, str]], src_slots: list[int],
             slabs[db, idx[dst % bs]] = rows
 
 
+def advance_copies(step: TreeStep, paths: dict[int, list[int]]) -> None:
+    """After verification: in every tree request's contiguous copies, the accepted nodes' K, V move to root + 1 ..
+    root + a, as compaction moves them in the paged cache, and root .. root + a become final. The next step of a
+    request that stays a tree then gathers nothing from the paged cache (the copy already holds what it committed)."""
+    for r in step.requests:
+        path = paths.get(r.row, ())
+        moves = [(r.root_pos + 1 + node, r.root_pos + d) for d, node in enumerate(path, start=1) if node + 1 != d]
+        src = torch.tensor([a for a, _ in moves]) if moves else None
+        dst = torch.tensor([b for _, b in moves]) if moves else None
+        for cache, _ in step.kv_caches:
+            seq = _SEQ_KV.get((r.req_id, cache.data_ptr()))
+            if seq is None or seq.final != r.root_pos:
+                continue
+            if moves:
+                seq.k[dst], seq.v[dst] = seq.k[src], seq.v[src]
+            seq.final = r.root_pos + 1 + len(path)
+
+
 def compaction_slots(step: TreeStep, paths: dict[int, list[int]]) -> tuple[list[int], list[int]]:
     """For each tree request's accepted path (node indices, root to deepest): node at depth d moves from its
     verification slot (root + 1 + node) to root + d. Returns (src, dst) slot lists, only moves that change."""
@@ -510,6 +529,7 @@ class TreeRejectionSampler:
             paths[i], results[i] = path, (path, bonus, predicted)
         src, dst = compaction_slots(step, paths)
         compact_kv_cpu(step.kv_caches, src, dst)
+        advance_copies(step, paths)
         if self.on_paths is not None:
             self.on_paths(results, len(src))
         return out
