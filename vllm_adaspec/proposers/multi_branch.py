@@ -306,7 +306,6 @@ class MultiBranchProposer(AdaspecProposer):
     def _medusa_candidates(self, rows: list[int], budgets: list[int], sampled_token_ids) -> list:
         """Every drafting row's Medusa candidates: the heads on the final hidden state of the row that produced its
         last token, all rows and heads in one matmul; the tree's shape is the sparse tree of its budget."""
-        from vllm_adaspec.heads.medusa import head_logits
         from vllm_adaspec.pools.medusa import propose_medusa, sparse_tree
 
         if self._target_hidden is None:
@@ -327,8 +326,8 @@ class MultiBranchProposer(AdaspecProposer):
         width = max(t.max_rank for t in trees)
         e = None
         if m.embed is not None:  # token-conditioned heads: the embedding of each row's last committed token
-            e = m.embed(torch.tensor([sampled_token_ids[i][-1] for i in rows], device=h.device)).to(m.w.dtype)
-        probs = head_logits(h.to(m.w.dtype), m.w, m.b, m.lm_rows, e).float().softmax(-1)  # [R, K, V']
+            e = m.embed(torch.tensor([sampled_token_ids[i][-1] for i in rows], device=h.device))
+        probs = m.logits(h, e).float().softmax(-1)  # [R, K, V']
         top_p, top_i = probs.topk(width, dim=-1)  # [R, K, width]
         top_ids, top_p = m.vocab[top_i].cpu().numpy(), top_p.cpu().numpy()
         out = [propose_medusa(t, top_ids[e], top_p[e]) for e, t in enumerate(trees)]
