@@ -413,14 +413,17 @@ def compact_kv_cpu(caches: list[tuple[torch.Tensor, str]], src_slots: list[int],
     if not src_slots:
         return
     src, dst = torch.tensor(src_slots), torch.tensor(dst_slots)
+    where = {}  # (block size, D, dtype, isa) -> (source, destination) indices into a slab view, K and V at once
     for cache, isa in caches:
         _, _, bs, d2 = cache.shape
-        k_idx, v_idx = cpu_kv_index(isa, bs, d2 // 2, cache.dtype)
+        shape = (bs, d2, cache.dtype, isa)
+        if shape not in where:  # every layer of a model shares it: computed once per step
+            k_idx, v_idx = cpu_kv_index(isa, bs, d2 // 2, cache.dtype)
+            offsets = lambda slots: torch.cat([k_idx[slots % bs], v_idx[slots % bs]], dim=1)  # [M, 2D]
+            where[shape] = (((src // bs)[:, None], offsets(src)), ((dst // bs)[:, None], offsets(dst)))
+        (sb, so), (db, do) = where[shape]
         slabs = _slab_view(cache)
-        sb, db = (src // bs)[:, None], (dst // bs)[:, None]
-        for idx in (k_idx, v_idx):
-            rows = slabs[sb, idx[src % bs]].clone()  # [M, D, H]
-            slabs[db, idx[dst % bs]] = rows
+        slabs[db, do] = slabs[sb, so]  # advanced indexing reads every source before writing
 
 
 def advance_copies(step: TreeStep, paths: dict[int, list[int]]) -> None:
