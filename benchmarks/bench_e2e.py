@@ -73,25 +73,25 @@ def methods(args) -> dict[str, dict]:
         for n in args.exit_layers or [None]:
             head = args.exit_head.format(n=n) if "{n}" in args.exit_head else args.exit_head
             for k in args.ks:
-                # Fixed K: the speed guard off, so the row measures drafting K every step.
-                settings = {"exit_head": head, "speed_guard": False, **({"exit_layer": n} if n is not None else {})}
+                # Fixed K: no cost model, so the row measures drafting K every step.
+                settings = {"exit_head": head, "cost_model": "off", **({"exit_layer": n} if n is not None else {})}
                 label = "adaspec-ee" + (f" N={n}" if n is not None else "") + f" K={k}"
                 out[label] = {
                     "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": k},
                     "additional_config": {"adaspec": settings},
                 }
         for pol in args.policies:
-            # A policy with K = --policy-k as its ceiling, guard off: the row measures the policy's own choices.
+            # A policy with K = --policy-k as its ceiling, no cost model: the row measures the policy's own choices.
             spec = json.loads(pol) if pol.startswith("{") else pol
             name = spec if isinstance(spec, str) else spec["name"]
             out[f"adaspec policy {name} (K={args.policy_k})"] = {
                 "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer",
                                        "num_speculative_tokens": args.policy_k},
-                "additional_config": {"adaspec": {"exit_head": args.exit_head, "speed_guard": False,
+                "additional_config": {"adaspec": {"exit_head": args.exit_head, "cost_model": "off",
                                                   "policy": spec}},
             }
         for spec in args.trees:
-            # Tree mode at a node budget B (K = B drafts verified), guard off; compare with the chain row K = B.
+            # Tree mode at a node budget B (K = B drafts verified), no cost model; compare with the chain row K = B.
             tree = json.loads(spec)
             label = f"adaspec tree B={tree['budget']} top-k={tree.get('top_k', 2)}" + "".join(
                 f" {key}={tree[key]}" for key in ("depth", "max_depth", "second_top_k") if key in tree)
@@ -100,10 +100,10 @@ def methods(args) -> dict[str, dict]:
             out[label] = {
                 "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer",
                                        "num_speculative_tokens": tree["budget"]},
-                "additional_config": {"adaspec": {"exit_head": args.exit_head, "speed_guard": False, "tree": tree}},
+                "additional_config": {"adaspec": {"exit_head": args.exit_head, "cost_model": "off", "tree": tree}},
             }
         if args.default_k:
-            out[f"adaspec default (guard, K={args.default_k})"] = {
+            out[f"adaspec default (cost model, K={args.default_k})"] = {
                 "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer",
                                        "num_speculative_tokens": args.default_k},
                 "additional_config": {"adaspec": {"exit_head": args.exit_head}},
@@ -290,16 +290,16 @@ def main(argv=None) -> int:
     p.add_argument("--exit-layers", type=int, nargs="+", default=None,
                    help="N values (default: the exit head's own N)")
     p.add_argument("--default-k", type=int, default=3,
-                   help="also run the default settings (shipped head, speed guard on) with this K; 0 = skip")
+                   help="also run the default settings (shipped head, cost model on) with this K; 0 = skip")
     p.add_argument("--exit-head", default="auto", help="'auto', 'none', a checkpoint folder, or a pattern with {n}")
-    p.add_argument("--ks", type=int, nargs="*", default=[3], help="fixed-K rows (guard off); none: only the default row")
+    p.add_argument("--ks", type=int, nargs="*", default=[3], help="fixed-K rows (no cost model); none: only the default row")
     p.add_argument("--suffix-cached-requests", type=int, default=10000,
                    help="vLLM suffix decoding's cross-request response cache (its default: 10000)")
     p.add_argument("--policies", nargs="*", default=[],
-                   help="adaptive policy rows (names or JSON objects), each with K = --policy-k and the guard off")
+                   help="adaptive policy rows (names or JSON objects), each with K = --policy-k and no cost model")
     p.add_argument("--policy-k", type=int, default=10)
     p.add_argument("--trees", nargs="*", default=[],
-                   help='tree-mode rows, JSON each: \'{"budget": 8, "top_k": 2}\' (K = budget, guard off)')
+                   help='tree-mode rows, JSON each: \'{"budget": 8, "top_k": 2}\' (K = budget, no cost model)')
     p.add_argument("--vllm-medusa", default=None, help="folder of heads in vLLM's medusa layout (method 'medusa')")
     p.add_argument("--mb", nargs="*", default=['{}'],
                    help='MultiBranchProposer rows (method "multibranch"), JSON each: \'{"pools": ["context", "suffix"], '

@@ -103,3 +103,16 @@ def test_decisions_are_optimistic_only_where_steps_were_not_seen():
     c = m.curve(1)
     assert c(2) == pytest.approx(m.predict(1, 2), rel=0.02)  # seen often: the fit itself
     assert c(16) < 0.97 * m.predict(1, 16)  # never seen: priced lower than the fit, so that it gets tried
+
+
+def test_attention_over_long_contexts_is_priced_per_row():
+    """Rows of a request deep into a long document cost more than rows of a short chat: the fit separates what
+    attention reads (rows x context) from the matrix products (rows)."""
+    rng = random.Random(4)
+    m = StepCostModel(PRIOR)
+    for _ in range(800):
+        rows, context = rng.choice([2, 4, 8]), rng.choice([200, 1000, 2000])
+        load = rows * context / 1000
+        m.observe(2, rows, machine(rows, 2) + 0.0015 * load, attention=load)
+    assert m.attention_seconds(2) == pytest.approx(0.0015, rel=0.15)
+    assert m.predict(2, 8, attention=16) - m.predict(2, 8, attention=1.6) == pytest.approx(0.0015 * 14.4, rel=0.15)

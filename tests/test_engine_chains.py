@@ -139,7 +139,8 @@ def test_cost_model_drafts_nothing_when_drafts_never_pay(smollm2, plain_greedy, 
     model a few % of the time, so every draft costs 0.4 of a target step and almost none is accepted. Whatever the
     step times, a draft whose chance is a few % never pays for its pass and its row: after the first rounds (the
     requests' acceptance starts from the engine's, unknown at first) the cost model drafts nothing but the odd
-    exploring step, and the exit layer's KV upkeep stops."""
+    exploring step. (The untrained exit runs the target's own first layers, so there is no exit-layer KV to stop
+    feeding here.)"""
     engine = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": 3},
               "additional_config": {"adaspec": {"exit_head": "none", "exit_layer": 12}}}
     run = engines.run({"model": smollm2, "engine": engine, "batches": [GUARD_BATCH]})["batches"][0]["runs"][0]
@@ -147,7 +148,7 @@ def test_cost_model_drafts_nothing_when_drafts_never_pay(smollm2, plain_greedy, 
     st = run["adaspec"]
     plain, drafting = st["draft_steps"]
     assert plain > 4 * drafting, st["draft_steps"]
-    assert st["plain_switches"] > 0, st  # the exit layer's KV feed stopped for the requests decoded plainly
+    assert st["accepted_drafts"] < 0.3 * st["verified_drafts"], st  # the premise: drafts that almost never land
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}

@@ -114,7 +114,10 @@ def scrape(base, prefix):
 
 def test_metrics_show_adaspec_drafting(server):
     base, model = server
+    from soak import scrape as samples
+
     before = scrape(base, "vllm:adaspec_")  # counters of whatever ran before: this test reads differences only
+    steps_before = samples(base, "vllm:adaspec_decode_steps_total")  # by label
     for i in range(N):
         post(base + "/v1/completions", {"model": model, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS[i],
                                         "temperature": 0.0})
@@ -125,12 +128,13 @@ def test_metrics_show_adaspec_drafting(server):
         post(base + "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0.0})
     after = scrape(base, "vllm:adaspec_")
     v = {k: after[k] - before.get(k, 0) for k in after}
+    steps = {k: x - steps_before.get(k, 0) for k, x in samples(base, "vllm:adaspec_decode_steps_total").items()}
     verified, accepted = v.get("vllm:adaspec_verified_drafts_total", 0), v.get("vllm:adaspec_accepted_drafts_total", 0)
     assert verified > 0 and 0 < accepted <= verified, v
     assert v.get("vllm:adaspec_draft_rounds_total", 0) > 0, v
     assert v.get("vllm:adaspec_draft_seconds_total", 0) > 0, v
-    drafting = sum(x for k, x in v.items() if k.startswith("vllm:adaspec_decode_steps_total") and 'drafting="1"' in k)
-    assert drafting > 0, v  # decode steps that drafted (every step, with the cost model off)
+    drafting = sum(x for k, x in steps.items() if 'drafting="1"' in k)
+    assert drafting > 0, steps  # decode steps that drafted (every step, with the cost model off)
     # the N requests above have finished (the last short one may not be counted yet); those that drafted are in
     # the per-request histograms
     assert v.get("vllm:adaspec_requests_finished_total", 0) >= N + 1, v

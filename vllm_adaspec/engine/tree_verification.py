@@ -430,9 +430,6 @@ def advance_copies(step: TreeStep, paths: dict[int, list[int]]) -> None:
     """After verification: in every tree request's contiguous copies, the accepted nodes' K, V move to root + 1 ..
     root + a, as compaction moves them in the paged cache, and root .. root + a become final. The next step of a
     request that stays a tree then gathers nothing from the paged cache (the copy already holds what it committed)."""
-    import os
-    if os.environ.get("ADASPEC_NO_ADVANCE"):
-        return
     for r in step.requests:
         path = paths.get(r.row, ())
         moves = [(r.root_pos + 1 + node, r.root_pos + d) for d, node in enumerate(path, start=1) if node + 1 != d]

@@ -6,9 +6,10 @@ counts), plus what tree verification adds (its own attention per tree request an
 batch-size bucket, so whatever requests happen to run only move the point on the curve, never the curve:
 acceptance is not in it (the speed guard it replaces compared tokens/s of whole intervals, which mixed both).
 
-Model, per bucket: seconds = sum_a w_a hat_a(R) + k_b * (b - 1) + k_req * tree_requests + k_row * tree_rows, hat_a
-the piecewise-linear basis on anchor row counts (b - 1: what each request adds besides its rows: its attention over
-its own context, its bookkeeping). Ridge regression towards a prior (the shipped relative curve, scaled by the
+Model, per bucket: seconds = sum_a w_a hat_a(R) + k_b * (b - 1) + k_att * A + k_req * tree_requests + k_row *
+tree_rows, hat_a the piecewise-linear basis on anchor row counts (b - 1: what each request adds besides its rows, its
+bookkeeping; A: rows weighted by their request's context length, what attention reads: a row of a request deep into
+a long document costs more than one of a short chat). Ridge regression towards a prior (the shipped relative curve, scaled by the
 machine's measured plain step), with a first-difference penalty so that evidence at one row count moves its
 neighbours too, exponential forgetting (the machine's speed drifts) and residuals clipped at a few robust standard
 deviations (a garbage collection or the OS must not bend the curve). A bucket with no data of its own starts from
@@ -48,7 +49,8 @@ UNIT_STEPS = 31  # steps whose median sets the prior's scale in seconds
 # Tree verification over chain verification, prior: per tree request a fifth of a plain step, per tree row 1%
 # (session 13: the CPU tree path's attention over each tree request's prefix, 30 layers).
 TREE_REQUEST_PRIOR, TREE_ROW_PRIOR = 0.2, 0.01
-EXTRA = 3  # features past the anchors: requests - 1, tree requests, tree rows
+ATTENTION_PRIOR = 0.03  # attention per row and 1000 tokens of its context, relative (30 layers at ~50 us)
+EXTRA = 4  # features past the anchors: requests - 1, attention load, tree requests, tree rows
 OPTIMISM = 0.15  # decisions see an untried row count this much cheaper than the fit (the prior's own uncertainty)
 
 
@@ -105,7 +107,7 @@ class StepCostModel:
     def __post_init__(self):
         rel = prior_curve(self.prior)
         self._prior_rel = np.asarray([rel(a) for a in self.anchors]
-                                     + [PER_REQUEST_PRIOR, TREE_REQUEST_PRIOR, TREE_ROW_PRIOR])
+                                     + [PER_REQUEST_PRIOR, ATTENTION_PRIOR, TREE_REQUEST_PRIOR, TREE_ROW_PRIOR])
         a = len(self.anchors)
         d = np.zeros((a - 1, a + EXTRA))
         d[np.arange(a - 1), np.arange(a - 1)] = -1.0
@@ -118,11 +120,14 @@ class StepCostModel:
         """1 -> 1, 2-3 -> 2, 4-7 -> 3, 8-15 -> 4, ...: steps with similar batch sizes share a curve."""
         return max(1, batch).bit_length()
 
-    def features(self, rows: float, batch: int = 1, tree_requests: int = 0, tree_rows: int = 0) -> np.ndarray:
+    def features(self, rows: float, batch: int = 1, tree_requests: int = 0, tree_rows: int = 0,
+                 attention: float = 0.0) -> np.ndarray:
+        """attention: the step's rows weighted by their request's context, in thousands of tokens (sum over requests
+        of rows x context / 1000): what attention reads grows with it, the matrix products do not."""
         x = np.zeros(len(self.anchors) + EXTRA)
         i, w = hat(rows, self.anchors)
         x[i], x[i + 1] = 1.0 - w, w
-        x[-3], x[-2], x[-1] = batch - 1, tree_requests, tree_rows
+        x[-4], x[-3], x[-2], x[-1] = batch - 1, attention, tree_requests, tree_rows
         return x
 
     def _fit(self, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -144,8 +149,9 @@ class StepCostModel:
             bk.dirty = False
         return bk.solved
 
-    def predict(self, batch: int, rows: float, tree_requests: int = 0, tree_rows: int = 0) -> float:
-        return float(self.features(rows, batch, tree_requests, tree_rows) @ self._fit(self.bucket(batch))[0])
+    def predict(self, batch: int, rows: float, tree_requests: int = 0, tree_rows: int = 0,
+                attention: float = 0.0) -> float:
+        return float(self.features(rows, batch, tree_requests, tree_rows, attention) @ self._fit(self.bucket(batch))[0])
 
     def curve(self, batch: int) -> Callable[[float], float]:
         """seconds by total rows of a chain step for `batch` decoding requests, optimistic where untried (what
@@ -153,7 +159,7 @@ class StepCostModel:
         w = self._fit(self.bucket(batch))[1]
         anchors = self.anchors
         vals = w[:len(anchors)]
-        base = float(w[-3] * (batch - 1))
+        base = float(w[-4] * (batch - 1))
 
         def cost(rows: float) -> float:
             i, t = hat(rows, anchors)
@@ -161,17 +167,22 @@ class StepCostModel:
 
         return cost
 
+    def attention_seconds(self, batch: int) -> float:
+        """Seconds a row adds per 1000 tokens of its request's context (attention), for decisions."""
+        return max(0.0, float(self._fit(self.bucket(batch))[0][-3]))
+
     def tree_extra(self, batch: int, tree_requests: int, tree_rows: int) -> float:
         """Seconds tree verification adds over chains of the same rows."""
         w = self._fit(self.bucket(batch))[0]
         return float(w[-2] * tree_requests + w[-1] * tree_rows)
 
-    def observe(self, batch: int, rows: int, seconds: float, tree_requests: int = 0, tree_rows: int = 0) -> None:
+    def observe(self, batch: int, rows: int, seconds: float, tree_requests: int = 0, tree_rows: int = 0,
+                attention: float = 0.0) -> None:
         """One pure decode step: `batch` requests, `rows` rows verified in all, `seconds` of step time (drafting
         excluded)."""
         if not (seconds > 0 and math.isfinite(seconds)) or batch < 1 or rows < batch:
             return
-        x = self.features(rows, batch, tree_requests, tree_rows)
+        x = self.features(rows, batch, tree_requests, tree_rows, attention)
         if len(self._ratios) < UNIT_STEPS:  # the machine's scale: early steps read through the prior's shape
             self._ratios.append(seconds / float(x @ self._prior_rel))
             self.unit = float(np.median(self._ratios))

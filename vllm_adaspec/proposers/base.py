@@ -80,6 +80,7 @@ class AdaspecProposer:
         self._last_propose = (0, 0, 0.0)  # (decoding requests, draft passes, seconds) of the previous propose call
         self.draft_costs = DraftCost()  # our own work per step: pools, bookkeeping, draft passes
         self._chain_counts = [0, 0]  # accepted drafts, rejections (engine-wide: the prior of each request's rate)
+        self._context: dict[str, int] = {}  # req_id -> committed tokens at its last propose (attention's load)
         # Tests compare drafters with plain-torch references: per request, its committed tokens and the first draft
         # proposed after each committed length (stats["first_drafts"]).
         self._record = os.environ.get("VLLM_ADASPEC_RECORD_DRAFTS") == "1"
@@ -153,6 +154,8 @@ class AdaspecProposer:
 
             tv.drop_requests(finished)
             self.tree_holders.difference_update(finished)
+        for req_id in finished:
+            self._context.pop(req_id, None)
         for req_id, st in self.states.finish(finished).items():
             self.stats["requests_finished"] += 1
             if st.rounds:
@@ -162,18 +165,20 @@ class AdaspecProposer:
             self._on_finished(finished)
         pure = bool(scheduled)
         rows = tree_requests = tree_rows = 0
+        attention = 0.0
         for req_id, n in scheduled.items():
             spec = spec_tokens.get(req_id, ())
             drafts = len(spec)
             self.states.scheduled(req_id, self._verified_drafts_of(req_id, drafts))
             pure = pure and n == 1 + drafts
             rows += n
+            attention += n * self._context.get(req_id, 0) / 1000
             planned = self.pending_trees.get(req_id) if drafts else None
             if planned is not None and not is_chain(planned[1][:drafts]):
                 tree_requests += 1
                 tree_rows += drafts
         self._steps += 1
-        self._step_shape = (len(scheduled), rows, tree_requests, tree_rows) if pure else None
+        self._step_shape = (len(scheduled), rows, tree_requests, tree_rows, attention) if pure else None
         self._on_step(scheduled, pure)
 
     def on_tree_paths(self, results: dict, kv_moves: int) -> None:
@@ -210,6 +215,7 @@ class AdaspecProposer:
             if not sampled:  # prefill chunk in flight or discarded step: no new token to draft from
                 continue
             req_id = req_ids[i]
+            self._context[req_id] = int(num_tokens_no_spec[i])
             drafted, accepted = self.states.verified(req_id, len(sampled))
             self.stats["verified_drafts"] += drafted
             self.stats["accepted_drafts"] += accepted
@@ -268,20 +274,21 @@ class AdaspecProposer:
         self._steps, self._step_shape = 0, None
         if self.costs is None or self.cfg.cost_model != "online" or step is None or steps != 1 or last is None:
             return
-        batch, rows, tree_requests, tree_rows = step
+        batch, rows, tree_requests, tree_rows, attention = step
         decoding, passes, own = self._last_propose
         seconds, own = self._same_on_every_rank((now - last, own))
-        self.costs.observe(batch, rows, seconds, tree_requests, tree_rows)
+        self.costs.observe(batch, rows, seconds, tree_requests, tree_rows, attention)
         self.draft_costs.observe(decoding, passes, own)
         self.stats["cost_observations"] += 1
 
     def _step_seconds(self, decoding: int):
-        """rows -> expected seconds of the next step (verification + our own work without draft passes) for
-        `decoding` requests, in relative units until the first step is measured; and the seconds tree
-        verification adds, (tree requests, tree rows) -> seconds."""
+        """For a step of `decoding` requests (seconds, or relative units until the first step is measured):
+        rows -> its verification + our own work without draft passes; the seconds a row adds per 1000 tokens of its
+        request's context (attention); and what tree verification adds, (tree requests, tree rows) -> seconds."""
         curve = self.costs.curve(decoding)
         own = self.draft_costs.predict(decoding, 0) if self.costs.unit else 0.0
-        return (lambda rows: curve(rows) + own), (lambda reqs, n: self.costs.tree_extra(decoding, reqs, n))
+        return ((lambda rows: curve(rows) + own), self.costs.attention_seconds(decoding),
+                (lambda reqs, n: self.costs.tree_extra(decoding, reqs, n)))
 
     # --- shared helpers ---
     def _tree_rows(self, rows: list[int], req_ids: list[str], num_tokens_no_spec) -> list[bool]:
@@ -331,7 +338,7 @@ class AdaspecProposer:
         stepped after it: /metrics `vllm:adaspec_live_state`, the soak test's check that nothing leaks)."""
         from vllm_adaspec.engine.tree_verification import held_copy_tokens, live_branch_slots
 
-        return {"policies": len(self.states), "tree_kv_copy_tokens": held_copy_tokens(),
+        return {"policies": len(self.states), "contexts": len(self._context), "tree_kv_copy_tokens": held_copy_tokens(),
                 "tree_holders": len(self.tree_holders), "branch_slot_records": live_branch_slots()}
 
     def snapshot(self) -> dict:

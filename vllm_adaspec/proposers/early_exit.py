@@ -128,24 +128,28 @@ class EarlyExitProposer(AdaspecProposer):
             a = (st.accepted + ACCEPT_PRIOR * engine_rate) / (st.accepted + st.rejected + ACCEPT_PRIOR)
             units += [(a ** j, e, j) for j in range(1, budget + 1)]
         units.sort(key=lambda u: (-u[0], u[2]))
-        step_cost, _ = self._step_seconds(decoding)
+        step_cost, attention, _ = self._step_seconds(decoding)
         if self.costs.unit:
             per_pass = self.draft_costs.predict(decoding, 1) - self.draft_costs.predict(decoding, 0)
         else:
             per_pass = PASS_PRIOR  # relative units until the first step is measured
-        extra, depth = [0.0], 0
-        for _, _, j in units:
+        n = self.runner.input_batch.num_tokens_no_spec
+        ctx = [attention * int(n[i]) / 1000 for i in rows]  # a verified row's attention, per request
+        depth, att = 0, sum(ctx)  # the requests' own rows read their contexts whatever is drafted
+        extra = [att]
+        for _, e, j in units:
             depth = max(depth, j)
-            extra.append(depth * per_pass)
+            att += ctx[e]
+            extra.append(depth * per_pass + att)
         keep = best_prefix([u[0] for u in units], float(decoding), step_cost, decoding, extra)
         sized = [0] * len(rows)
         for _, e, j in units[:keep]:
             sized[e] = max(sized[e], j)
-        drafting = any(sized)
-        if not drafting and self._rng.random() < EXPLORE:
-            sized = [min(1, b) for b in budgets]
-        self._plain_streak = 0 if drafting else self._plain_streak + 1
+        # The streak counts the cost model's "nothing pays" answers; an exploring step does not reset it.
+        self._plain_streak = 0 if any(sized) else self._plain_streak + 1
         self._feed_next = self._plain_streak < PAUSE_AFTER
+        if not any(sized) and self._rng.random() < EXPLORE:
+            sized = [min(1, b) for b in budgets]
         return sized
 
     def _draft(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts) -> float:

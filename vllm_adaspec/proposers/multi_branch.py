@@ -255,15 +255,20 @@ class MultiBranchProposer(AdaspecProposer):
         if self.costs is None:
             keep = len(flat)
         else:
-            step_cost, tree_extra = self._step_seconds(decoding)
-            keep = best_prefix([p for p, _, _ in flat], float(decoding), step_cost, base_rows)
+            step_cost, attention, tree_extra = self._step_seconds(decoding)
+            # a node's row also costs attention over its request's context (seconds per row of each request)
+            per_row = [attention * int(num_tokens_no_spec[i]) / 1000 for i in rows]
+            extra = [attention * sum(int(n) for n, s in zip(num_tokens_no_spec, sampled_token_ids) if s) / 1000]
+            for _, e, _ in flat:
+                extra.append(extra[-1] + per_row[e])
+            keep = best_prefix([p for p, _, _ in flat], float(decoding), step_cost, base_rows, extra)
         for _, e, j in flat[:keep]:
             count[e] = max(count[e], j + 1)  # a prefix of a request's ranked nodes is closed under parents
         chosen_of = [cands[e][:count[e]] for e in range(len(rows))]
         if self.costs is not None:  # trees cost more than chains of their rows: keep each only where it pays
             chains_where_cheaper(tries, chosen_of, [treeish[e] and not branching[e] for e in range(len(rows))],
-                                 decoding + sum(p for p, _, _ in flat[:keep]), base_rows + keep,
-                                 sum(branching), self._extra_rows * sum(branching), step_cost, tree_extra)
+                                 decoding + sum(p for p, _, _ in flat[:keep]), base_rows + keep, extra[keep],
+                                 per_row, sum(branching), self._extra_rows * sum(branching), step_cost, tree_extra)
         for e, i in enumerate(rows):
             st = self.requests[req_ids[i]]
             chosen = chosen_of[e]
@@ -379,12 +384,14 @@ def is_tree(trie: Trie, nodes: list[int]) -> bool:
 
 
 def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch: list[bool], tokens: float,
-                         rows: int, tree_requests: int, tree_rows: int, cost, tree_extra) -> None:
+                         rows: int, attention: float, per_row: list[float], tree_requests: int, tree_rows: int, cost,
+                         tree_extra) -> None:
     """Tree verification costs more than a chain of as many rows (its own attention: tree_extra(requests, rows)).
     For each request whose chosen nodes branch (and `may_switch`), keep the tree only if the batch's expected
-    tokens per second beat those with the tree's best path alone; chosen[e] is replaced in place. tokens / rows:
-    the batch's expected tokens and rows with every choice as it stands; tree_requests / tree_rows: tree rows that
-    cannot switch (draft branches)."""
+    tokens per second beat those with the tree's best path alone; chosen[e] is replaced in place. tokens / rows /
+    attention: the batch's expected tokens, rows and attention seconds with every choice as it stands (per_row[e]:
+    what a row of request e adds to attention); tree_requests / tree_rows: tree rows that cannot switch (draft
+    branches)."""
     branching = [e for e, nodes in enumerate(chosen) if may_switch[e] and is_tree(tries[e], nodes)]
     tree_requests += len(branching)
     tree_rows += sum(len(chosen[e]) for e in branching)
@@ -393,11 +400,12 @@ def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch:
         chain = best_path(trie, len(nodes), among=set(nodes))
         t_chain = tokens - sum(trie.path[i] for i in nodes) + sum(trie.path[i] for i in chain)
         r_chain = rows - len(nodes) + len(chain)
-        tree_rate = tokens / (cost(rows) + tree_extra(tree_requests, tree_rows))
-        chain_rate = t_chain / (cost(r_chain) + tree_extra(tree_requests - 1, tree_rows - len(nodes)))
+        a_chain = attention - per_row[e] * (len(nodes) - len(chain))
+        tree_rate = tokens / (cost(rows) + attention + tree_extra(tree_requests, tree_rows))
+        chain_rate = t_chain / (cost(r_chain) + a_chain + tree_extra(tree_requests - 1, tree_rows - len(nodes)))
         if chain_rate >= tree_rate:
             chosen[e] = chain
-            tokens, rows = t_chain, r_chain
+            tokens, rows, attention = t_chain, r_chain, a_chain
             tree_requests, tree_rows = tree_requests - 1, tree_rows - len(nodes)
 
 
