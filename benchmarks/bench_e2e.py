@@ -169,6 +169,8 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         reps = list(c["reps"].values())
         rep = reps[0]
         # Draft cost c = one draft pass / one target step. At batch 1 each committed round is one target forward.
+        # tokens per target forward (forwards that drafted nothing included), counted by the scheduler for every
+        # method; vLLM's accepted-draft counter would overstate it (it counts drafts accepted past a stop)
         forwards = rep.get("forwards") or rep["decode_rows"] or max(1, rep["tokens"] - rep["accepted"])
         target_step = (rep["seconds"] - rep["draft_seconds"]) / forwards
         c_cost = (rep["draft_seconds"] / rep["draft_passes"]) / target_step if rep["draft_passes"] and bs == 1 else None
@@ -193,11 +195,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
             "tok_s": statistics.median(x["tokens"] / x["seconds"] for x in reps),
             "tok_s_all": [x["tokens"] / x["seconds"] for x in reps],
             "tokens": rep["tokens"],
-            # tokens per target forward (forwards that drafted nothing included), counted by the scheduler for every
-            # method; vLLM's accepted-draft counter would overstate it (it counts drafts accepted past a stop)
-            "tau": rep["tokens"] / rep["forwards"] if rep.get("forwards") else
-            rep["tokens"] / rep["decode_rows"] if rep["decode_rows"] else
-            rep["tokens"] / max(1, rep["tokens"] - rep["accepted"]),
+            "tau": rep["tokens"] / forwards,
             "drafts": rep["drafts"],
             "draft_tokens": rep["draft_tokens"],
             "accepted": rep["accepted"],

@@ -31,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["VERIFY_COST", "DraftCost", "StepCostModel", "prior_curve"]
+__all__ = ["VERIFY_COST", "DraftCost", "StepCostModel", "attention_load", "prior_curve"]
 
 # Relative time of a verification step by the rows it verifies in all (the batch's requests + their drafts; 1 = a
 # plain decoding step of one request), SmolLM2-135M float32 on the 2-core CPU of benchmarks/RESULTS.md
@@ -52,6 +52,11 @@ TREE_REQUEST_PRIOR, TREE_ROW_PRIOR = 0.2, 0.01
 ATTENTION_PRIOR = 0.03  # attention per row and 1000 tokens of its context, relative (30 layers at ~50 us)
 EXTRA = 4  # features past the anchors: requests - 1, attention load, tree requests, tree rows
 OPTIMISM = 0.15  # decisions see an untried row count this much cheaper than the fit (the prior's own uncertainty)
+
+
+def attention_load(rows: int, context: int) -> float:
+    """The attention feature of `rows` verified rows of a request `context` tokens deep: thousands of tokens read."""
+    return rows * context / 1000
 
 
 def prior_curve(anchors: dict[int, float]) -> Callable[[float], float]:

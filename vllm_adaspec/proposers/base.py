@@ -29,7 +29,7 @@ import torch
 from vllm_adaspec.config import parse_adaspec_config, resolve_config
 from vllm_adaspec.metrics import ACCEPTANCE_BUCKETS, DRAFTS_PER_ROUND_BUCKETS, new_histogram, observe
 from vllm_adaspec.policies import make_policy
-from vllm_adaspec.policies.cost_model import VERIFY_COST, DraftCost, StepCostModel
+from vllm_adaspec.policies.cost_model import VERIFY_COST, DraftCost, StepCostModel, attention_load
 from vllm_adaspec.requests import RequestStates, bonus_rows
 from vllm_adaspec.trees import admit_within
 from vllm_adaspec.trees.tree import is_chain
@@ -172,7 +172,7 @@ class AdaspecProposer:
             self.states.scheduled(req_id, self._verified_drafts_of(req_id, drafts))
             pure = pure and n == 1 + drafts
             rows += n
-            attention += n * self._context.get(req_id, 0) / 1000
+            attention += attention_load(n, self._context.get(req_id, 0))
             planned = self.pending_trees.get(req_id) if drafts else None
             if planned is not None and not is_chain(planned[1][:drafts]):
                 tree_requests += 1

@@ -18,6 +18,7 @@ import torch
 
 from vllm_adaspec.kernels.entropy_topk import entropy_topk
 from vllm_adaspec.policies import POLICIES
+from vllm_adaspec.policies.cost_model import attention_load
 from vllm_adaspec.proposers.base import AdaspecProposer, request_seed  # noqa: F401 (request_seed: re-export)
 from vllm_adaspec.trees import GrowingTree, add_children, best_subtree, to_expand
 from vllm_adaspec.trees.trie import best_prefix
@@ -134,7 +135,7 @@ class EarlyExitProposer(AdaspecProposer):
         else:
             per_pass = PASS_PRIOR  # relative units until the first step is measured
         n = self.runner.input_batch.num_tokens_no_spec
-        ctx = [attention * int(n[i]) / 1000 for i in rows]  # a verified row's attention, per request
+        ctx = [attention * attention_load(1, int(n[i])) for i in rows]  # a verified row's attention, per request
         depth, att = 0, sum(ctx)  # the requests' own rows read their contexts whatever is drafted
         extra = [att]
         for _, e, j in units:

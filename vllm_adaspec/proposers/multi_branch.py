@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_adaspec.policies.cost_model import attention_load
 from vllm_adaspec.pools.branches import GramCache, append_branches, harvest, init_branches, propose_branches
 from vllm_adaspec.pools.context import ContextIndex, propose_context
 from vllm_adaspec.pools.recycled import RecycleTable, propose_recycled
@@ -257,8 +258,9 @@ class MultiBranchProposer(AdaspecProposer):
         else:
             step_cost, attention, tree_extra = self._step_seconds(decoding)
             # a node's row also costs attention over its request's context (seconds per row of each request)
-            per_row = [attention * int(num_tokens_no_spec[i]) / 1000 for i in rows]
-            extra = [attention * sum(int(n) for n, s in zip(num_tokens_no_spec, sampled_token_ids) if s) / 1000]
+            per_row = [attention * attention_load(1, int(num_tokens_no_spec[i])) for i in rows]
+            extra = [attention * attention_load(1, sum(int(n) for n, s in zip(num_tokens_no_spec, sampled_token_ids)
+                                                       if s))]
             for _, e, _ in flat:
                 extra.append(extra[-1] + per_row[e])
             keep = best_prefix([p for p, _, _ in flat], float(decoding), step_cost, base_rows, extra)
