@@ -148,7 +148,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
             if "context" in pools:
                 cands.append(propose_context(ctx, depth=budget))
             if suffix:
-                cands.append(suffix.propose(rid, np.asarray(context), max_nodes=budget))
+                cands.append(suffix.speculate(rid, np.asarray(context), max_nodes=budget))
             if "recycled" in pools:
                 cands.append(propose_recycled(table, context[-1], depth=budget))
             if corpus is not None and "corpus" in pools:

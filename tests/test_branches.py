@@ -3,7 +3,9 @@ add and the pool they feed (no vLLM, no model)."""
 
 import pytest
 
-from vllm_adaspec.engine import tree_verification as tv
+from vllm_adaspec.engine.observers import BranchSlotCheck
+from vllm_adaspec.engine.tree_runtime import plan_step
+from vllm_adaspec.step import DraftPlan
 from vllm_adaspec.pools.branches import (GramCache, append_branches, branch_grams, harvest, init_branches,
                                          propose_branches, update_branch)
 from vllm_adaspec.trees import DraftTree, ancestor_mask
@@ -87,17 +89,17 @@ def test_plan_step_verifies_only_the_tree_nodes_and_positions_branches_by_depth(
 
     tokens, parents = append_branches([5, 6], [-1, 0], [[1, 2, 3]])  # chain of 2 + a branch of 3
     positions = torch.arange(10, 16)  # root at 10, 5 draft rows
-    step = tv.plan_step(["a"], np.array([0, 6]), positions, {"a": tokens}, {"a": (tokens, parents, 2)}, 6)
+    plan = {"a": DraftPlan(tuple(tokens), tuple(parents), 2)}
+    step = plan_step(["a"], np.array([0, 6]), positions, {"a": tokens}, plan, 6)
     (r,) = step.requests
     assert r.num_verified == 2 and len(r.tree) == 5  # a chain of verified nodes still goes the tree path
     assert positions.tolist() == [10, 11, 12, 11, 12, 13]
     # the scheduler cut the drafts to 3: both nodes and one branch row remain
     positions = torch.arange(10, 14)
-    step = tv.plan_step(["a"], np.array([0, 4]), positions, {"a": tokens[:3]}, {"a": (tokens, parents, 2)}, 4)
+    step = plan_step(["a"], np.array([0, 4]), positions, {"a": tokens[:3]}, plan, 4)
     assert step.requests[0].num_verified == 2 and len(step.requests[0].tree) == 3
     # cut to the nodes only: a plain chain, left to vLLM
-    step = tv.plan_step(["a"], np.array([0, 3]), torch.arange(10, 13), {"a": tokens[:2]},
-                        {"a": (tokens, parents, 2)}, 3)
+    step = plan_step(["a"], np.array([0, 3]), torch.arange(10, 13), {"a": tokens[:2]}, plan, 3)
     assert step is None
 
 
@@ -105,18 +107,18 @@ def test_branch_slot_check_flags_a_committed_position_last_written_by_a_branch_r
     import numpy as np
     import torch
 
-    tv._BRANCH_DIRTY.clear()
-    before = dict(tv.BRANCH_SLOT_CHECKS)
+    check = BranchSlotCheck()
     tokens, parents = append_branches([5], [-1], [[1, 2]])  # 1 node + a branch of 2: rows root, 5, 1, 2
     positions = torch.arange(20, 24)
-    step = tv.plan_step(["a"], np.array([0, 4]), positions, {"a": tokens}, {"a": (tokens, parents, 1)}, 4)
-    tv.check_branch_slots(["a"], np.array([0, 4]), positions, step)
-    assert tv._BRANCH_DIRTY["a"] == {22, 23}  # branch rows at slots root + 2, root + 3
+    step = plan_step(["a"], np.array([0, 4]), positions, {"a": tokens},
+                     {"a": DraftPlan(tuple(tokens), tuple(parents), 1)}, 4)
+    check.before_forward(["a"], np.array([0, 4]), positions, step)
+    assert check.dirty["a"] == {22, 23}  # branch rows at slots root + 2, root + 3
     # node accepted: the bonus goes at 22 and the next forward starts there (overwrites it): no violation
-    tv.check_branch_slots(["a"], np.array([0, 1]), torch.tensor([22]), None)
-    assert tv.BRANCH_SLOT_CHECKS["violations"] == before["violations"] and tv._BRANCH_DIRTY["a"] == {23}
+    check.before_forward(["a"], np.array([0, 1]), torch.tensor([22]), None)
+    assert check.violations == 0 and check.dirty["a"] == {23}
     # a forward starting past a dirty slot would read it as committed: counted
-    tv.check_branch_slots(["a"], np.array([0, 1]), torch.tensor([25]), None)
-    assert tv.BRANCH_SLOT_CHECKS["violations"] == before["violations"] + 1
-    tv.forget_branch_slots(["a"])
-    assert "a" not in tv._BRANCH_DIRTY
+    check.before_forward(["a"], np.array([0, 1]), torch.tensor([25]), None)
+    assert check.violations == 1 and check.checked == 3
+    check.forget(["a"])
+    assert "a" not in check.dirty and check.stats()["branch_slot_records"] == 0

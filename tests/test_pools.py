@@ -82,7 +82,7 @@ def test_suffix_pool_returns_a_tree_with_conditional_probabilities():
     pool = SuffixPool(max_spec_factor=4.0, min_token_prob=0.0)
     pool.start("a", np.array([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4, 9]))
     pool.extend("a", np.array([7]))
-    c = pool.propose("a", np.array([1, 2, 3, 4, 9, 7, 1, 2, 3]), max_nodes=8)
+    c = pool.speculate("a", np.array([1, 2, 3, 4, 9, 7, 1, 2, 3]), max_nodes=8)
     paths = as_paths(c)
     assert paths[(4,)] == pytest.approx(2 / 3) and paths[(5,)] == pytest.approx(1 / 3)  # two root branches
     assert paths[(4, 1)] == pytest.approx(0.5) and paths[(4, 9)] == pytest.approx(0.5)  # given the parent
@@ -90,20 +90,33 @@ def test_suffix_pool_returns_a_tree_with_conditional_probabilities():
     assert "a" not in pool.cache.active_requests
 
 
-def test_recycled_rows_cover_plain_steps_requests_without_drafts_and_every_verified_row():
+def test_logits_tap_covers_plain_steps_requests_without_drafts_and_every_verified_row():
     # The recycled table must fill from steps without drafts too: otherwise "pools": ["recycled"] never drafts.
     from types import SimpleNamespace
 
     import torch
 
-    from vllm_adaspec.proposers.multi_branch import recycled_rows
+    from vllm_adaspec.engine.runner_hooks import LogitsTap
+    from vllm_adaspec.step import Taps
 
-    reqs = {"a": SimpleNamespace(last_token=7), "b": SimpleNamespace(last_token=9), "p": SimpleNamespace(last_token=-1)}
-    assert recycled_rows(["a", "p", "b"], reqs, None, 3) == ([0, 2], [7, 9])  # plain step: one row per request
-    # a: 2 drafts (rows 0, 1, bonus 2); p: prefill, none; b: no drafts (bonus row 4 only)
+    tokens = np.array([[1, 7, 0], [2, 3, 0], [4, 9, 0]])  # committed: a ..7, p ..3 (prefill), b ..9
+    batch = SimpleNamespace(req_ids=["a", "p", "b"], num_reqs=3, token_ids_cpu=tokens,
+                            num_tokens_no_spec=np.array([2, 2, 2]))
+    port = SimpleNamespace(taps=Taps())
+    tap = LogitsTap(SimpleNamespace(input_batch=batch), port, k=2)
+    logits = torch.randn(5, 16)
+    tap(logits[:3], None)  # plain step: one row per request, following its last committed token
+    req_ids, toks, ids, probs = port.taps.logits_topk[0]
+    assert req_ids == ["a", "p", "b"] and toks.tolist() == [7, 3, 9]
+    want = torch.softmax(logits[:3], -1).topk(2, dim=-1)
+    assert ids.tolist() == want.indices.tolist() and np.allclose(probs, want.values.numpy(), atol=1e-6)
+    # a: 2 drafts (rows 0, 1, bonus 2); p: none (row 3); b: no drafts (bonus row 4 only)
     meta = SimpleNamespace(cu_num_draft_tokens=torch.tensor([2, 2, 2]), draft_token_ids=torch.tensor([11, 12]),
                            target_logits_indices=torch.tensor([0, 1]), bonus_logits_indices=torch.tensor([2, 3, 4]))
-    assert recycled_rows(["a", "p", "b"], reqs, meta, 5) == ([0, 1, 2, 4], [7, 11, 12, 9])
+    tap(logits, meta)
+    req_ids, toks, ids, _ = port.taps.logits_topk[1]
+    assert req_ids == ["a", "a", "a", "p", "b"] and toks.tolist() == [7, 11, 12, 3, 9]
+    assert ids.tolist() == torch.softmax(logits, -1).topk(2, dim=-1).indices.tolist()
 
 
 def test_find_corpus_matches_the_tokenizer_and_names_what_is_wrong(tmp_path, monkeypatch, smollm2):

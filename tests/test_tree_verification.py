@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_adaspec.engine.tree_verification import (TreeRequest, compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at,
-                                                   masked_attention_batch, plan_step, tree_compatible)
+from vllm_adaspec.engine.cpu_kv import compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at, paged_index
+from vllm_adaspec.engine.tree_runtime import TreeRequest, TreeRuntime, TreeStep, masked_attention_batch, plan_step
+from vllm_adaspec.engine.tree_runtime import shrink_tree_seq_lens
+from vllm_adaspec.engine.tree_sampler import tree_compatible
+from vllm_adaspec.step import DraftPlan
 from vllm_adaspec.trees import DraftTree, ancestor_mask, paths
 
 BS, HKV, HQ, D = 32, 2, 6, 64
@@ -50,20 +53,17 @@ def test_gather_reads_the_paged_cpu_layout(isa, bs, d):
 def test_tree_rows_equal_causal_attention_along_each_path(root_pos):
     """verify_attention for one request: its rows' keys and values come from the layer's inputs, the prefix from
     the paged cache; each row must equal causal attention over the prefix, the root and its own path."""
-    from vllm_adaspec.engine import tree_verification as tv
-
     g = torch.Generator().manual_seed(root_pos)
     tree = DraftTree(torch.arange(7), torch.tensor([-1, -1, 0, 0, 1, 2, 4]))
     n1 = len(tree) + 1
     cache, row, k, v = _paged_cache(root_pos + n1, g)
     q = torch.randn(n1, HQ, D, generator=g)
     req = TreeRequest(0, "r", 0, root_pos, tree, ancestor_mask(tree))
-    tv.retain_sequence_kv(set())
+    runtime = TreeRuntime()
     output = torch.zeros(n1, HQ, D)
-    tv.verify_attention(tv.TreeStep(n1, [req]), q, k[root_pos:], v[root_pos:], output, cache, row[None], "vec",
-                        1 / math.sqrt(D))
+    runtime.verify_attention(TreeStep(n1, [req]), q, k[root_pos:], v[root_pos:], output, cache, row[None], "vec",
+                             1 / math.sqrt(D))
     _check_tree_rows(output, q, req, k, v, scale=1 / math.sqrt(D))
-    tv.retain_sequence_kv(set())
     # A chain is plain causal attention.
     chain = DraftTree(torch.arange(3), torch.tensor([-1, 0, 1]))
     causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))
@@ -96,8 +96,6 @@ def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_atten
     sizes packed between other rows; each request's prefix copied once and extended step by step (a second step
     must see what changed after the first, and must not re-read final positions), the rows' own keys and values
     taken from the layer's inputs; vLLM's seq_lens of tree requests cut to their rows."""
-    from vllm_adaspec.engine import tree_verification as tv
-
     g = torch.Generator().manual_seed(11)
     trees = [DraftTree(torch.arange(7), torch.tensor([-1, -1, 0, 0, 1, 2, 4])),
              DraftTree(torch.arange(2), torch.tensor([-1, -1])),
@@ -112,14 +110,14 @@ def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_atten
         k, v = torch.randn(n + 20, HKV, D, generator=g), torch.randn(n + 20, HKV, D, generator=g)
         _write(cache, table[batch_rows[b]], torch.arange(n), k[:n], v[:n])
         kv.append((k, v))
-    tv.retain_sequence_kv(set())
+    runtime = TreeRuntime()
     for step_no in range(2):
         reqs = [TreeRequest(row, f"req-{row}", start, rp, tree, ancestor_mask(tree))
                 for row, start, rp, tree in zip(batch_rows, starts, root_pos, trees)]
-        step = tv.TreeStep(20, reqs)
-        tv.retain_sequence_kv({r.req_id for r in reqs})
+        step = TreeStep(20, reqs)
+        runtime.retain({r.req_id for r in reqs})
         seq_lens = torch.full((4,), 500)
-        tv.shrink_tree_seq_lens(step, seq_lens)
+        shrink_tree_seq_lens(step, seq_lens)
         assert seq_lens.tolist() == [8, 500, 3, 5]
         query, key, value = (torch.randn(20, h, D, generator=g) for h in (HQ, HKV, HKV))
         for req, (kk, vv) in zip(reqs, kv):  # the layer's own keys and values of the tree rows
@@ -127,12 +125,12 @@ def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_atten
             key[req.start:req.start + n1], value[req.start:req.start + n1] = kk[req.root_pos:req.root_pos + n1], \
                 vv[req.root_pos:req.root_pos + n1]
         output = torch.zeros_like(query)
-        tv.verify_attention(step, query, key, value, output, cache, table, "vec", 0.125)
+        runtime.verify_attention(step, query, key, value, output, cache, table, "vec", 0.125)
         assert not output.isnan().any()
         for req, (kk, vv) in zip(reqs, kv):
             _check_tree_rows(output, query, req, kk, vv)
         assert output[8:12].abs().sum() == 0  # the chain request's rows are not touched
-        assert {key[0] for key in tv._SEQ_KV} == {"req-0", "req-2", "req-3"}
+        assert {key[0] for key in runtime.copies} == {"req-0", "req-2", "req-3"}
         # Next step: each request accepted 2 tokens, so its root moves 3 on; the old nodes' slots and the new
         # ones get new K, V (verification rewrote them; the positions up to the old root stay as they were).
         for b in range(3):
@@ -145,8 +143,8 @@ def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_atten
                 _write(cache, table[batch_rows[b]], torch.tensor([0]), torch.full((1, HKV, D), float("nan")),
                        torch.full((1, HKV, D), float("nan")))
         root_pos = [r + 3 for r in root_pos]
-    tv.retain_sequence_kv({"req-0"}, stale={"req-0"})  # resumed after preemption: its copy is dropped too
-    assert not tv._SEQ_KV
+    runtime.retain({"req-0"}, stale={"req-0"})  # resumed after preemption: its copy is dropped too
+    assert not runtime.copies
 
 
 def test_compaction_moves_accepted_nodes_to_consecutive_slots():
@@ -171,7 +169,8 @@ def test_plan_step_writes_depth_positions_and_skips_chains_and_changed_drafts():
     # Batch: req a (tree of 4 nodes, root at 10), b (chain), c (tree whose scheduled drafts differ), d no drafts.
     req_ids = ["a", "b", "c", "d"]
     sched = {"a": [5, 6, 7, 8], "b": [1, 2], "c": [3, 4]}
-    pending = {"a": ([5, 6, 7, 8], [-1, -1, 0, 0]), "b": ([1, 2], [-1, 0]), "c": ([3, 9], [-1, -1])}
+    pending = {"a": DraftPlan((5, 6, 7, 8), (-1, -1, 0, 0)), "b": DraftPlan((1, 2), (-1, 0)),
+               "c": DraftPlan((3, 9), (-1, -1))}
     qs = np.array([0, 5, 8, 11, 12])
     positions = torch.cat([torch.arange(10, 15), torch.arange(20, 23), torch.arange(30, 33), torch.tensor([40])])
     step = plan_step(req_ids, qs, positions, sched, pending, num_tokens=12)
@@ -237,7 +236,6 @@ def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():
     want[1, 0, p] = True  # X: itself (row 1 of tree 1 is padding: prefix only)
     assert torch.equal(mask.visible, want)
     # Through the paged cache (as the attention patch runs it), each row equals causal attention over its path.
-    from vllm_adaspec.engine.tree_verification import paged_index
     pk, pv = gather_cpu_kv_at(cache, *paged_index(prefix.block_rows, prefix.positions, BS), "vec")
     nk, nv = gather_cpu_kv_at(cache, *paged_index(prefix.block_rows[mask.trees], mask.node_pos, BS), "vec")
     kk, vv = torch.cat([pk[mask.trees], nk], 1), torch.cat([pv[mask.trees], nv], 1)

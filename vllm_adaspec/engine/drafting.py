@@ -8,13 +8,14 @@ these lookahead slots, see scheduler.py). So one draft step costs about N/L of a
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_adaspec.config import AdaspecConfigError
-from vllm_adaspec.engine.tree_verification import draft_mask
 
 
 class TargetPrefix:
@@ -37,12 +38,22 @@ class TargetPrefix:
             self.layer_names += trained_exit.layer_names
         self.vllm_config = vllm_config
         self.runner = None
+        self.runtime = None  # engine/tree_runtime.TreeRuntime: tree drafting's mask goes there
+        self.gid = None  # the KV-cache group of our layers, once found
 
-    def ensure_attached(self, runner) -> None:
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def bind(self, runner, runtime=None) -> None:
+        """The model runner whose KV cache and block tables the drafts use, and the worker's tree runtime."""
+        self.runner, self.runtime, self.gid = runner, runtime, None
+
+    def ensure_attached(self) -> None:
         """Find the KV-cache group and metadata builders of our layers (they exist once the KV cache does)."""
-        if self.runner is runner:
+        if self.gid is not None:
             return
-        self.runner = runner
+        runner = self.runner
         groups = runner.kv_cache_config.kv_cache_groups
         gids = {gid for gid, g in enumerate(groups) if set(self.layer_names) & set(g.layer_names)}
         if len(gids) != 1:
@@ -69,7 +80,7 @@ class TargetPrefix:
         blocks [B, max_blocks] (from block_rows), tokens [B], positions [B] (RoPE); max_seq_len: an upper bound
         on the rows' slot positions + 1, passed in so no device->host sync is needed. Tree drafting: the rows'
         KV go to `slot_positions` [B] (default: positions) and attention follows `tree_mask`
-        (tree_verification.DraftMask). Returns (hidden, residual), each [B, H].
+        (tree_runtime.DraftMask). Returns (hidden, residual), each [B, H].
         """
         b = tokens.shape[0]
         at = positions if slot_positions is None else slot_positions
@@ -96,8 +107,8 @@ class TargetPrefix:
             md = builder.build(common_prefix_len=0, common_attn_metadata=common)
             attn_metadata.update({n: md for n in names})
         slot_mapping = {n: slots for n in self.layer_names}
-        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=b, slot_mapping=slot_mapping), \
-                draft_mask(tree_mask):
+        drafting = self.runtime.drafting(tree_mask) if self.runtime is not None else contextlib.nullcontext()
+        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=b, slot_mapping=slot_mapping), drafting:
             hidden = self.inner.embed_tokens(tokens)
             residual = None
             feeding = self.exit.feeding if self.exit is not None else False
@@ -124,3 +135,10 @@ class TargetPrefix:
             return F.linear(normed, self.exit.head_rows), self.exit.vocab, normed
         normed, _ = self.inner.norm(hidden, residual)
         return self.model.compute_logits(normed), None, normed
+
+    def exit_kv_layers(self) -> list[str]:
+        """Exit-layer attention layers that have KV in the engine's cache config (proof it is engine-owned)."""
+        if self.exit is None or self.runner is None or getattr(self.runner, "kv_cache_config", None) is None:
+            return []
+        groups = self.runner.kv_cache_config.kv_cache_groups
+        return [n for n in self.exit.layer_names if any(n in g.layer_names for g in groups)]

@@ -10,13 +10,26 @@ bucketed) under which verification outcomes are counted (trees/trie.py merges po
     suffix    arctic-inference's suffix trees, in tree mode: the request's prompt + the outputs of earlier requests
     recycled  Token Recycling: the target's own top-k successors of every token it verified, walked breadth-first
     corpus    an n-gram table built offline from general text for one tokenizer (shipped for SmolLM2)
+    branches  Self-Draft: grams the target writes on draft-branch rows of its verification forwards
+    medusa    Medusa heads on the final hidden state of the row that produced the request's last token
 
-Per-request state is created by `start` and dropped by `stop`; `extend` feeds newly committed tokens.
+Every pool is a `Pool`: per-request state is created by `start` and dropped by `stop`, `extend` feeds newly
+committed tokens, `propose` is batched over a step's drafting requests, and verification feeds back through
+`observe_logits` / `observe_branches`. `POOLS` is the registry (what each pool needs, in merge order),
+`make_pools` builds the named ones, `PoolSet` is what the drafter holds.
 """
 
 from __future__ import annotations
 
+import importlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -69,4 +82,195 @@ def prob_bucket(p: float) -> int:
     return min(9, max(0, int(p * 10)))
 
 
-POOL_NAMES = ("context", "suffix", "recycled", "corpus")
+def as_ints(tokens) -> list[int]:
+    """Python ints of a token sequence (a list or an array): table keys must not be numpy scalars (int32 overflow
+    in corpus keys, slow hashing)."""
+    return tokens.tolist() if isinstance(tokens, np.ndarray) else [int(t) for t in tokens]
+
+
+@dataclass(frozen=True)
+class Taps:
+    """What the target handed over this step, one entry per drafting request (the order of `requests`)."""
+    hidden: torch.Tensor | None  # [R, H] final hidden state of the row that produced each request's last token
+    last_tokens: list[int]  # [R] each request's last committed token
+
+
+class Pool(ABC):
+    """A source of candidate trees. Lifecycle per request: `start` (its first decode step) -> `extend` (every step
+    with newly committed tokens) -> `stop` (finished or aborted: its state is dropped). `propose` is batched over
+    the step's drafting requests; a pool keeps from start/extend whatever context it needs. Feedback from
+    verification comes through the two `observe_*` hooks, no-ops unless a pool reads them."""
+    name: str = ""
+    logits_k: int = 0  # how many top tokens per verified row `observe_logits` wants (0: it ignores them)
+
+    def start(self, req_id: str, prompt: Sequence[int] | np.ndarray) -> None:
+        """The request's first decode step; prompt [P] its prompt tokens."""
+
+    def extend(self, req_id: str, tokens: Sequence[int] | np.ndarray) -> None:
+        """tokens [T] committed since the last call (or since the prompt), in order."""
+
+    def stop(self, req_id: str) -> None:
+        """Drop the request's state (a request never started is fine)."""
+
+    def live(self) -> int:
+        """Per-request states held (leak checks, /metrics)."""
+        return 0
+
+    @abstractmethod
+    def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
+        """One candidate tree per request (at most about `budgets[i]` nodes / that depth; may be empty)."""
+
+    def observe_logits(self, tokens: np.ndarray, top_ids: np.ndarray, top_probs: np.ndarray) -> None:
+        """Verified rows: tokens [N] the token each row follows, top_ids / top_probs [N, >= logits_k] the target's
+        most probable next tokens there."""
+
+    def observe_branches(self, req_id: str, sent: list[list[int]], predicted: list[int]) -> int:
+        """Draft-branch rows of one request's verification forward: the branches it carried and the target's
+        argmax at each of their rows, in order (fewer when the scheduler cut the tail). -> grams added."""
+        return 0
+
+
+class TailPool(Pool):
+    """A pool whose per-request state is the request's last `keep` tokens (prompt included)."""
+    keep: int = 1
+
+    def __init__(self):
+        self.tails: dict[str, list[int]] = {}  # req -> its last `keep` tokens
+
+    def start(self, req_id, prompt) -> None:
+        self.tails[req_id] = as_ints(prompt[-self.keep:])
+
+    def extend(self, req_id, tokens) -> None:
+        tail = self.tails[req_id]
+        tail += as_ints(tokens[-self.keep:])
+        del tail[:-self.keep]
+
+    def stop(self, req_id) -> None:
+        self.tails.pop(req_id, None)
+
+    def live(self) -> int:
+        return len(self.tails)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What a pool needs from the engine and the config, so both can be derived from the chosen pool names."""
+    cls: str  # its Pool class, in vllm_adaspec/pools/<pool name>.py
+    summary: str
+    needs_hidden: bool = False  # Taps.hidden: the target's final hidden states (the worker must hand them over)
+    needs_logits: bool = False  # observe_logits: the top-k of every verified row
+    needs_trees: bool = False  # tree verification forwards (it reads the draft-branch rows they carry)
+    needs_file: str | None = None  # the config key naming its file ("auto" = shipped / built for the model)
+    needs_package: str | None = None  # an optional dependency
+
+
+# Every pool, in merge order: the trie numbers nodes in the order pools are inserted, and ties in rank break by
+# node number, so the order is part of the behaviour (this one is the proposer's since pools were added).
+POOLS: dict[str, PoolSpec] = {
+    "context": PoolSpec("ContextPool", "every earlier occurrence of the request's last tokens (prompt, output)"),
+    "suffix": PoolSpec("SuffixPool", "arctic-inference's suffix trees: the prompt and earlier requests' outputs",
+                       needs_package="arctic-inference"),
+    "recycled": PoolSpec("RecycledPool", "Token Recycling: the target's top-k successors of every token it verified",
+                         needs_logits=True),
+    "corpus": PoolSpec("CorpusPool", "an n-gram table built offline for the tokenizer", needs_file="corpus"),
+    "branches": PoolSpec("BranchesPool", "Self-Draft: grams the target writes on draft-branch rows", needs_trees=True),
+    "medusa": PoolSpec("MedusaPool", "Medusa heads on the target's last hidden state", needs_hidden=True,
+                       needs_file="medusa"),
+}
+
+
+def pool_class(name: str) -> type[Pool]:
+    """Imported on demand: suffix needs arctic-inference, medusa torch."""
+    return getattr(importlib.import_module(f"vllm_adaspec.pools.{name}"), POOLS[name].cls)
+
+
+def make_pools(names: Sequence[str], *, vocab_size: int, corpus_table=None, medusa_heads=None,
+               num_branches: int = 0, branch_length: int = 4, branch_init: str = "prompt",
+               branch_seed: Callable[[str], int] = lambda req_id: 0) -> list[Pool]:
+    """The named pools, in merge order (POOLS, not the order of `names`). corpus_table: a loaded CorpusTable or a
+    path to one; medusa_heads: the loaded heads (engine/medusa_heads.MedusaHeads); branch_*: the Self-Draft
+    settings (branch_seed: req_id -> seed of its branch init)."""
+    unknown = [n for n in names if n not in POOLS]
+    if unknown:
+        raise ValueError(f"unknown pool(s) {', '.join(map(repr, unknown))}; known: {', '.join(POOLS)}")
+    args = {"recycled": (vocab_size,), "corpus": (corpus_table,), "medusa": (medusa_heads,),
+            "branches": (num_branches, branch_length, branch_init, vocab_size, branch_seed)}
+    files = {"corpus": "corpus_table", "medusa": "medusa_heads"}  # the argument carrying each pool's file
+    out: list[Pool] = []
+    for name in (n for n in POOLS if n in names):
+        if name in files and args[name][0] is None:
+            raise ValueError(f"the {name} pool needs its file loaded: pass {files[name]}")
+        out.append(pool_class(name)(*args.get(name, ())))
+    return out
+
+
+class PoolSet:
+    """The drafter's pools as one: lifecycle calls fan out to every pool, `propose` gathers every pool's candidates
+    per request (pools in their order), and what it proposed is counted per pool (stats)."""
+
+    def __init__(self, pools: Sequence[Pool]):
+        self.pools = list(pools)
+        self.fed: dict[str, int] = {}  # req -> tokens fed so far (prompt + extends): where the next extend starts
+        self.nodes = {p.name: 0 for p in self.pools}  # candidate nodes proposed, per pool
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.pools)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return any(POOLS[p.name].needs_hidden for p in self.pools)
+
+    @property
+    def logits_k(self) -> int:
+        """Top tokens per verified row that `observe_logits` wants (0: no pool reads verified logits)."""
+        return max((p.logits_k for p in self.pools), default=0)
+
+    def get(self, name: str) -> Pool | None:
+        return next((p for p in self.pools if p.name == name), None)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.fed
+
+    def __len__(self) -> int:
+        return len(self.fed)
+
+    def start(self, req_id: str, prompt) -> None:
+        for p in self.pools:
+            p.start(req_id, prompt)
+        self.fed[req_id] = len(prompt)
+
+    def extend(self, req_id: str, tokens) -> None:
+        if not len(tokens):
+            return
+        for p in self.pools:
+            p.extend(req_id, tokens)
+        self.fed[req_id] += len(tokens)
+
+    def stop(self, req_id: str) -> None:
+        for p in self.pools:
+            p.stop(req_id)
+        self.fed.pop(req_id, None)
+
+    def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[list[Candidates]]:
+        """[R][pools] every pool's candidates for each drafting request."""
+        out: list[list[Candidates]] = [[] for _ in requests]
+        if not requests:
+            return out
+        for p in self.pools:
+            cands = p.propose(requests, budgets, taps)
+            for row, c in zip(out, cands):
+                row.append(c)
+            self.nodes[p.name] += sum(map(len, cands))
+        return out
+
+    def observe_logits(self, tokens: np.ndarray, top_ids: np.ndarray, top_probs: np.ndarray) -> None:
+        for p in self.pools:
+            p.observe_logits(tokens, top_ids, top_probs)
+
+    def observe_branches(self, req_id: str, sent: list[list[int]], predicted: list[int]) -> int:
+        return sum(p.observe_branches(req_id, sent, predicted) for p in self.pools)
+
+    def live(self) -> dict[str, int]:
+        """Per-request states held by each pool (every one should equal len(self) between steps)."""
+        return {p.name: p.live() for p in self.pools}

@@ -1,7 +1,7 @@
 """Self-Draft branches (paper 003): draft n-grams the target writes for free inside its verification forwards.
 
 Each request keeps N branches of at most L tokens. Every verification forward that carries the request's tree also
-carries its branches as extra rows (engine/tree_verification.py): each branch is a chain hanging off the root (the
+carries its branches as extra rows (engine/tree_runtime.py): each branch is a chain hanging off the root (the
 last committed token), so under the tree's ancestor mask it sees the committed prefix, the root and its own earlier
 tokens only, and no other branch or tree node. Those rows are never verified; their outputs are harvested:
 
@@ -10,7 +10,8 @@ tokens only, and no other branch or tree node. Those rows are never verified; th
     update: the branch becomes (x_1 .. x_l, d_l)[-L:] (only the last prediction extends it: paper, Eq. 5)
 
 The grams go into the request's LRU cache (`GramCache`), and `propose_branches` turns the grams under the request's
-last token into a candidate tree for MultiBranchProposer's trie, like every other pool. Branch tokens never reach
+last token into a candidate tree for MultiBranchProposer's trie, like every other pool. `BranchesPool` holds, per
+request, its branches (the rows its next tree verification carries) and its gram cache. Branch tokens never reach
 the output: they are not verified, their KV sits in slots the step does not commit. Pure Python: no vLLM, no torch.
 """
 
@@ -18,8 +19,9 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from typing import Callable
 
-from vllm_adaspec.pools import Candidates, continuation_trie, prob_bucket
+from vllm_adaspec.pools import Candidates, Taps, TailPool, as_ints, continuation_trie, prob_bucket
 
 GRAM = 4  # gram length G (the paper's): a key token and up to three continuation tokens
 BRANCH_INITS = ("prompt", "random")
@@ -120,3 +122,47 @@ def propose_branches(cache: GramCache, last_token: int, depth: int, max_nodes: i
     found = cache.lookup(last_token)
     matches = min(len(found), 4)
     return continuation_trie(found, depth, max_nodes, lambda prob: ("branches", matches, prob_bucket(prob)))
+
+
+class BranchesPool(TailPool):
+    """Per request: its N branches (set up from its prompt at start, moved on by each harvest), its GramCache and
+    its last token (the key its grams are looked up under). The drafter appends `branches_of(req)` to the request's
+    tree and hands back what those rows predicted (`observe_branches`). num_branches 0: no branches, no grams."""
+    name = "branches"
+    keep = 1
+
+    def __init__(self, num_branches: int, length: int, init: str, vocab_size: int,
+                 seed: Callable[[str], int] = lambda req_id: 0):
+        super().__init__()
+        self.num_branches, self.length, self.init, self.vocab_size, self.seed = (num_branches, length, init,
+                                                                                  vocab_size, seed)
+        self.branches: dict[str, list[list[int]]] = {}
+        self.grams: dict[str, GramCache] = {}
+
+    def start(self, req_id, prompt) -> None:
+        super().start(req_id, prompt)
+        self.grams[req_id] = GramCache()
+        self.branches[req_id] = (init_branches(as_ints(prompt), self.num_branches, self.length, self.init,
+                                               self.seed(req_id), self.vocab_size) if self.num_branches else [])
+
+    def stop(self, req_id) -> None:
+        super().stop(req_id)
+        self.grams.pop(req_id, None)
+        self.branches.pop(req_id, None)
+
+    def branches_of(self, req_id: str) -> list[list[int]]:
+        """The branches the request's next tree verification should carry ([] when none)."""
+        return self.branches.get(req_id, [])
+
+    def grams_held(self) -> int:
+        return sum(map(len, self.grams.values()))
+
+    def observe_branches(self, req_id: str, sent: list[list[int]], predicted: list[int]) -> int:
+        cache = self.grams.get(req_id)
+        if cache is None or not sent or not predicted:
+            return 0
+        self.branches[req_id], added = harvest(sent, predicted, cache, self.length)
+        return added
+
+    def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
+        return [propose_branches(self.grams[r], self.tails[r][-1], depth=b) for r, b in zip(requests, budgets)]

@@ -8,7 +8,7 @@ request."""
 
 from __future__ import annotations
 
-from vllm_adaspec.pools import Candidates, continuation_trie, prob_bucket
+from vllm_adaspec.pools import Candidates, Pool, Taps, as_ints, continuation_trie, prob_bucket
 
 
 class ContextIndex:
@@ -44,3 +44,28 @@ def propose_context(index: ContextIndex, depth: int, max_matches: int = 32, max_
     toks = index.tokens
     return continuation_trie(((toks[p:p + depth], 1) for p in ends[-max_matches:]), depth, max_nodes,
                              lambda prob: ("context", n, prob_bucket(prob)))
+
+
+class ContextPool(Pool):
+    """Per request: its ContextIndex (every token, prompt included, and its n-gram ends)."""
+    name = "context"
+
+    def __init__(self, max_n: int = 4):
+        self.max_n = max_n
+        self.index: dict[str, ContextIndex] = {}
+
+    def start(self, req_id, prompt) -> None:
+        self.index[req_id] = ContextIndex(self.max_n)
+        self.index[req_id].extend(as_ints(prompt))
+
+    def extend(self, req_id, tokens) -> None:
+        self.index[req_id].extend(as_ints(tokens))
+
+    def stop(self, req_id) -> None:
+        self.index.pop(req_id, None)
+
+    def live(self) -> int:
+        return len(self.index)
+
+    def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
+        return [propose_context(self.index[r], depth=b) for r, b in zip(requests, budgets)]

@@ -14,7 +14,7 @@ import os
 import json
 import numpy as np
 
-from vllm_adaspec.pools import Candidates, prob_bucket
+from vllm_adaspec.pools import Candidates, Taps, TailPool, prob_bucket
 
 FORMAT = "vllm-adaspec/corpus/1"
 
@@ -124,6 +124,20 @@ def propose_corpus(table: CorpusTable, context: list[int], depth: int, width: in
             break
         frontier = nxt
     return out
+
+
+
+class CorpusPool(TailPool):
+    """The static table (loaded once, shared); per request: its last two tokens (the walk's context)."""
+    name = "corpus"
+    keep = 2
+
+    def __init__(self, table: CorpusTable | str):
+        super().__init__()
+        self.table = CorpusTable.load(table) if isinstance(table, (str, os.PathLike)) else table
+
+    def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
+        return [propose_corpus(self.table, self.tails[r], depth=b) for r, b in zip(requests, budgets)]
 
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "corpus")

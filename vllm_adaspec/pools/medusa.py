@@ -4,6 +4,8 @@ The tree's shape is Medusa's sparse tree (paper 002, 3.3.3): a node is a path of
 r_d-th choice below the node (r_1, ..., r_{d-1})", and its chance of acceptance is estimated as the product of the
 heads' held-out accuracies acc[d][r_d] along the path. The `budget` nodes of highest estimate (a tree: a child never
 beats its parent) are chosen once per budget and kept (`SparseTree`); each step only fills in the tokens.
+`MedusaPool` runs the heads (an object with `.logits(h, e)`, `.embed`, `.vocab`, `.accuracy`: engine/medusa_heads.py)
+on a step's drafting requests in one batch; the only pool that touches torch, and it keeps no per-request state.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_adaspec.pools import Candidates, prob_bucket
+from vllm_adaspec.pools import Candidates, Pool, Taps, prob_bucket
 
 
 @dataclass(frozen=True)
@@ -62,3 +64,38 @@ def propose_medusa(tree: SparseTree, top_ids: np.ndarray, top_probs: np.ndarray)
         p = float(top_probs[d - 1, r])
         out.add(parent, int(top_ids[d - 1, r]), p, ("medusa", d, prob_bucket(p)))
     return out
+
+
+class MedusaPool(Pool):
+    """Stateless per request: everything it reads comes in the step's Taps (hidden states, last tokens)."""
+    name = "medusa"
+
+    def __init__(self, heads):
+        self.heads = heads
+        self.trees: dict[int, SparseTree] = {}  # budget -> its sparse tree, built once
+        self.last_top_ids: np.ndarray | None = None  # [R, K, width] the last step's ranked tokens (tests, checks)
+
+    def tree(self, budget: int) -> SparseTree:
+        if budget not in self.trees:
+            self.trees[budget] = sparse_tree(self.heads.accuracy, budget)
+        return self.trees[budget]
+
+    def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
+        """All requests and heads in one matmul on taps.hidden [R, H]; each request's tree is its budget's."""
+        import torch
+
+        if taps.hidden is None:
+            raise RuntimeError("medusa pool: the worker did not hand over the target's hidden states")
+        if not requests:
+            return []
+        m, h = self.heads, taps.hidden
+        trees = [self.tree(b) for b in budgets]
+        width = max(t.max_rank for t in trees)
+        e = None
+        if m.embed is not None:  # token-conditioned heads: the embedding of each request's last committed token
+            e = m.embed(torch.tensor(taps.last_tokens, device=h.device))
+        probs = m.logits(h, e).float().softmax(-1)  # [R, K, V']
+        top_p, top_i = probs.topk(width, dim=-1)  # [R, K, width]
+        top_ids, top_p = m.vocab[top_i].cpu().numpy(), top_p.cpu().numpy()  # full vocabulary ids
+        self.last_top_ids = top_ids
+        return [propose_medusa(t, top_ids[r], top_p[r]) for r, t in enumerate(trees)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_adaspec.pools import Candidates, prob_bucket
+from vllm_adaspec.pools import Candidates, Taps, TailPool, prob_bucket
 
 
 class RecycleTable:
@@ -48,3 +48,20 @@ def propose_recycled(table: RecycleTable, last_token: int, depth: int, width: in
             break
         frontier = nxt
     return out
+
+
+class RecycledPool(TailPool):
+    """One table for all requests, fed by verified rows; per request: its last token (where the walk starts)."""
+    name = "recycled"
+    keep = 1
+
+    def __init__(self, vocab_size: int, k: int = 8):
+        super().__init__()
+        self.table = RecycleTable(vocab_size, k)
+        self.logits_k = k
+
+    def observe_logits(self, tokens: np.ndarray, top_ids: np.ndarray, top_probs: np.ndarray) -> None:
+        self.table.update(tokens, top_ids, top_probs)
+
+    def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
+        return [propose_recycled(self.table, self.tails[r][-1], depth=b) for r, b in zip(requests, budgets)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_adaspec.pools import Candidates, prob_bucket
+from vllm_adaspec.pools import Candidates, Taps, TailPool, prob_bucket
 
 
 def suffix_available() -> bool:
@@ -21,31 +21,46 @@ def suffix_available() -> bool:
     return True
 
 
-class SuffixPool:
+class SuffixPool(TailPool):
+    """One arctic-inference cache for all requests (each active request's prompt tree + the global tree of earlier
+    outputs); per request: its last `max_depth` tokens (the context a speculation matches against)."""
+    name = "suffix"
+
     def __init__(self, max_depth: int = 24, max_cached_requests: int = 1000, min_token_prob: float = 0.05,
                  max_spec_factor: float = 2.0, max_spec_offset: float = 1.0):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
+        super().__init__()
         self.cache = SuffixDecodingCache(max_tree_depth=max_depth, max_cached_requests=max_cached_requests)
-        self.max_depth = max_depth
+        self.max_depth = self.keep = max_depth
         self.min_token_prob = min_token_prob
         self.max_spec_factor = max_spec_factor
         self.max_spec_offset = max_spec_offset
 
-    def start(self, req_id, prompt: np.ndarray) -> None:
+    def start(self, req_id, prompt) -> None:
         if req_id in self.cache.active_requests:
             self.cache.stop_request(req_id)
         self.cache.start_request(req_id, np.ascontiguousarray(prompt, dtype=np.int32))
+        super().start(req_id, prompt)
 
-    def extend(self, req_id, tokens: np.ndarray) -> None:
+    def extend(self, req_id, tokens) -> None:
         if len(tokens):
             self.cache.add_active_response(req_id, np.ascontiguousarray(tokens, dtype=np.int32))
+            super().extend(req_id, tokens)
 
     def stop(self, req_id) -> None:
         if req_id in self.cache.active_requests:
             self.cache.stop_request(req_id)
+        super().stop(req_id)
 
-    def propose(self, req_id, context: np.ndarray, max_nodes: int) -> Candidates:
+    def live(self) -> int:
+        return len(self.cache.active_requests)
+
+    def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
+        return [self.speculate(r, np.asarray(self.tails[r]), max_nodes=b) for r, b in zip(requests, budgets)]
+
+    def speculate(self, req_id, context: np.ndarray, max_nodes: int) -> Candidates:
+        """One request's tree given its context [T] (its last tokens; the cache matches at most max_depth)."""
         context = np.ascontiguousarray(context[-self.max_depth:], dtype=np.int32)
         draft = self.cache.speculate(req_id, context, max_spec_tokens=int(max_nodes),
                                      max_spec_factor=self.max_spec_factor, max_spec_offset=self.max_spec_offset,

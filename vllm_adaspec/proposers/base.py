@@ -1,18 +1,16 @@
-"""What every adaspec proposer shares: the per-request states and draft-length policies, the step cost model, the
-statistics, and the interface our worker (engine/worker.py) drives. A proposer subclasses `AdaspecProposer`,
-implements `load_model` and `_draft`, and needs no glue of its own.
+"""What every adaspec proposer shares: the per-request states and draft-length policies, the step cost model, tree
+admission, the statistics, and the one interface the engine glue drives (engine/worker.py, engine/port.py). A
+proposer subclasses `AdaspecProposer`, declares its `needs`, implements `load_model` and `_draft`, and needs no glue
+of its own. It never sees vLLM's model runner: it reads the batch through a `BatchView` and gets feedback as
+`Outcome`s (vllm_adaspec/step.py).
 
-The worker interface (all called in the worker process, in this order within a step):
-    attach_runner(runner)                        once: the model runner (request ids, block tables, KV caches)
+One step, as the glue drives it (worker process):
+    attach(port)                                 once: the engine port (engine/port.py)
     on_schedule(scheduled, spec_tokens, finished)   at the start of every step, before the forward
-    on_tree_paths(results, kv_moves)             tree mode: after verification, {batch row: (path, bonus,
-                                                 argmax at the request's draft-branch rows)}
-    on_verified_logits(req_ids, rows, logits)    `wants_verified_logits`: the target's logits at every verified row
-    set_target_output(hidden, verified_drafts)   `wants_target_hidden`: the sampled rows' final hidden states
-    propose(...)                                 vLLM's custom-proposer call, after sampling
+    propose(sampled_token_ids, ...)              vLLM's custom-proposer call, after sampling: the port's feedback
+                                                 (tree results, taps) becomes one Outcome per decoding request,
+                                                 `_observe(view, outcomes, taps)`, then `_draft` fills `plans`
     adaspec_stats()                              `get_stats()` through LLM.collective_rpc
-Attributes the worker reads: `tree_mode` (verify `pending_trees` as token trees), `pending_trees`
-({req_id: (tokens, parents)} proposed in the last call), `stats` (snapshots for /metrics).
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ from vllm_adaspec.metrics import ACCEPTANCE_BUCKETS, DRAFTS_PER_ROUND_BUCKETS, n
 from vllm_adaspec.policies import make_policy
 from vllm_adaspec.policies.cost_model import VERIFY_COST, DraftCost, StepCostModel, attention_load
 from vllm_adaspec.requests import RequestStates, bonus_rows
-from vllm_adaspec.trees import admit_within
-from vllm_adaspec.trees.tree import is_chain
-
+from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, Taps
+from vllm_adaspec.trees import admit_within, copy_capacity
 
 
 def request_seed(req_id: str, base_seed: int) -> int:
@@ -43,8 +40,7 @@ def request_seed(req_id: str, base_seed: int) -> int:
 
 class AdaspecProposer:
     proposer = "early_exit"  # which part of the adaspec config applies (config.PROPOSER_KEYS)
-    wants_target_hidden = False
-    wants_verified_logits = False
+    needs = Needs()  # what the engine must hand over (subclasses set theirs in __init__)
 
     def __init__(self, vllm_config):
         self.vllm_config = vllm_config
@@ -62,15 +58,15 @@ class AdaspecProposer:
         self.states = RequestStates(
             new_policy=lambda rid: make_policy(self.cfg.policy, self._policy_max(), request_seed(rid, self.base_seed),
                                                self.cfg.policy_params))
-        self.runner = None
+        self.port = None  # engine/port.EnginePort, attached by the worker
+        self._outcomes_now: dict[int, Outcome] = {}
+        self._taps = Taps()
         self.tree = self.cfg.tree
         self.tree_mode = self.tree is not None
-        self.pending_trees: dict[str, tuple[list[int], list[int]]] = {}
+        self.plans: dict[str, DraftPlan] = {}  # the last propose call's plans, by request (trees and chains)
         self.tree_holders: set[str] = set()  # requests admitted to tree mode last step (they keep KV copies)
-        self._tree_paths: dict[int, list[int]] = {}  # this step's accepted tree paths, by batch row
         self._extra_rows = 0  # rows a tree carries besides its nodes (draft branches)
         self._tp = vllm_config.parallel_config.tensor_parallel_size > 1
-        self._target_hidden, self._verified_drafts = None, None
         # What a step costs by its rows (policies/cost_model.py): fitted online from the engine's own step times
         # ("online"), the shipped curve only ("prior"), or none ("off": drafts are not sized by cost).
         self.costs = StepCostModel(VERIFY_COST) if self.cfg.cost_model != "off" else None
@@ -112,15 +108,16 @@ class AdaspecProposer:
     def _eligible(self, req_id: str) -> bool:
         return True
 
-    def _draft(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts) -> float:
-        """Fill drafts[row] (a chain, or a tree recorded in pending_trees) for the drafting rows; returns the
-        seconds spent in policy work."""
+    def _draft(self, view: BatchView, rows: list[int], budgets: list[int], policies: list,
+               plans: dict[int, DraftPlan]) -> float:
+        """Fill plans[row] for the drafting rows (batch rows of `view`); returns the seconds spent in policy work."""
         raise NotImplementedError
 
-    def _before_draft(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> None:
-        """Every propose call, before the drafting rows are chosen: all rows' committed tokens (pools learn here)."""
+    def _observe(self, view: BatchView, outcomes: dict[int, Outcome], taps: Taps) -> None:
+        """Every propose call, before the drafting rows are chosen: what verification made of each decoding row's
+        last plan (outcomes by batch row), and the target outputs asked for in `needs` (pools learn here)."""
 
-    def _size_drafts(self, rows: list[int], budgets: list[int], decoding: int) -> list[int]:
+    def _size_drafts(self, view: BatchView, rows: list[int], budgets: list[int], decoding: int) -> list[int]:
         """The cost model's cap on each drafting row's budget before drafting (early exit: chain lengths from the
         requests' acceptance and the draft pass cost). MultiBranchProposer sizes its trees after drafting."""
         return budgets
@@ -131,28 +128,17 @@ class AdaspecProposer:
     def _on_finished(self, req_ids) -> None:
         """Requests that finished or were aborted: drop their per-request state."""
 
-    def _verified_drafts_of(self, req_id: str, scheduled: int) -> int:
-        """Of the drafts the scheduler put into this step for `req_id`, how many are verified (the rest: rows
-        that are only read, such as draft branches)."""
-        return scheduled
-
     def _config_stats(self) -> dict:
         return {}
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
-    def set_target_output(self, sample_hidden_states: torch.Tensor, verified_drafts: list[int] | None) -> None:
-        """Called by the worker before each propose: the target's normed final hidden states at its sampled rows."""
-        self._target_hidden, self._verified_drafts = sample_hidden_states, verified_drafts
-
-    def attach_runner(self, runner) -> None:
-        self.runner = runner
+    def attach(self, port) -> None:
+        """The engine port (engine/port.py): the batch view, feedback, tree runtime and rank broadcast."""
+        self.port = port
 
     def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
-        self._tree_paths = {}
         if finished and self.tree_mode:  # their tree KV copies and branch-slot records go now, not at the next step
-            from vllm_adaspec.engine import tree_verification as tv
-
-            tv.drop_requests(finished)
+            self.port.drop_trees(finished)
             self.tree_holders.difference_update(finished)
         for req_id in finished:
             self._context.pop(req_id, None)
@@ -169,45 +155,36 @@ class AdaspecProposer:
         for req_id, n in scheduled.items():
             spec = spec_tokens.get(req_id, ())
             drafts = len(spec)
-            self.states.scheduled(req_id, self._verified_drafts_of(req_id, drafts))
+            plan = self.plans.get(req_id) if drafts else None
+            plan = plan.scheduled(drafts) if plan is not None else None
+            self.states.scheduled(req_id, drafts if plan is None else min(drafts, plan.num_verified))
             pure = pure and n == 1 + drafts
             rows += n
             attention += attention_load(n, self._context.get(req_id, 0))
-            planned = self.pending_trees.get(req_id) if drafts else None
-            if planned is not None and not is_chain(planned[1][:drafts]):
+            if plan is not None and self.tree_mode and plan.is_tree:
                 tree_requests += 1
                 tree_rows += drafts
         self._steps += 1
         self._step_shape = (len(scheduled), rows, tree_requests, tree_rows, attention) if pure else None
         self._on_step(scheduled, pure)
 
-    def on_tree_paths(self, results: dict, kv_moves: int) -> None:
-        """Called by the tree sampler after each verification: {batch row: (accepted nodes, bonus)} and how many
-        KV slots compaction moved (nonzero: a path left the first-child spine)."""
-        from vllm_adaspec.engine.tree_verification import held_copy_tokens
-
-        self._tree_paths = {row: path for row, (path, *_) in results.items()}
-        self.stats["tree_verified"] += len(results)
-        self.stats["tree_kv_moves"] += kv_moves
-        self.stats["tree_kv_copy_peak"] = max(self.stats["tree_kv_copy_peak"], held_copy_tokens())
-        for path, *_ in results.values():
-            self.stats["tree_accepted_depth"][len(path)] += 1
-
     # --- the proposer interface ---
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_):
-        if self.runner is None:
+        if self.port is None:
             raise RuntimeError(
-                f"{type(self).__name__} was not attached to a model runner: the vllm_adaspec plugin did not install "
+                f"{type(self).__name__} was not attached to the engine: the vllm_adaspec plugin did not install "
                 "its worker (is the package installed in the environment vLLM runs in?)")
         now = time.perf_counter()
         self._observe_step(now)
         passes_before = self.stats["draft_passes"]
-        req_ids = self.runner.input_batch.req_ids
-        self.pending_trees = {}
-        self._before_draft(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        decoding = sum(1 for s in sampled_token_ids if s)
+        view = self.port.view(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        req_ids = view.req_ids
+        outcomes, taps = self._outcomes(view)
+        self._outcomes_now, self._taps = outcomes, taps  # this call's feedback (drafters read rows and taps)
+        self._observe(view, outcomes, taps)
+        plans: dict[int, DraftPlan] = {}
+        decoding = view.decoding()
         self.stats["decode_rows"] += decoding  # target forwards, summed over requests (tau = tokens / this)
         rows, budgets, policies = [], [], []
         tp = time.perf_counter()  # policy time: its decisions, feedback and the statistics it asks for
@@ -236,11 +213,12 @@ class AdaspecProposer:
         policy_s = time.perf_counter() - tp
         t0 = time.perf_counter()
         if rows and self.costs is not None:
-            budgets = self._size_drafts(rows, budgets, decoding)
+            budgets = self._size_drafts(view, rows, budgets, decoding)
             kept = [e for e, b in enumerate(budgets) if b > 0]
             rows, budgets, policies = [rows[e] for e in kept], [budgets[e] for e in kept], [policies[e] for e in kept]
-        policy_s += self._draft(rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids,
-                                drafts)
+        policy_s += self._draft(view, rows, budgets, policies, plans)
+        self.plans = {req_ids[i]: plan for i, plan in plans.items()}
+        drafts = [list(plans[i].tokens) if i in plans else [] for i in range(len(sampled_token_ids))]
         st = self.stats
         if self._record:
             rec = st.setdefault("first_drafts", {})
@@ -259,12 +237,42 @@ class AdaspecProposer:
             st["draft_seconds"] += time.perf_counter() - t0
             for i in rows:
                 st["round_lengths"][min(len(drafts[i]), len(st["round_lengths"]) - 1)] += 1
+            if self.tree_mode:
+                for i in rows:
+                    if i in plans and plans[i].is_tree:
+                        st["tree_rounds"] += 1
+                        st["tree_nodes"] += plans[i].num_verified
         if decoding:
             st["draft_steps"][any(drafts)] += 1
         st["policy_seconds"] += policy_s
         self._last_end = time.perf_counter()
         self._last_propose = (decoding, st["draft_passes"] - passes_before, self._last_end - now)
         return drafts
+
+    def _outcomes(self, view: BatchView) -> tuple[dict[int, Outcome], Taps]:
+        """What the last verification made of every decoding row's plan (by batch row), from the engine's feedback:
+        tree results, or for chains the number of tokens committed; and the step's taps."""
+        results, kv_moves, taps, verified_rows = self.port.feedback()
+        if results:
+            st = self.stats
+            st["tree_verified"] += len(results)
+            st["tree_kv_moves"] += kv_moves
+            st["tree_kv_copy_peak"] = max(st["tree_kv_copy_peak"], self.port.held_copy_tokens())
+            for path, *_ in results.values():
+                st["tree_accepted_depth"][len(path)] += 1
+        paths = {row: path for row, (path, *_) in results.items()}
+        rows_of = bonus_rows([len(s) for s in view.sampled], verified_rows, paths)
+        outcomes = {}
+        for i, sampled in enumerate(view.sampled):
+            if not sampled:
+                continue
+            drafted = self.states.get(view.req_ids[i]).drafted_last
+            if i in results:
+                path, _, predicted = results[i]
+                outcomes[i] = Outcome(drafted, tuple(path), sampled[-1], rows_of[i], True, tuple(predicted))
+            else:
+                outcomes[i] = Outcome(drafted, tuple(range(min(drafted, len(sampled) - 1))), sampled[-1], rows_of[i])
+        return outcomes, taps
 
     def _observe_step(self, now: float) -> None:
         """Feed the cost model the engine step that ran since the previous propose call returned: its seconds, by
@@ -291,18 +299,15 @@ class AdaspecProposer:
                 (lambda reqs, n: self.costs.tree_extra(decoding, reqs, n)))
 
     # --- shared helpers ---
-    def _tree_rows(self, rows: list[int], req_ids: list[str], num_tokens_no_spec) -> list[bool]:
+    def _tree_rows(self, view: BatchView, rows: list[int]) -> list[bool]:
         """Which drafting rows may draft a tree: requests whose sampling needs only temperature / top-k / top-p,
         and whose KV copies fit the tree path's cap (trees.admit_within); the others draft chains."""
-        from vllm_adaspec.engine import tree_verification as tv
-
         if self.tree is None:
             return [False] * len(rows)
-        states = getattr(self.runner, "requests", {})
-        ok = [tv.tree_compatible(getattr(states.get(req_ids[i]), "sampling_params", None)) for i in rows]
+        req_ids = view.req_ids
+        ok = self.port.tree_compatible([req_ids[i] for i in rows])
         cand = [e for e, good in enumerate(ok) if good]
-        lengths = [tv.copy_capacity(int(num_tokens_no_spec[rows[e]]) + self.tree.budget + self._extra_rows)
-                   for e in cand]
+        lengths = [copy_capacity(int(view.num_tokens[rows[e]]) + self.tree.budget + self._extra_rows) for e in cand]
         holding = [req_ids[rows[e]] in self.tree_holders for e in cand]
         admitted = admit_within(lengths, self._copy_cap(), holding)
         for e, a in zip(cand, admitted):
@@ -315,31 +320,20 @@ class AdaspecProposer:
         """KV positions the tree path's copies may hold (config tree.kv_copy_tokens; default 1/8 of the cache)."""
         if self.tree.kv_copy_tokens is not None:
             return self.tree.kv_copy_tokens
-        cfg = self.runner.kv_cache_config
-        block = cfg.kv_cache_groups[0].kv_cache_spec.block_size
-        return cfg.num_blocks * block // 8
-
-    def _bonus_rows(self, rows: list[int], sampled_token_ids) -> list[int]:
-        """For the drafting rows, the row of the target's sampled outputs that produced each one's last token."""
-        rows_of = bonus_rows([len(s) for s in sampled_token_ids], self._verified_drafts, self._tree_paths)
-        return [rows_of[i] for i in rows]
+        return self.port.kv_positions() // 8
 
     def _same_on_every_rank(self, value):
         """Tensor parallelism: every rank drafts, and must draft the same. The cost model's only rank-local inputs
         are the times each rank measured; rank 0's are used everywhere (one small broadcast per observed step)."""
-        if not self._tp:
-            return value
-        from vllm.distributed import get_tp_group
-
-        return get_tp_group().broadcast_object(value, src=0)
+        return self.port.from_rank0(value) if self._tp else value
 
     def live_state(self) -> dict:
         """Per-request state held right now, by kind (0 everywhere once every request has finished and the engine
         stepped after it: /metrics `vllm:adaspec_live_state`, the soak test's check that nothing leaks)."""
-        from vllm_adaspec.engine.tree_verification import held_copy_tokens, live_branch_slots
-
-        return {"policies": len(self.states), "contexts": len(self._context), "tree_kv_copy_tokens": held_copy_tokens(),
-                "tree_holders": len(self.tree_holders), "branch_slot_records": live_branch_slots()}
+        held = self.port.held_copy_tokens() if self.port is not None else 0
+        return {"policies": len(self.states), "contexts": len(self._context), "tree_kv_copy_tokens": held,
+                "tree_holders": len(self.tree_holders),
+                **(self.port.observer_live() if self.port is not None else {})}
 
     def snapshot(self) -> dict:
         """What /metrics shows (engine/metrics.py): the counters, the live state and the step cost model's fit."""
@@ -350,7 +344,8 @@ class AdaspecProposer:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
         return {**copy.deepcopy(self.stats), "tracked_requests": len(self.states),
                 "step_costs": self.costs.table() if self.costs is not None else {},
-                "config": {"cost_model": self.cfg.cost_model, **self._config_stats()}, "live": self.live_state()}
+                "config": {"cost_model": self.cfg.cost_model, **self._config_stats()}, "live": self.live_state(),
+                **(self.port.observer_stats() if self.port is not None else {})}
 
 
 def token_rows(rows: list[int], num_tokens_no_spec, token_ids_cpu) -> tuple[np.ndarray, list[np.ndarray]]:

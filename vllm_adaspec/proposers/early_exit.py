@@ -20,6 +20,7 @@ from vllm_adaspec.kernels.entropy_topk import entropy_topk
 from vllm_adaspec.policies import POLICIES
 from vllm_adaspec.policies.cost_model import attention_load
 from vllm_adaspec.proposers.base import AdaspecProposer, request_seed  # noqa: F401 (request_seed: re-export)
+from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, Taps
 from vllm_adaspec.trees import GrowingTree, add_children, best_subtree, to_expand
 from vllm_adaspec.trees.trie import best_prefix
 from vllm_adaspec.trees.c2t import ENTROPY_TOP_N, confidence, node_features, select_layer
@@ -41,7 +42,8 @@ class EarlyExitProposer(AdaspecProposer):
         # worker hands over the last forward's sampled rows of the final hidden state (normed) and, per batch row,
         # how many drafts it verified (the rows a request took there).
         self.calibration = None
-        self.wants_target_hidden = getattr(POLICIES[self.cfg.policy], "needs_score", False)
+        self.needs = Needs(target_hidden=getattr(POLICIES[self.cfg.policy], "needs_score", False),
+                           trees=self.tree is not None)
         self._check_rows = os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1"
         self.exit_head = None  # checkpoint folder in use, None = untrained exit
         # Where plain decoding wins (the cost model drafts nothing for PAUSE_AFTER decode steps in a row), the exit
@@ -74,10 +76,14 @@ class EarlyExitProposer(AdaspecProposer):
             device = next(target_model.parameters()).device
             self.c2t = {k: v.to(device) for k, v in load_c2t(self.exit_head)[1].items()}
             self.stats["c2t_seconds"] = 0.0
-        if self.wants_target_hidden:
+        if self.needs.target_hidden:
             from vllm_adaspec.engine.exit_head import load_calibration
 
             self.calibration = load_calibration(self.exit_head, self.cfg.policy, next(target_model.parameters()).device)
+
+    def attach(self, port) -> None:
+        super().attach(port)
+        port.bind(self.prefix)  # the exit layers draft on the engine's KV cache
 
     def _eligible(self, req_id: str) -> bool:
         return req_id not in self._stale
@@ -90,16 +96,14 @@ class EarlyExitProposer(AdaspecProposer):
     def live_state(self) -> dict:
         return {**super().live_state(), "paused_requests": len(self._stale), "tree_features": len(self._tree_feats)}
 
-    def on_tree_paths(self, results: dict, kv_moves: int) -> None:
-        super().on_tree_paths(results, kv_moves)
+    def _observe(self, view: BatchView, outcomes: dict[int, Outcome], taps: Taps) -> None:
         if self._record_trees:  # labels for `adaspec train c2t`: a node is accepted iff it is on the path
-            req_ids = self.runner.input_batch.req_ids
             rec = self.stats.setdefault("tree_records", [])
-            for row, (path, *_) in results.items():
-                tree = self._tree_feats.pop(req_ids[row], None)
+            for row, outcome in outcomes.items():
+                tree = self._tree_feats.pop(view.req_ids[row], None) if outcome.tree else None
                 if tree is not None:
                     accepted = np.zeros(len(tree[0]), dtype=bool)
-                    accepted[path] = True
+                    accepted[list(outcome.accepted)] = True
                     rec.append((tree[0].tolist(), accepted.tolist(), tree[1].tolist()))  # (stats travel as JSON)
 
     def _on_step(self, scheduled: dict, pure: bool) -> None:
@@ -112,7 +116,7 @@ class EarlyExitProposer(AdaspecProposer):
                 self.stats["plain_switches"] += len(new)
                 self._stale.update(new)
 
-    def _size_drafts(self, rows: list[int], budgets: list[int], decoding: int) -> list[int]:
+    def _size_drafts(self, view: BatchView, rows: list[int], budgets: list[int], decoding: int) -> list[int]:
         """Chain lengths from the cost model: a request's j-th draft is accepted with chance a^j (a: its share of
         drafts accepted, from a prior at the engine's rate); drafts are taken best first across the batch while the
         batch's expected tokens per second rise, a step costing its verified rows (the fitted curve) plus one draft
@@ -120,7 +124,7 @@ class EarlyExitProposer(AdaspecProposer):
         and then (EXPLORE) every request drafts one token so that acceptance keeps being measured."""
         if self.tree is not None:
             return budgets
-        req_ids = self.runner.input_batch.req_ids
+        req_ids = view.req_ids
         total_acc, total_rej = self._chain_counts
         engine_rate = (total_acc + 1) / (total_acc + total_rej + 2)
         units = []
@@ -134,7 +138,7 @@ class EarlyExitProposer(AdaspecProposer):
             per_pass = self.draft_costs.predict(decoding, 1) - self.draft_costs.predict(decoding, 0)
         else:
             per_pass = PASS_PRIOR  # relative units until the first step is measured
-        n = self.runner.input_batch.num_tokens_no_spec
+        n = view.num_tokens
         ctx = [attention * attention_load(1, int(n[i])) for i in rows]  # a verified row's attention, per request
         depth, att = 0, sum(ctx)  # the requests' own rows read their contexts whatever is drafted
         extra = [att]
@@ -153,40 +157,40 @@ class EarlyExitProposer(AdaspecProposer):
             sized = [min(1, b) for b in budgets]
         return sized
 
-    def _draft(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts) -> float:
+    def _draft(self, view: BatchView, rows: list[int], budgets: list[int], policies: list,
+               plans: dict[int, DraftPlan]) -> float:
         if not rows:
             return 0.0
-        self.prefix.ensure_attached(self.runner)
-        treeish = self._tree_rows(rows, self.runner.input_batch.req_ids, num_tokens_no_spec)
+        self.prefix.ensure_attached()
+        treeish = self._tree_rows(view, rows)
         policy_s = 0.0
         for part, draft in (([e for e, t in enumerate(treeish) if not t], self._draft_chains),
                             ([e for e, t in enumerate(treeish) if t], self._draft_trees)):
             if part:
-                policy_s += draft([rows[e] for e in part], [budgets[e] for e in part], [policies[e] for e in part],
-                                  num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts)
+                policy_s += draft(view, [rows[e] for e in part], [budgets[e] for e in part],
+                                  [policies[e] for e in part], plans)
         return policy_s
 
-    def _round_inputs(self, rows, policies, num_tokens_no_spec, sampled_token_ids):
+    def _round_inputs(self, view: BatchView, rows, policies):
         """What chain and tree drafting both start from: n [R] committed tokens per row, block rows [R, max_blocks],
         temperatures [R] (only when a policy reads confidence), thompson-cali's target projection [R, 10] (or None),
         and the seconds the policy-only parts took."""
         rows_np = np.asarray(rows)
-        device = self.runner.device
+        device = self.prefix.device
         blocks = self.prefix.block_rows(torch.tensor(rows, device=device))
         tp = time.perf_counter()
         confident = any(getattr(pol, "needs_confidence", False) for pol in policies)
-        temps = torch.from_numpy(self.runner.input_batch.temperature_cpu[rows_np]).to(device) if confident else None
-        ht_proj = self._target_projection(rows, sampled_token_ids)
-        return num_tokens_no_spec[rows_np], blocks, temps, ht_proj, time.perf_counter() - tp
+        temps = torch.from_numpy(view.temperature[rows_np]).to(device) if confident else None
+        ht_proj = self._target_projection(view, rows)
+        return view.num_tokens[rows_np], blocks, temps, ht_proj, time.perf_counter() - tp
 
-    def _draft_chains(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids,
-                      drafts) -> float:
+    def _draft_chains(self, view: BatchView, rows, budgets, policies, plans) -> float:
         """Draft chains for `rows` (batch rows) into `drafts`, one batched step per depth: the exit head's argmax,
         while each row's policy accepts. Returns the seconds spent in policy work."""
-        n, blocks, temps, ht_proj, policy_s = self._round_inputs(rows, policies, num_tokens_no_spec,
-                                                                 sampled_token_ids)
-        device = self.runner.device
-        tokens = torch.from_numpy(token_ids_cpu[np.asarray(rows), n - 1].astype(np.int64)).to(device)  # [B]
+        n, blocks, temps, ht_proj, policy_s = self._round_inputs(view, rows, policies)
+        device = self.prefix.device
+        drafts = {i: [] for i in rows}
+        tokens = torch.from_numpy(view.token_ids[np.asarray(rows), n - 1].astype(np.int64)).to(device)  # [B]
         positions = torch.from_numpy((n - 1).astype(np.int64)).to(device)  # [B]
         max_seq_len = int(n.max())  # host-side upper bound, grows by one per depth
         entries = list(range(len(rows)))  # index into rows/budgets/policies for each active request
@@ -223,13 +227,13 @@ class EarlyExitProposer(AdaspecProposer):
                 entries = [entries[j] for j in keep]
             positions = positions + 1
             max_seq_len += 1
+        plans.update({i: DraftPlan(tuple(d)) for i, d in drafts.items() if d})
         return policy_s
 
-    def _draft_trees(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids,
-                     drafts) -> float:
+    def _draft_trees(self, view: BatchView, rows, budgets, policies, plans) -> float:
         """Draft a token tree per row, depth by depth. Depth 1 runs each root (the last committed token); at
         depth d the chosen depth d - 1 nodes of every tree run together in one batched step, each attending to
-        the prefix and its own ancestors only (a tree mask over draft nodes, engine/tree_verification.DraftMask),
+        the prefix and its own ancestors only (a tree mask over draft nodes, engine/tree_runtime.DraftMask),
         and their top-k candidates are new nodes. Which nodes enter and run is the builder's choice:
           joint  every candidate enters; the `top_k` most probable depth d - 1 nodes (among the tree's `budget`
                  most probable so far) run; the proposal is the `budget` most probable nodes (best_subtree)
@@ -241,10 +245,10 @@ class EarlyExitProposer(AdaspecProposer):
         The policy sees one draft per depth, the most probable new node, and may stop the tree's growth there.
         """
         ts = self.tree
-        n, block_rows, temps, ht_proj, policy_s = self._round_inputs(rows, policies, num_tokens_no_spec,
-                                                                     sampled_token_ids)
+        n, block_rows, temps, ht_proj, policy_s = self._round_inputs(view, rows, policies)
         root = (n - 1).astype(np.int64)  # [R] position (and slot position) of each tree's root
-        device = self.runner.device
+        device = self.prefix.device
+        token_ids_cpu = view.token_ids
         grown = [GrowingTree() for _ in rows]
         limit = [min(b, ts.max_depth) for b in budgets]  # deepest depth each tree may keep
         slot_of: list[dict[int, int]] = [{} for _ in rows]  # node -> slot offset from the root (1, 2, ...)
@@ -307,16 +311,13 @@ class EarlyExitProposer(AdaspecProposer):
             policy_s += time.perf_counter() - tp
             if not feed:
                 break
-        req_ids = self.runner.input_batch.req_ids
+        req_ids = view.req_ids
         for e, row in enumerate(rows):
             if limit[e] < 1:
                 continue
             tree, order = best_subtree(grown[e], ts.budget, limit[e])
             tree_tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-            drafts[row] = tree_tokens
-            self.pending_trees[req_ids[row]] = (tree_tokens, parents)
-            self.stats["tree_rounds"] += 1
-            self.stats["tree_nodes"] += len(tree_tokens)
+            plans[row] = DraftPlan(tuple(tree_tokens), tuple(parents))
             if self._record_trees:
                 g = grown[e]
                 self._tree_feats[req_ids[row]] = (np.array(
@@ -356,7 +357,7 @@ class EarlyExitProposer(AdaspecProposer):
     @staticmethod
     def _draft_prefix(root, block_rows):
         """DraftPrefix of the call's trees: key positions 0..root of each (root [T], block_rows [T, max_blocks])."""
-        from vllm_adaspec.engine.tree_verification import DraftPrefix
+        from vllm_adaspec.engine.tree_runtime import DraftPrefix
 
         root = torch.as_tensor(root, dtype=torch.long)
         pos = torch.arange(int(root.max()) + 1).expand(len(root), -1)
@@ -366,7 +367,7 @@ class EarlyExitProposer(AdaspecProposer):
     def _draft_mask(feed, grown, slot_of, root, prefix):
         """DraftMask for a step running `feed` [(tree, node)]: each row sees its tree's prefix and root and the
         slots of its own ancestors-or-self (every ancestor ran in an earlier step, so it has a slot)."""
-        from vllm_adaspec.engine.tree_verification import DraftMask
+        from vllm_adaspec.engine.tree_runtime import DraftMask
 
         by_tree: dict[int, list[int]] = {}
         for f, (e, _) in enumerate(feed):
@@ -402,30 +403,23 @@ class EarlyExitProposer(AdaspecProposer):
         entropy, top_prob, _, _, _ = entropy_topk(logits, temps, k=1)
         return torch.stack([top_prob, entropy], 1).tolist()
 
-    def _target_projection(self, rows: list[int], sampled_token_ids) -> torch.Tensor | None:
+    def _target_projection(self, view: BatchView, rows: list[int]) -> torch.Tensor | None:
         """Target side of the predictor for the drafting rows [B, 10], from the output row that produced each
         request's last sampled token (requests.bonus_rows: in tree mode the row of the last accepted node)."""
         if self.calibration is None:
             return None
-        if self._target_hidden is None:
+        hidden = self._taps.hidden
+        if hidden is None:
             raise RuntimeError("thompson-cali: the worker did not hand over the target's hidden states")
-        last = self._bonus_rows(rows, sampled_token_ids)
-        h = self._target_hidden[torch.tensor(last, device=self._target_hidden.device)]
+        h = hidden[torch.tensor([self._outcomes_now[i].row for i in rows], device=hidden.device)]
         if self._check_rows:  # greedy runs: the row must re-produce the token it sampled (tests set this)
             got = self.prefix.model.compute_logits(h).argmax(-1).tolist()
             self.stats["row_checks"] = self.stats.get("row_checks", 0) + len(rows)
             self.stats["row_mismatches"] = self.stats.get("row_mismatches", 0) + sum(
-                g != sampled_token_ids[i][-1] for g, i in zip(got, rows))
+                g != view.sampled[i][-1] for g, i in zip(got, rows))
         return self.calibration.project_target(h)
 
     def _config_stats(self) -> dict:
-        return {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head, "exit_kv_layers": self.exit_kv_layers(),
+        return {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head,
+                "exit_kv_layers": self.prefix.exit_kv_layers() if self.prefix is not None else [],
                 "plain_requests": len(self._stale)}
-
-    def exit_kv_layers(self) -> list[str]:
-        """Exit-layer attention layers that have KV in the engine's cache config (proof it is engine-owned)."""
-        ex = self.prefix.exit if self.prefix is not None else None
-        if ex is None or self.runner is None or getattr(self.runner, "kv_cache_config", None) is None:
-            return []
-        groups = self.runner.kv_cache_config.kv_cache_groups
-        return [n for n in ex.layer_names if any(n in g.layer_names for g in groups)]

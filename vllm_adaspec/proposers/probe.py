@@ -16,6 +16,7 @@ import os
 import time
 
 from vllm_adaspec.proposers.base import AdaspecProposer
+from vllm_adaspec.step import DraftPlan, Needs
 
 
 def binary_tree_parents(n: int) -> list[int]:
@@ -34,6 +35,7 @@ class ProbeProposer(AdaspecProposer):
         from vllm_adaspec.engine.plugin import tree_support
 
         self.tree_mode = self.shape == "tree" and tree_support(vllm_config) is None
+        self.needs = Needs(trees=self.tree_mode)
         self.vocab = vllm_config.model_config.hf_text_config.vocab_size
         fixed = os.environ.get("VLLM_ADASPEC_PROBE_SIZE")  # one size every step instead of the cycle (profiling)
         self.fixed = int(fixed) if fixed else None
@@ -44,20 +46,18 @@ class ProbeProposer(AdaspecProposer):
     def load_model(self, target_model) -> None:
         pass
 
-    def _draft(self, rows, budgets, policies, num_tokens_no_spec, token_ids_cpu, sampled_token_ids, drafts) -> float:
+    def _draft(self, view, rows, budgets, policies, plans) -> float:
         now = time.perf_counter()
         if self._last is not None:
             self.stats["probe_seconds"].setdefault(str(self._last[1]), []).append(now - self._last[0])
         size = self._step % (self.cfg.num_speculative_tokens + 1) if self.fixed is None else self.fixed
         self._step += 1
-        self._last = (now, size) if rows and len(rows) == sum(1 for s in sampled_token_ids if s) else None
-        req_ids = self.runner.input_batch.req_ids
+        self._last = (now, size) if rows and len(rows) == view.decoding() else None
         parents = (binary_tree_parents(size) if self.shape == "tree" else list(range(-1, size - 1)))
-        tokens = [self.vocab - 1 - j for j in range(size)]
+        tokens = tuple(self.vocab - 1 - j for j in range(size))
         if self.tree_mode:
-            self.tree_holders = {req_ids[i] for i in rows}  # keep their KV copies through the chain-sized steps
+            self.tree_holders = {view.req_ids[i] for i in rows}  # keep their KV copies through the chain-sized steps
         for i in rows:
-            drafts[i] = list(tokens)
-            if self.tree_mode and size > 1:
-                self.pending_trees[req_ids[i]] = (list(tokens), list(parents))
+            if size:
+                plans[i] = DraftPlan(tokens, tuple(parents) if self.tree_mode and size > 1 else None)
         return 0.0

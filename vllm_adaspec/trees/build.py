@@ -122,6 +122,12 @@ def best_subtree(t: GrowingTree, budget: int, max_depth: int | None = None) -> t
     return DraftTree(tokens, torch.tensor(parents, dtype=torch.long)), order
 
 
+def copy_capacity(length: int) -> int:
+    """Positions a tree request's contiguous KV copy holds once it reaches `length` (engine/tree_runtime.py): room
+    for a few steps, at most ~1.25x its KV."""
+    return length + length // 4 + 64
+
+
 def admit_within(lengths: Sequence[int], cap: int, holding: Sequence[bool] | None = None) -> list[bool]:
     """Which requests may be verified as trees when their KV copies (lengths [R] positions each) may hold at most
     `cap` positions in all: those already holding a copy first (so copies are not dropped and rebuilt), then the

@@ -1,0 +1,104 @@
+"""Every wrap of vLLM's model runner, installed in one place, from what the drafter declares it needs
+(step.Needs). Each says why vLLM offers no hook for it. They only collect feedback into the engine port or steer
+the tree runtime; the drafter reads the port at its next propose call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler
+
+
+def install(runner, drafter, port) -> None:
+    needs = drafter.needs
+    # vLLM hands a custom proposer neither the target's hidden states nor how many rows each request took in the
+    # verification it just ran (needed to find each request's bonus row): both are read off propose's own call.
+    propose = runner.propose_draft_token_ids
+    keep_hidden = needs.target_hidden
+
+    def propose_with_feedback(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                              sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest, **kw):
+        if keep_hidden:
+            port.taps.hidden = sample_hidden_states
+        port.verified_rows = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
+        return propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+                       aux_hidden_states, spec_decode_metadata, *rest, **kw)
+
+    runner.propose_draft_token_ids = propose_with_feedback
+
+    logits_tap = LogitsTap(runner, port, needs.verified_logits) if needs.verified_logits else None
+    if logits_tap is not None:
+        # Steps without drafts never reach the rejection sampler: their logits are read before vLLM's sampler,
+        # which may scale or mask them in place.
+        runner.sampler = SamplerTap(runner.sampler, logits_tap)
+    runtime = port.runtime
+    if runtime is not None or logits_tap is not None:
+        # vLLM verifies drafts as chains only and offers no hook after verification: tree requests are verified
+        # here (vLLM's result stands for chains), then their KV is compacted; verified rows' logits are tapped.
+        runner.rejection_sampler = TreeRejectionSampler(runner.rejection_sampler, runtime, drafter.cfg.acceptance,
+                                                        logits_tap)
+    if runtime is None:
+        return
+    # No hook sits between the runner's input preparation and the forward: tree rows need depth positions and
+    # their own seq_lens before attention metadata is built.
+    prepare = runner._prepare_inputs
+
+    def prepare_inputs(scheduler_output, *args, **kwargs):
+        result = prepare(scheduler_output, *args, **kwargs)
+        num_reqs = runner.input_batch.num_reqs
+        runtime.begin_step(runner.input_batch.req_ids[:num_reqs], runner.query_start_loc.np[:num_reqs + 1],
+                           runner.positions, scheduler_output.scheduled_spec_decode_tokens, drafter.plans,
+                           scheduler_output.total_num_scheduled_tokens, runner.seq_lens, drafter.tree_holders,
+                           set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
+        return result
+
+    runner._prepare_inputs = prepare_inputs
+
+
+class LogitsTap:
+    """The target's top-k next tokens at every sampled row, with the token each row follows, into the port's taps.
+
+    Rows of a step without drafts (metadata None): one per request, following its last committed token. With
+    drafts: per request its root's row, then each draft's row (the last is the bonus row)."""
+
+    def __init__(self, runner, port, k: int):
+        self.runner, self.port, self.k = runner, port, k
+
+    def __call__(self, logits: torch.Tensor, metadata) -> None:
+        b = self.runner.input_batch
+        n = logits.shape[0]
+        roots = [int(b.token_ids_cpu[i, b.num_tokens_no_spec[i] - 1]) for i in range(b.num_reqs)]
+        if metadata is None:
+            req_ids, tokens, rows = list(b.req_ids[:n]), roots[:n], list(range(min(n, len(roots))))
+            req_ids = req_ids[:len(rows)]
+        else:
+            cu = [0] + metadata.cu_num_draft_tokens.tolist()
+            drafts = metadata.draft_token_ids.tolist()
+            target, bonus = metadata.target_logits_indices.tolist(), metadata.bonus_logits_indices.tolist()
+            req_ids, tokens, rows = [], [], []
+            for i in range(len(cu) - 1):
+                rows += target[cu[i]:cu[i + 1]] + [bonus[i]]
+                tokens += [roots[i]] + drafts[cu[i]:cu[i + 1]]
+                req_ids += [b.req_ids[i]] * (cu[i + 1] - cu[i] + 1)
+        if not rows:
+            return
+        x = logits[torch.tensor(rows, device=logits.device)].float()  # [R, V]
+        top, ids = x.topk(self.k, dim=-1)
+        probs = torch.exp(top - torch.logsumexp(x, dim=-1, keepdim=True))
+        self.port.taps.logits_topk.append((req_ids, np.asarray(tokens), ids.cpu().numpy(), probs.cpu().numpy()))
+
+
+class SamplerTap:
+    """vLLM's sampler for steps without drafts, its logits [requests, V] tapped first."""
+
+    def __init__(self, stock, tap):
+        self.stock, self.tap = stock, tap
+
+    def __call__(self, logits, sampling_metadata, *args, **kw):
+        self.tap(logits, None)  # before sampling, which may scale or mask the logits in place
+        return self.stock(logits, sampling_metadata, *args, **kw)
+
+    def __getattr__(self, name):  # everything else (warm-up, logprobs modes) is vLLM's
+        return getattr(self.stock, name)

@@ -1,0 +1,319 @@
+"""Token-tree verification inside vLLM's V1 runner: one `TreeRuntime` per worker owns a step's tree plan, the
+per-request contiguous KV copies and the draft mask of tree drafting (no module state). The tree algorithms live
+in `vllm_adaspec.trees`; the runtime is driven by the runner hooks (engine/runner_hooks.py), the tree attention
+backend (engine/tree_backend.py) and the tree sampler (engine/tree_sampler.py).
+
+A tree request hands vLLM its n nodes as ordinary draft tokens (breadth-first), so the scheduler allocates
+n + 1 contiguous slots (root + nodes) and verifies n + 1 rows. Per step:
+
+1. `begin_step` (after the runner's `_prepare_inputs`): for each request whose scheduled drafts are the tree the
+   drafter planned, rewrite its node rows' positions to root + depth (RoPE at depth; slots stay contiguous, they
+   were computed before) and cut its seq_len to its own rows (vLLM's kernel then skips the prefix for them).
+2. `attend` (every attention layer, exit layers included, after vLLM's kernel): the rows of each tree request are
+   recomputed in one SDPA call: the prefix fully visible (a contiguous copy of the request's KV that each step
+   extends) and, among the rows, only ancestors-or-self (their keys and values straight from the layer's inputs).
+3. the tree sampler verifies tree rows node by node and calls `finish_step` with the accepted paths: the accepted
+   nodes' KV moves to root + 1 .. root + a in every attention layer (and in the copies), so the next step sees a
+   plain sequence; vLLM's own rollback (num_computed_tokens -= rejected) is then right.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vllm_adaspec.engine.cpu_kv import compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at, paged_index
+from vllm_adaspec.trees import DraftTree, ancestor_mask, copy_capacity
+
+
+@dataclass
+class TreeRequest:
+    row: int  # batch row (input_batch order)
+    req_id: str
+    start: int  # flattened index of the root's row; nodes follow at start + 1 + i
+    root_pos: int
+    tree: DraftTree
+    mask: torch.Tensor  # [n + 1, n + 1] bool ancestor-or-self over verification rows
+    visible: torch.Tensor | None = None  # [1, 1, n + 1, root + n + 1] bool, built by the first layer
+    branch_rows: int = 0  # the last nodes are draft-branch rows (pools/branches.py): read, not verified
+
+    @property
+    def num_verified(self) -> int:
+        return len(self.tree) - self.branch_rows
+
+
+@dataclass
+class TreeStep:
+    num_tokens: int  # flattened tokens of the target forward (what attention metadata must show)
+    requests: list[TreeRequest]
+    slot_mapping: torch.Tensor | None = None  # the forward's slots, seen by attention (for compaction)
+    kv_caches: list = field(default_factory=list)  # (cache, isa) of every attention layer in the forward
+
+
+@dataclass
+class DraftPrefix:
+    """The prefixes (through the root) of the trees of one propose call. They do not change while the trees are
+    drafted, so their K, V are gathered once per attention layer and reused by every depth."""
+    block_rows: torch.Tensor  # [T, max_blocks] each tree's block row
+    positions: torch.Tensor  # [T, P] key positions 0..root (padding: position 0, masked off)
+    kv: dict = field(default_factory=dict)  # cache address -> (K, V) [T, P, H, D]
+
+
+@dataclass
+class DraftMask:
+    """A draft step of tree drafting over R of the call's trees: row m of tree r is the flattened row rows[r, m]
+    (valid[r, m]); its keys are the tree's prefix (P columns) then its node slots root + 1 .. (node_pos), and it
+    sees key c iff visible[r, m, c] (the prefix, the root and its own ancestors-or-self among drafted nodes)."""
+    num_tokens: int
+    prefix: DraftPrefix
+    trees: torch.Tensor  # [R] index into prefix's trees
+    rows: torch.Tensor  # [R, M] (padding repeats the tree's first row)
+    valid: torch.Tensor  # [R, M] bool
+    node_pos: torch.Tensor  # [R, N] slot positions of the tree's drafted nodes (padding: the root, masked off)
+    visible: torch.Tensor  # [R, M, P + N] bool
+
+
+@dataclass
+class SequenceKV:
+    """One tree request's K, V in one attention layer, contiguous: positions 0..final-1 are final (committed and
+    compacted: never written again), so a step gathers from the paged cache only what came after them (nothing when
+    the request's last step was a tree: `advance_copies` kept its accepted rows); the rows of the current forward
+    (root + nodes) are written right after the prefix, as scratch."""
+    k: torch.Tensor  # [capacity, H, D]
+    v: torch.Tensor
+    final: int = 0
+
+
+def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tensor, spec_tokens: dict,
+              plans: dict, num_tokens: int) -> TreeStep | None:
+    """Match the scheduled drafts against the planned trees and write depth positions in place.
+
+    req_ids: batch order; query_start [num_reqs + 1] flattened row starts; positions [num_tokens] (rewritten);
+    spec_tokens: the scheduler's req_id -> scheduled draft ids; plans: req_id -> step.DraftPlan. A tree whose
+    drafts the scheduler trimmed keeps its first nodes (DraftPlan.scheduled)."""
+    requests = []
+    for row, req_id in enumerate(req_ids):
+        spec = spec_tokens.get(req_id)
+        plan = plans.get(req_id)
+        if not spec or plan is None or plan.parents is None:
+            continue
+        plan = plan.scheduled(len(spec))
+        n = len(plan.tokens)
+        if list(spec) != list(plan.tokens) or not plan.is_tree:
+            continue
+        tree = DraftTree(torch.tensor(plan.tokens), torch.tensor(plan.parents))
+        start = int(query_start[row])
+        root_pos = int(positions[start])
+        positions[start + 1:start + 1 + n] = root_pos + tree.depths.to(positions.dtype)
+        requests.append(TreeRequest(row, req_id, start, root_pos, tree, ancestor_mask(tree),
+                                    branch_rows=n - plan.num_verified))
+    return TreeStep(num_tokens, requests) if requests else None
+
+
+def shrink_tree_seq_lens(step: TreeStep, seq_lens: torch.Tensor) -> None:
+    """Cut each tree request's seq_len (the runner's buffer, read when the step's attention metadata is built) to
+    its own rows: vLLM's kernel then attends only over those few keys, work the tree attention overwrites anyway,
+    instead of the whole prefix. The KV cache writes go by slot mapping and are unaffected."""
+    for r in step.requests:
+        seq_lens[r.row] = len(r.tree) + 1
+
+
+def masked_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q [R, rows, Hq, D], k, v [R, seq, Hkv, D], visible [R, rows, seq] bool -> [R, rows, Hq, D] in q's dtype.
+    Query head h reads kv head h // (Hq / Hkv); every row must see at least one key."""
+    r, rows, hq, d = q.shape
+    hkv = k.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qg = q.to(acc).view(r, rows, hkv, hq // hkv, d)
+    scores = torch.einsum("bnkgd,bskd->bkgns", qg, k.to(acc)) * scale  # [R, Hkv, G, rows, seq]
+    scores = scores.masked_fill(~visible[:, None, None], -math.inf)
+    out = torch.einsum("bkgns,bskd->bnkgd", torch.softmax(scores, dim=-1), v.to(acc))
+    return out.reshape(r, rows, hq, d).to(q.dtype)
+
+
+def compaction_slots(step: TreeStep, paths: dict[int, list[int]]) -> tuple[list[int], list[int]]:
+    """For each tree request's accepted path (node indices, root to deepest): node at depth d moves from its
+    verification slot (root + 1 + node) to root + d. Returns (src, dst) slot lists, only moves that change."""
+    src, dst = [], []
+    slots = step.slot_mapping.tolist()
+    for r in step.requests:
+        for d, node in enumerate(paths.get(r.row, ()), start=1):
+            if node + 1 != d:
+                src.append(slots[r.start + 1 + node])
+                dst.append(slots[r.start + d])
+    return src, dst
+
+
+class TreeRuntime:
+    """A worker's tree path: the step being verified, the draft mask while a drafter grows trees, and the
+    contiguous KV copies of the requests in tree mode, keyed (request id, cache address). Observers (tests'
+    instrumentation, engine/observers.py) see each forward's plan before it runs."""
+
+    def __init__(self):
+        self.step: TreeStep | None = None
+        self.draft: DraftMask | None = None
+        self.copies: dict[tuple[str, int], SequenceKV] = {}
+        self.observers: list = []
+        # the last verification's tree results {batch row: (accepted nodes, bonus, branch-row argmax)} and the KV
+        # slots compaction moved, until the drafter's next propose reads them (take_results)
+        self.results: dict[int, tuple] = {}
+        self.kv_moves = 0
+
+    # --- planning (the runner's _prepare_inputs hook) ---
+    def begin_step(self, req_ids: list[str], query_start: np.ndarray, positions: torch.Tensor, spec_tokens: dict,
+                   plans: dict, num_tokens: int, seq_lens: torch.Tensor, holders: set[str],
+                   resumed: set[str]) -> None:
+        """Plan this forward's trees; keep the copies of `holders` (the drafter's tree-mode requests) and of this
+        step's tree requests, drop the others' and those of `resumed` requests (their KV was recomputed)."""
+        step = None
+        if plans and spec_tokens:
+            step = plan_step(req_ids, query_start, positions, spec_tokens, plans, num_tokens)
+        keep = set(holders) | ({r.req_id for r in step.requests} if step else set())
+        self.retain(keep, stale=resumed)
+        for obs in self.observers:
+            obs.before_forward(req_ids, query_start, positions, step)
+        if step is not None:
+            shrink_tree_seq_lens(step, seq_lens)
+        self.step = step
+
+    def drop(self, req_ids) -> None:
+        """Finished or aborted requests: their KV copies (and observers' records) go."""
+        gone = set(req_ids)
+        for key in [key for key in self.copies if key[0] in gone]:
+            del self.copies[key]
+        for obs in self.observers:
+            obs.forget(gone)
+
+    def retain(self, keep: set[str], stale: set[str] = frozenset()) -> None:
+        for key in [key for key in self.copies if key[0] not in keep or key[0] in stale]:
+            del self.copies[key]
+
+    def held_copy_tokens(self) -> int:
+        """Positions held by all requests' copies, counted once per request (every layer holds the same)."""
+        held: dict[str, int] = {}
+        for (req_id, _), seq in self.copies.items():
+            held[req_id] = max(held.get(req_id, 0), seq.k.shape[0])
+        return sum(held.values())
+
+    # --- attention (the tree backend, every layer) ---
+    @contextlib.contextmanager
+    def drafting(self, mask: DraftMask | None):
+        """Active while a drafter runs one step over tree nodes (engine/drafting.py)."""
+        self.draft = mask
+        try:
+            yield
+        finally:
+            self.draft = None
+
+    def attend(self, isa: str, scale: float, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, attn_metadata, output: torch.Tensor) -> None:
+        """After vLLM's kernel wrote `output` [T, Hq, D] for a forward: overwrite the rows of tree nodes (a draft
+        step's tree nodes, or a verification forward's tree requests) with tree-masked attention."""
+        draft = self.draft
+        if draft is not None and attn_metadata.num_actual_tokens == draft.num_tokens:
+            self._attend_draft(draft, isa, scale, query, kv_cache, output)
+            return
+        step = self.step
+        if step is None or attn_metadata.num_actual_tokens != step.num_tokens:
+            return  # not the target's verification forward (warm-up, profiling, draft steps)
+        if step.slot_mapping is None:
+            step.slot_mapping = attn_metadata.slot_mapping[:step.num_tokens].clone()
+        step.kv_caches.append((kv_cache, isa))
+        self.verify_attention(step, query, key, value, output, kv_cache, attn_metadata.block_table, isa, scale)
+
+    def _attend_draft(self, draft: DraftMask, isa: str, scale: float, query, kv_cache, output) -> None:
+        bs, pre = kv_cache.shape[2], draft.prefix
+        if kv_cache.data_ptr() not in pre.kv:
+            pre.kv[kv_cache.data_ptr()] = gather_cpu_kv_at(kv_cache, *paged_index(pre.block_rows, pre.positions, bs),
+                                                           isa)
+        pk, pv = pre.kv[kv_cache.data_ptr()]
+        nk, nv = gather_cpu_kv_at(kv_cache, *paged_index(pre.block_rows[draft.trees], draft.node_pos, bs), isa)
+        k, v = torch.cat([pk[draft.trees], nk], dim=1), torch.cat([pv[draft.trees], nv], dim=1)
+        new = masked_attention_batch(query[draft.rows], k, v, draft.visible, scale)
+        output[draft.rows[draft.valid]] = new[draft.valid].to(output.dtype)
+
+    def sequence_kv(self, cache: torch.Tensor, block_row: torch.Tensor, req_id: str, root: int, rows: int,
+                    isa: str) -> SequenceKV:
+        """The request's copy with positions 0..root-1 final and room for `rows` more (gathering from the paged
+        cache only positions not yet copied)."""
+        key = (req_id, cache.data_ptr())
+        seq = self.copies.get(key)
+        start = 0 if seq is None else min(seq.final, root)
+        if seq is None or seq.k.shape[0] < root + rows:
+            _, h, _, d2 = cache.shape
+            cap = copy_capacity(root + rows)
+            k = cache.new_empty((cap, h, d2 // 2))
+            v = cache.new_empty((cap, h, d2 // 2))
+            if seq is not None:
+                k[:start], v[:start] = seq.k[:start], seq.v[:start]
+            seq = self.copies[key] = SequenceKV(k, v)
+        if start < root:
+            seq.k[start:root], seq.v[start:root] = gather_cpu_kv(cache, block_row, root, isa, start=start)
+        seq.final = root
+        return seq
+
+    def verify_attention(self, step: TreeStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         output: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, isa: str,
+                         scale: float) -> None:
+        """The tree rows of one attention layer of a verification forward, written into `output` [T, Hq, D]: for
+        each tree request, its rows' queries (query [T, Hq, D]) attend to the prefix (its contiguous copy) and to
+        the rows' own keys and values of this forward (key, value [T, Hkv, D]) under the ancestor mask, in one SDPA
+        call."""
+        for r in step.requests:
+            n1 = len(r.tree) + 1
+            rows = slice(r.start, r.start + n1)
+            seq = self.sequence_kv(cache, block_table[r.row], r.req_id, r.root_pos, n1, isa)
+            end = r.root_pos + n1
+            seq.k[r.root_pos:end], seq.v[r.root_pos:end] = key[rows], value[rows]
+            if r.visible is None:  # [1, 1, n1, root + n1]: the whole prefix, then ancestors-or-self among the rows
+                vis = torch.ones(n1, end, dtype=torch.bool)
+                vis[:, r.root_pos:] = r.mask
+                r.visible = vis[None, None]
+            out = F.scaled_dot_product_attention(
+                query[rows].transpose(0, 1)[None], seq.k[:end].transpose(0, 1)[None],
+                seq.v[:end].transpose(0, 1)[None], attn_mask=r.visible, scale=scale,
+                enable_gqa=query.shape[1] != key.shape[1])  # [1, Hq, n1, D]
+            output[rows] = out[0].transpose(0, 1).to(output.dtype)
+
+    # --- after sampling (the tree sampler) ---
+    def take_step(self) -> TreeStep | None:
+        step, self.step = self.step, None
+        return step
+
+    def finish_step(self, step: TreeStep, results: dict[int, tuple]) -> None:
+        """results {batch row: (accepted nodes, bonus, branch-row argmax)}: compact the accepted paths' KV in the
+        paged cache and in the copies, and keep the results for the drafter."""
+        paths = {row: path for row, (path, *_) in results.items()}
+        src, dst = compaction_slots(step, paths)
+        compact_kv_cpu(step.kv_caches, src, dst)
+        self.advance_copies(step, paths)
+        self.results, self.kv_moves = results, len(src)
+
+    def take_results(self) -> tuple[dict[int, tuple], int]:
+        """The last verification's tree results and KV slots moved, once."""
+        out = (self.results, self.kv_moves)
+        self.results, self.kv_moves = {}, 0
+        return out
+
+    def advance_copies(self, step: TreeStep, paths: dict[int, list[int]]) -> None:
+        """In every tree request's contiguous copies, the accepted nodes' K, V move to root + 1 .. root + a, as
+        compaction moves them in the paged cache, and root .. root + a become final. The next step of a request that
+        stays a tree then gathers nothing from the paged cache (the copy already holds what it committed)."""
+        for r in step.requests:
+            path = paths.get(r.row, ())
+            moves = [(r.root_pos + 1 + node, r.root_pos + d) for d, node in enumerate(path, start=1) if node + 1 != d]
+            src = torch.tensor([a for a, _ in moves]) if moves else None
+            dst = torch.tensor([b for _, b in moves]) if moves else None
+            for cache, _ in step.kv_caches:
+                seq = self.copies.get((r.req_id, cache.data_ptr()))
+                if seq is None or seq.final != r.root_pos:
+                    continue
+                if moves:
+                    seq.k[dst], seq.v[dst] = seq.k[src], seq.v[src]
+                seq.final = r.root_pos + 1 + len(path)

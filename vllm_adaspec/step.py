@@ -1,0 +1,100 @@
+"""The step contract between a drafter and the engine glue: what a drafter needs, what it proposes, what it learns.
+
+One trip each way per step. Drafting: the drafter returns a `DraftPlan` per request; the glue hands the plans'
+tokens to vLLM's scheduler and, for trees, to the tree runtime (engine/tree_runtime.py). Feedback: after
+verification the glue builds one `Outcome` per decoding request and hands them, with the target outputs the
+drafter asked for (`Taps`), to the drafter in one `observe` call before the next propose. Pure Python: no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_adaspec.trees.tree import is_chain
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a drafter asks of the engine, declared once (the glue installs exactly these hooks)."""
+    target_hidden: bool = False  # the final hidden state of the row that produced each request's last token
+    verified_logits: int = 0  # > 0: the top-k of the target's logits at every verified row (k = this)
+    trees: bool = False  # plans may be token trees (tree-mask attention, tree sampler, KV compaction)
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """One request's drafts for the next verification forward.
+
+    tokens: drafts in the order vLLM schedules them (trees: breadth-first, a parent before its children);
+    parents: None for a chain, else each node's parent (-1 = the root, the last committed token);
+    verified: how many of the first nodes are verified; the rows after them are read-only draft-branch rows
+    (pools/branches.py), None = all."""
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...] | None = None
+    verified: int | None = None
+
+    @property
+    def num_verified(self) -> int:
+        return len(self.tokens) if self.verified is None else self.verified
+
+    @property
+    def is_tree(self) -> bool:
+        """Verified as a tree: the nodes branch, or read-only rows ride along."""
+        return self.parents is not None and (self.num_verified < len(self.tokens) or not is_chain(list(self.parents)))
+
+    def scheduled(self, n: int) -> "DraftPlan":
+        """The plan as verified when the scheduler kept only its first n drafts: breadth-first order keeps a
+        tree a tree, and read-only rows, which come last, go first."""
+        if n >= len(self.tokens):
+            return self
+        verified = None if self.verified is None else min(self.verified, n)
+        return DraftPlan(self.tokens[:n], None if self.parents is None else self.parents[:n], verified)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What verification made of one request's plan in one step.
+
+    drafted: drafts verified (the plan's nodes as scheduled, read-only rows not counted; 0 = none proposed);
+    accepted: accepted nodes, root to deepest (a chain: 0 .. a-1); branch_argmax: the target's argmax at each
+    read-only branch row; row: the output row (sampled rows, batch order) of the request's bonus token."""
+    drafted: int
+    accepted: tuple[int, ...]
+    bonus: int
+    row: int
+    tree: bool = False
+    branch_argmax: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """What a drafter reads of the batch at a propose call, in batch order (rows = vLLM's input batch rows).
+
+    sampled [B]: tokens the step committed per row (empty: a prefill chunk or a discarded step); num_tokens [B]:
+    committed tokens per row; token_ids [B, max_len]: every row's tokens (the first num_tokens are committed);
+    num_prompt [B]; temperature [B] (host copies)."""
+    req_ids: list
+    sampled: list
+    num_tokens: object  # np.ndarray [B]
+    token_ids: object  # np.ndarray [B, max_len]
+    num_prompt: object  # np.ndarray [B]
+    temperature: object  # np.ndarray [B]
+
+    def decoding(self) -> int:
+        return sum(1 for s in self.sampled if s)
+
+    def tokens(self, row: int):
+        """The committed tokens of a row (a view)."""
+        return self.token_ids[row, :int(self.num_tokens[row])]
+
+
+@dataclass
+class Taps:
+    """Target outputs a drafter asked for (`Needs`), gathered by the glue during the step.
+
+    hidden [rows, H]: final hidden states of the sampled rows (index with Outcome.row);
+    logits_topk: one entry per sampler call of the step, (req_ids [N], tokens [N], ids [N, k], probs [N, k]):
+    for every output row, its request, the token the row follows (its root or a draft) and the target's top-k
+    next tokens with their probabilities."""
+    hidden: object | None = None
+    logits_topk: list = field(default_factory=list)
