@@ -3,7 +3,7 @@ add and the pool they feed (no vLLM, no model)."""
 
 import pytest
 
-from vllm_adaspec.engine.observers import BranchSlotCheck
+from vllm_adaspec.observers import BranchSlotCheck
 from vllm_adaspec.engine.tree_runtime import plan_step
 from vllm_adaspec.step import DraftPlan
 from vllm_adaspec.pools.branches import (GramCache, append_branches, branch_grams, harvest, init_branches,
@@ -121,4 +121,4 @@ def test_branch_slot_check_flags_a_committed_position_last_written_by_a_branch_r
     check.before_forward(["a"], np.array([0, 1]), torch.tensor([25]), None)
     assert check.violations == 1 and check.checked == 3
     check.forget(["a"])
-    assert "a" not in check.dirty and check.stats()["branch_slot_records"] == 0
+    assert "a" not in check.dirty and check.live()["branch_slot_records"] == 0

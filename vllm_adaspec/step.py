@@ -3,12 +3,14 @@
 One trip each way per step. Drafting: the drafter returns a `DraftPlan` per request; the glue hands the plans'
 tokens to vLLM's scheduler and, for trees, to the tree runtime (engine/tree_runtime.py). Feedback: after
 verification the glue builds one `Outcome` per decoding request and hands them, with the target outputs the
-drafter asked for (`Taps`), to the drafter in one `observe` call before the next propose. Pure Python: no vLLM.
+drafter asked for (`Taps`), to the drafter in one `observe` call before the next propose. Plain Python and torch: no vLLM.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from vllm_adaspec.trees.tree import is_chain
 
@@ -98,3 +100,29 @@ class Taps:
     next tokens with their probabilities."""
     hidden: object | None = None
     logits_topk: list = field(default_factory=list)
+
+
+# Tree drafting (a drafter that runs the target's own layers over tree nodes, proposers/early_exit.py) hands the
+# runtime one DraftMask per draft step (engine/tree_runtime.TreeRuntime.drafting).
+
+@dataclass
+class DraftPrefix:
+    """The prefixes (through the root) of the trees of one propose call. They do not change while the trees are
+    drafted, so their K, V are gathered once per attention layer and reused by every depth."""
+    block_rows: torch.Tensor  # [T, max_blocks] each tree's block row
+    positions: torch.Tensor  # [T, P] key positions 0..root (padding: position 0, masked off)
+    kv: dict = field(default_factory=dict)  # cache address -> (K, V) [T, P, H, D]
+
+
+@dataclass
+class DraftMask:
+    """A draft step of tree drafting over R of the call's trees: row m of tree r is the flattened row rows[r, m]
+    (valid[r, m]); its keys are the tree's prefix (P columns) then its node slots root + 1 .. (node_pos), and it
+    sees key c iff visible[r, m, c] (the prefix, the root and its own ancestors-or-self among drafted nodes)."""
+    num_tokens: int
+    prefix: DraftPrefix
+    trees: torch.Tensor  # [R] index into prefix's trees
+    rows: torch.Tensor  # [R, M] (padding repeats the tree's first row)
+    valid: torch.Tensor  # [R, M] bool
+    node_pos: torch.Tensor  # [R, N] slot positions of the tree's drafted nodes (padding: the root, masked off)
+    visible: torch.Tensor  # [R, M, P + N] bool

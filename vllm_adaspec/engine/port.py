@@ -16,7 +16,7 @@ class EnginePort:
     def __init__(self, runner, runtime=None, observers=()):
         self.runner = runner
         self.runtime = runtime  # engine/tree_runtime.TreeRuntime when trees can be verified, else None
-        self.observers = list(observers)  # engine/observers.py (tests)
+        self.observers = list(observers)  # vllm_adaspec/observers.py (tests, C2T training data)
         self.taps = Taps()
         self.verified_rows: list[int] | None = None  # drafts each batch row took in the last verification
 
@@ -39,10 +39,29 @@ class EnginePort:
     def device(self) -> torch.device:
         return self.runner.device
 
-    def bind(self, target_prefix) -> None:
-        """A drafter that runs the target's own layers (engine/drafting.TargetPrefix) reads the runner's KV-cache
-        groups, block tables and attention builders, and marks its tree steps on the runtime."""
-        target_prefix.bind(self.runner, self.runtime)
+    # --- what drafters build on the target model (vLLM hands it to their load_model) ---
+    def target_prefix(self, target_model, exit_layer: int, exit_head: str, exit_setting: str):
+        """The target's first `exit_layer` layers + the exit (trained or not) as a drafter (engine/drafting.py),
+        reading the runner's KV cache and block tables and marking its tree steps on the runtime."""
+        from vllm_adaspec.engine.drafting import TargetPrefix
+        from vllm_adaspec.engine.exit_head import load_trained_exit
+
+        config = self.runner.vllm_config
+        trained = load_trained_exit(target_model, config, exit_head, exit_layer, exit_setting)
+        prefix = TargetPrefix(target_model, exit_layer, config, trained_exit=trained)
+        prefix.bind(self.runner, self.runtime)
+        return prefix
+
+    @staticmethod
+    def acceptance_calibration(exit_head, policy: str, device):
+        from vllm_adaspec.engine.exit_head import load_calibration
+
+        return load_calibration(exit_head, policy, device)
+
+    def medusa_heads(self, target_model, folder: str):
+        from vllm_adaspec.engine.medusa_heads import load_medusa_heads
+
+        return load_medusa_heads(target_model, self.runner.vllm_config, folder)
 
     # --- feedback, read once per propose call ---
     def feedback(self) -> tuple[dict, int, Taps, list[int] | None]:
@@ -76,4 +95,7 @@ class EnginePort:
         return out
 
     def observer_live(self) -> dict:
-        return {k: v for k, v in self.observer_stats().items() if k.endswith("_records")}
+        out = {}
+        for obs in self.observers:
+            out.update(obs.live())
+        return out

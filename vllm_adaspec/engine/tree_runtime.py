@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_adaspec.engine.cpu_kv import compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at, paged_index
+from vllm_adaspec.step import DraftMask
 from vllm_adaspec.trees import DraftTree, ancestor_mask, copy_capacity
 
 
@@ -53,29 +54,6 @@ class TreeStep:
     requests: list[TreeRequest]
     slot_mapping: torch.Tensor | None = None  # the forward's slots, seen by attention (for compaction)
     kv_caches: list = field(default_factory=list)  # (cache, isa) of every attention layer in the forward
-
-
-@dataclass
-class DraftPrefix:
-    """The prefixes (through the root) of the trees of one propose call. They do not change while the trees are
-    drafted, so their K, V are gathered once per attention layer and reused by every depth."""
-    block_rows: torch.Tensor  # [T, max_blocks] each tree's block row
-    positions: torch.Tensor  # [T, P] key positions 0..root (padding: position 0, masked off)
-    kv: dict = field(default_factory=dict)  # cache address -> (K, V) [T, P, H, D]
-
-
-@dataclass
-class DraftMask:
-    """A draft step of tree drafting over R of the call's trees: row m of tree r is the flattened row rows[r, m]
-    (valid[r, m]); its keys are the tree's prefix (P columns) then its node slots root + 1 .. (node_pos), and it
-    sees key c iff visible[r, m, c] (the prefix, the root and its own ancestors-or-self among drafted nodes)."""
-    num_tokens: int
-    prefix: DraftPrefix
-    trees: torch.Tensor  # [R] index into prefix's trees
-    rows: torch.Tensor  # [R, M] (padding repeats the tree's first row)
-    valid: torch.Tensor  # [R, M] bool
-    node_pos: torch.Tensor  # [R, N] slot positions of the tree's drafted nodes (padding: the root, masked off)
-    visible: torch.Tensor  # [R, M, P + N] bool
 
 
 @dataclass
@@ -153,13 +131,13 @@ def compaction_slots(step: TreeStep, paths: dict[int, list[int]]) -> tuple[list[
 class TreeRuntime:
     """A worker's tree path: the step being verified, the draft mask while a drafter grows trees, and the
     contiguous KV copies of the requests in tree mode, keyed (request id, cache address). Observers (tests'
-    instrumentation, engine/observers.py) see each forward's plan before it runs."""
+    instrumentation, vllm_adaspec/observers.py) see each forward's plan before it runs."""
 
-    def __init__(self):
+    def __init__(self, observers=()):
         self.step: TreeStep | None = None
         self.draft: DraftMask | None = None
         self.copies: dict[tuple[str, int], SequenceKV] = {}
-        self.observers: list = []
+        self.observers = list(observers)
         # the last verification's tree results {batch row: (accepted nodes, bonus, branch-row argmax)} and the KV
         # slots compaction moved, until the drafter's next propose reads them (take_results)
         self.results: dict[int, tuple] = {}
@@ -183,12 +161,10 @@ class TreeRuntime:
         self.step = step
 
     def drop(self, req_ids) -> None:
-        """Finished or aborted requests: their KV copies (and observers' records) go."""
+        """Finished or aborted requests: their KV copies go."""
         gone = set(req_ids)
         for key in [key for key in self.copies if key[0] in gone]:
             del self.copies[key]
-        for obs in self.observers:
-            obs.forget(gone)
 
     def retain(self, keep: set[str], stale: set[str] = frozenset()) -> None:
         for key in [key for key in self.copies if key[0] not in keep or key[0] in stale]:

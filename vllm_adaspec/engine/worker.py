@@ -19,14 +19,20 @@ class _AdaspecWorkerMixin:
 
     def init_device(self):
         super().init_device()
-        drafter = self.model_runner.drafter  # an adaspec proposer: the plugin installs this worker only for those
-        self._adaspec_runtime = None
+        from vllm_adaspec import observers as obs
+        from vllm_adaspec.engine.port import EnginePort
+
+        runner = self.model_runner
+        drafter = runner.drafter  # an adaspec proposer: the plugin installs this worker only for those
+        observers = obs.from_env(compute_logits=lambda h: runner.model.compute_logits(h))
+        runtime = None
         if drafter.needs.trees:
             from vllm_adaspec.engine import tree_backend
             from vllm_adaspec.engine.tree_runtime import TreeRuntime
 
             tree_backend.register()  # before the model (and its attention layers) is built
-            self._adaspec_runtime = TreeRuntime()
+            runtime = TreeRuntime(observers)
+        drafter.attach(EnginePort(runner, runtime, observers))  # before load_model: drafters load through it
         # One writer per engine: tensor-parallel rank 0 (every rank drafts the same).
         self._adaspec_snapshots = (SnapshotWriter(f"dp{self.parallel_config.data_parallel_rank}")
                                    if self.rank == 0 else None)
@@ -34,18 +40,13 @@ class _AdaspecWorkerMixin:
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
         from vllm_adaspec.engine import runner_hooks
-        from vllm_adaspec.engine.observers import runtime_observers
-        from vllm_adaspec.engine.port import EnginePort
 
-        runner, runtime = self.model_runner, self._adaspec_runtime
-        observers = runtime_observers() if runtime is not None else []
-        if runtime is not None:
+        runner = self.model_runner
+        port = runner.drafter.port
+        if port.runtime is not None:
             from vllm_adaspec.engine.tree_backend import attach_runtime
 
-            runtime.observers = observers
-            attach_runtime(self.vllm_config.compilation_config.static_forward_context, runtime)
-        port = EnginePort(runner, runtime, observers)
-        runner.drafter.attach(port)
+            attach_runtime(self.vllm_config.compilation_config.static_forward_context, port.runtime)
         runner_hooks.install(runner, runner.drafter, port)
 
     def execute_model(self, scheduler_output):

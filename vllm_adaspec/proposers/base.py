@@ -15,11 +15,10 @@ One step, as the glue drives it (worker process):
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import os
 import time
 import zlib
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -38,8 +37,44 @@ def request_seed(req_id: str, base_seed: int) -> int:
     return (int.from_bytes(hashlib.sha256(req_id.encode()).digest()[:8], "little") ^ base_seed) & (2**63 - 1)
 
 
+@dataclass
+class Stats:
+    """A drafter's counters (the `adaspec_stats` RPC, /metrics). Drafters extend it with their own."""
+    propose_calls: int = 0  # propose calls that drafted
+    decode_rows: int = 0  # target forwards, summed over requests (tau = tokens / this)
+    draft_passes: int = 0  # draft-model passes (early exit: per depth)
+    draft_tokens: int = 0
+    draft_seconds: float = 0.0  # wall time drafting (CPU: synchronous, so this is the drafting cost)
+    policy_seconds: float = 0.0
+    draft_digest: int = 0  # tensor parallelism: a CRC of every draft proposed (ranks must propose the same)
+    # tree mode: trees proposed, their verified nodes, trees verified as trees, KV slots compacted, requests the copy
+    # cap kept to chains, the copies' peak, accepted depth histogram
+    tree_rounds: int = 0
+    tree_nodes: int = 0
+    tree_verified: int = 0
+    tree_kv_moves: int = 0
+    tree_capped: int = 0
+    tree_kv_copy_peak: int = 0
+    tree_accepted_depth: list = field(default_factory=list)
+    plain_switches: int = 0  # early exit: requests that went on without the exit layers' KV upkeep
+    draft_steps: list = field(default_factory=lambda: [0, 0])  # decode steps without / with our drafts
+    cost_observations: int = 0
+    round_lengths: list = field(default_factory=list)  # rounds by the number of drafts proposed
+    policy: str = ""
+    # what verification made of our drafts, and per finished request (metrics.py histograms)
+    verified_drafts: int = 0
+    accepted_drafts: int = 0
+    requests_finished: int = 0
+    request_acceptance: dict = field(default_factory=lambda: new_histogram(ACCEPTANCE_BUCKETS))
+    request_drafts_per_round: dict = field(default_factory=lambda: new_histogram(DRAFTS_PER_ROUND_BUCKETS))
+
+    def as_dict(self) -> dict:
+        return asdict(self)  # (a deep copy: callers diff snapshots)
+
+
 class AdaspecProposer:
     proposer = "early_exit"  # which part of the adaspec config applies (config.PROPOSER_KEYS)
+    stats_cls = Stats
     needs = Needs()  # what the engine must hand over (subclasses set theirs in __init__)
 
     def __init__(self, vllm_config):
@@ -77,29 +112,10 @@ class AdaspecProposer:
         self.draft_costs = DraftCost()  # our own work per step: pools, bookkeeping, draft passes
         self._chain_counts = [0, 0]  # accepted drafts, rejections (engine-wide: the prior of each request's rate)
         self._context: dict[str, int] = {}  # req_id -> committed tokens at its last propose (attention's load)
-        # Tests compare drafters with plain-torch references: per request, its committed tokens and the first draft
-        # proposed after each committed length (stats["first_drafts"]).
-        self._record = os.environ.get("VLLM_ADASPEC_RECORD_DRAFTS") == "1"
-        # Cost accounting, read through the worker's `adaspec_stats` RPC: drafts returned, wall time inside propose
-        # (CPU: synchronous, so this is the drafting cost).
-        self.stats = {"propose_calls": 0, "decode_rows": 0, "draft_passes": 0, "draft_tokens": 0,
-                      "draft_seconds": 0.0, "policy_seconds": 0.0,
-                      # tensor parallelism: a CRC of every draft proposed (ranks must propose the same)
-                      "draft_digest": 0,
-                      # tree mode: trees proposed, their nodes, trees verified as trees, accepted depth histogram
-                      "tree_rounds": 0, "tree_nodes": 0, "tree_verified": 0, "tree_kv_moves": 0,
-                      "tree_capped": 0, "tree_kv_copy_peak": 0,
-                      "tree_accepted_depth": [0] * (k + 1),
-                      "plain_switches": 0,
-                      # decode steps without / with drafts from us (the cost model's choice: [plain, drafting])
-                      "draft_steps": [0, 0], "cost_observations": 0,
-                      # rounds by the number of drafts the policy proposed (0: it rejected the first one)
-                      "round_lengths": [0] * (k + 1),
-                      "policy": self.cfg.policy,
-                      # what verification made of our drafts, and per finished request (metrics.py histograms)
-                      "verified_drafts": 0, "accepted_drafts": 0, "requests_finished": 0,
-                      "request_acceptance": new_histogram(ACCEPTANCE_BUCKETS),
-                      "request_drafts_per_round": new_histogram(DRAFTS_PER_ROUND_BUCKETS)}
+        self.observers: list = []  # vllm_adaspec/observers.py: what tests attach (through the port)
+        # Cost accounting, read through the worker's `adaspec_stats` RPC (and /metrics)
+        self.stats = self.stats_cls(tree_accepted_depth=[0] * (k + 1), round_lengths=[0] * (k + 1),
+                                    policy=self.cfg.policy)
 
     # --- what a proposer decides ---
     def _policy_max(self) -> int:
@@ -135,18 +151,21 @@ class AdaspecProposer:
     def attach(self, port) -> None:
         """The engine port (engine/port.py): the batch view, feedback, tree runtime and rank broadcast."""
         self.port = port
+        self.observers = port.observers
 
     def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
-        if finished and self.tree_mode:  # their tree KV copies and branch-slot records go now, not at the next step
+        if finished and self.tree_mode:  # their tree KV copies go now, not at the next step
             self.port.drop_trees(finished)
             self.tree_holders.difference_update(finished)
+        for obs in self.observers if finished else ():
+            obs.forget(finished)
         for req_id in finished:
             self._context.pop(req_id, None)
         for req_id, st in self.states.finish(finished).items():
-            self.stats["requests_finished"] += 1
+            self.stats.requests_finished += 1
             if st.rounds:
-                observe(self.stats["request_acceptance"], st.accepted / st.drafted)
-                observe(self.stats["request_drafts_per_round"], st.drafted / st.rounds)
+                observe(self.stats.request_acceptance, st.accepted / st.drafted)
+                observe(self.stats.request_drafts_per_round, st.drafted / st.rounds)
         if finished:
             self._on_finished(finished)
         pure = bool(scheduled)
@@ -177,7 +196,7 @@ class AdaspecProposer:
                 "its worker (is the package installed in the environment vLLM runs in?)")
         now = time.perf_counter()
         self._observe_step(now)
-        passes_before = self.stats["draft_passes"]
+        passes_before = self.stats.draft_passes
         view = self.port.view(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         req_ids = view.req_ids
         outcomes, taps = self._outcomes(view)
@@ -185,7 +204,7 @@ class AdaspecProposer:
         self._observe(view, outcomes, taps)
         plans: dict[int, DraftPlan] = {}
         decoding = view.decoding()
-        self.stats["decode_rows"] += decoding  # target forwards, summed over requests (tau = tokens / this)
+        self.stats.decode_rows += decoding  # target forwards, summed over requests (tau = tokens / this)
         rows, budgets, policies = [], [], []
         tp = time.perf_counter()  # policy time: its decisions, feedback and the statistics it asks for
         for i, sampled in enumerate(sampled_token_ids):
@@ -194,14 +213,11 @@ class AdaspecProposer:
             req_id = req_ids[i]
             self._context[req_id] = int(num_tokens_no_spec[i])
             drafted, accepted = self.states.verified(req_id, len(sampled))
-            self.stats["verified_drafts"] += drafted
-            self.stats["accepted_drafts"] += accepted
+            self.stats.verified_drafts += drafted
+            self.stats.accepted_drafts += accepted
             if drafted:  # the engine's chain acceptance: accepted drafts, rounds ended by a rejection
                 self._chain_counts[0] += accepted
                 self._chain_counts[1] += accepted < drafted
-            if self._record:  # tests: what each request did so far (decode steps, rounds with drafts, drafts, accepted)
-                rs = self.states.get(req_id)
-                self.stats.setdefault("per_request", {})[req_id] = [rs.steps, rs.rounds, rs.drafted, rs.accepted]
             if not self._eligible(req_id):
                 continue
             policy = self.states.get(req_id).policy
@@ -220,33 +236,27 @@ class AdaspecProposer:
         self.plans = {req_ids[i]: plan for i, plan in plans.items()}
         drafts = [list(plans[i].tokens) if i in plans else [] for i in range(len(sampled_token_ids))]
         st = self.stats
-        if self._record:
-            rec = st.setdefault("first_drafts", {})
-            for i in rows:
-                if drafts[i]:
-                    n = int(num_tokens_no_spec[i])
-                    r = rec.setdefault(req_ids[i], {"tokens": [], "drafts": []})
-                    r["tokens"] = token_ids_cpu[i, :n].tolist()
-                    r["drafts"].append([n, drafts[i][0]])
+        for obs in self.observers:
+            obs.after_propose(view, plans, self.states)
         if self._tp:  # a digest of every draft proposed: the ranks must propose the same (tests compare it)
-            st["draft_digest"] = zlib.crc32(np.asarray([t for d in drafts for t in d + [-1]], np.int64).tobytes(),
-                                            st["draft_digest"])
+            st.draft_digest = zlib.crc32(np.asarray([t for d in drafts for t in d + [-1]], np.int64).tobytes(),
+                                            st.draft_digest)
         if rows:
-            st["propose_calls"] += 1
-            st["draft_tokens"] += sum(map(len, drafts))
-            st["draft_seconds"] += time.perf_counter() - t0
+            st.propose_calls += 1
+            st.draft_tokens += sum(map(len, drafts))
+            st.draft_seconds += time.perf_counter() - t0
             for i in rows:
-                st["round_lengths"][min(len(drafts[i]), len(st["round_lengths"]) - 1)] += 1
+                st.round_lengths[min(len(drafts[i]), len(st.round_lengths) - 1)] += 1
             if self.tree_mode:
                 for i in rows:
                     if i in plans and plans[i].is_tree:
-                        st["tree_rounds"] += 1
-                        st["tree_nodes"] += plans[i].num_verified
+                        st.tree_rounds += 1
+                        st.tree_nodes += plans[i].num_verified
         if decoding:
-            st["draft_steps"][any(drafts)] += 1
-        st["policy_seconds"] += policy_s
+            st.draft_steps[any(drafts)] += 1
+        st.policy_seconds += policy_s
         self._last_end = time.perf_counter()
-        self._last_propose = (decoding, st["draft_passes"] - passes_before, self._last_end - now)
+        self._last_propose = (decoding, st.draft_passes - passes_before, self._last_end - now)
         return drafts
 
     def _outcomes(self, view: BatchView) -> tuple[dict[int, Outcome], Taps]:
@@ -255,11 +265,11 @@ class AdaspecProposer:
         results, kv_moves, taps, verified_rows = self.port.feedback()
         if results:
             st = self.stats
-            st["tree_verified"] += len(results)
-            st["tree_kv_moves"] += kv_moves
-            st["tree_kv_copy_peak"] = max(st["tree_kv_copy_peak"], self.port.held_copy_tokens())
+            st.tree_verified += len(results)
+            st.tree_kv_moves += kv_moves
+            st.tree_kv_copy_peak = max(st.tree_kv_copy_peak, self.port.held_copy_tokens())
             for path, *_ in results.values():
-                st["tree_accepted_depth"][len(path)] += 1
+                st.tree_accepted_depth[len(path)] += 1
         paths = {row: path for row, (path, *_) in results.items()}
         rows_of = bonus_rows([len(s) for s in view.sampled], verified_rows, paths)
         outcomes = {}
@@ -287,7 +297,7 @@ class AdaspecProposer:
         seconds, own = self._same_on_every_rank((now - last, own))
         self.costs.observe(batch, rows, seconds, tree_requests, tree_rows, attention)
         self.draft_costs.observe(decoding, passes, own)
-        self.stats["cost_observations"] += 1
+        self.stats.cost_observations += 1
 
     def _step_seconds(self, decoding: int):
         """For a step of `decoding` requests (seconds, or relative units until the first step is measured):
@@ -312,7 +322,7 @@ class AdaspecProposer:
         admitted = admit_within(lengths, self._copy_cap(), holding)
         for e, a in zip(cand, admitted):
             ok[e] = a
-        self.stats["tree_capped"] += len(cand) - sum(admitted)
+        self.stats.tree_capped += len(cand) - sum(admitted)
         self.tree_holders = {req_ids[rows[e]] for e, a in zip(cand, admitted) if a}
         return ok
 
@@ -337,12 +347,12 @@ class AdaspecProposer:
 
     def snapshot(self) -> dict:
         """What /metrics shows (engine/metrics.py): the counters, the live state and the step cost model's fit."""
-        return {**self.stats, "live": self.live_state(),
+        return {**self.stats.as_dict(), "live": self.live_state(),
                 "step_costs": self.costs.table() if self.costs is not None else {}}
 
     def get_stats(self) -> dict:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
-        return {**copy.deepcopy(self.stats), "tracked_requests": len(self.states),
+        return {**self.stats.as_dict(), "tracked_requests": len(self.states),
                 "step_costs": self.costs.table() if self.costs is not None else {},
                 "config": {"cost_model": self.cfg.cost_model, **self._config_stats()}, "live": self.live_state(),
                 **(self.port.observer_stats() if self.port is not None else {})}

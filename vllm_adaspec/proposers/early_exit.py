@@ -9,9 +9,9 @@ so its rejection sampler stays lossless (the draft distribution is a point mass)
 
 from __future__ import annotations
 
-import os
 import random
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,8 +19,8 @@ import torch
 from vllm_adaspec.kernels.entropy_topk import entropy_topk
 from vllm_adaspec.policies import POLICIES
 from vllm_adaspec.policies.cost_model import attention_load
-from vllm_adaspec.proposers.base import AdaspecProposer, request_seed  # noqa: F401 (request_seed: re-export)
-from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, Taps
+from vllm_adaspec.proposers.base import AdaspecProposer, Stats
+from vllm_adaspec.step import BatchView, DraftMask, DraftPlan, DraftPrefix, Needs, Outcome, Taps
 from vllm_adaspec.trees import GrowingTree, add_children, best_subtree, to_expand
 from vllm_adaspec.trees.trie import best_prefix
 from vllm_adaspec.trees.c2t import ENTROPY_TOP_N, confidence, node_features, select_layer
@@ -32,8 +32,14 @@ EXPLORE = 0.03  # share of steps that draft one token where the cost model draft
 PAUSE_AFTER = 32  # decode steps without drafts after which the exit layers' KV upkeep stops
 
 
+@dataclass
+class EarlyExitStats(Stats):
+    c2t_seconds: float = 0.0  # C2T's classifier calls (tree builder "c2t")
+
+
 class EarlyExitProposer(AdaspecProposer):
     proposer = "early_exit"
+    stats_cls = EarlyExitStats
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
@@ -44,7 +50,6 @@ class EarlyExitProposer(AdaspecProposer):
         self.calibration = None
         self.needs = Needs(target_hidden=getattr(POLICIES[self.cfg.policy], "needs_score", False),
                            trees=self.tree is not None)
-        self._check_rows = os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1"
         self.exit_head = None  # checkpoint folder in use, None = untrained exit
         # Where plain decoding wins (the cost model drafts nothing for PAUSE_AFTER decode steps in a row), the exit
         # layers' KV upkeep stops too (a layer's worth of work on every target step). Requests decoded without it
@@ -56,55 +61,35 @@ class EarlyExitProposer(AdaspecProposer):
         self._stale: set[str] = set()
         self._rng = random.Random(self.base_seed)  # exploration draws: the same on every tensor-parallel rank
         self.c2t = None  # C2T's classifier parameters (tree builder "c2t")
-        # `adaspec train c2t` reads, per verified tree, its nodes' features and which nodes were accepted.
-        self._record_trees = os.environ.get("VLLM_ADASPEC_RECORD_TREES") == "1"
-        # req_id -> (features [nodes, 3], parents [nodes]) of the tree awaiting verification
-        self._tree_feats: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
-        from vllm_adaspec.engine.drafting import TargetPrefix
-        from vllm_adaspec.engine.exit_head import load_trained_exit
-
-        trained = load_trained_exit(target_model, self.vllm_config, self.cfg.exit_head, self.cfg.exit_layer,
-                                    self.cfg.exit_head_setting)
-        self.prefix = TargetPrefix(target_model, self.cfg.exit_layer, self.vllm_config, trained_exit=trained)
-        self.exit_head = self.cfg.exit_head if trained is not None else None
+        self.prefix = self.port.target_prefix(target_model, self.cfg.exit_layer, self.cfg.exit_head,
+                                              self.cfg.exit_head_setting)
+        self.exit_head = self.cfg.exit_head if self.prefix.exit is not None else None
         if self.tree is not None and self.tree.builder == "c2t":
             from vllm_adaspec.heads.c2t import load_c2t
 
             device = next(target_model.parameters()).device
             self.c2t = {k: v.to(device) for k, v in load_c2t(self.exit_head)[1].items()}
-            self.stats["c2t_seconds"] = 0.0
         if self.needs.target_hidden:
-            from vllm_adaspec.engine.exit_head import load_calibration
-
-            self.calibration = load_calibration(self.exit_head, self.cfg.policy, next(target_model.parameters()).device)
-
-    def attach(self, port) -> None:
-        super().attach(port)
-        port.bind(self.prefix)  # the exit layers draft on the engine's KV cache
+            self.calibration = self.port.acceptance_calibration(self.exit_head, self.cfg.policy,
+                                                                next(target_model.parameters()).device)
 
     def _eligible(self, req_id: str) -> bool:
         return req_id not in self._stale
 
     def _on_finished(self, req_ids) -> None:
         self._stale.difference_update(req_ids)
-        for r in req_ids:
-            self._tree_feats.pop(r, None)
 
     def live_state(self) -> dict:
-        return {**super().live_state(), "paused_requests": len(self._stale), "tree_features": len(self._tree_feats)}
+        return {**super().live_state(), "paused_requests": len(self._stale)}
 
     def _observe(self, view: BatchView, outcomes: dict[int, Outcome], taps: Taps) -> None:
-        if self._record_trees:  # labels for `adaspec train c2t`: a node is accepted iff it is on the path
-            rec = self.stats.setdefault("tree_records", [])
+        for obs in self.observers:  # labels for `adaspec train c2t`: a node is accepted iff it is on the path
             for row, outcome in outcomes.items():
-                tree = self._tree_feats.pop(view.req_ids[row], None) if outcome.tree else None
-                if tree is not None:
-                    accepted = np.zeros(len(tree[0]), dtype=bool)
-                    accepted[list(outcome.accepted)] = True
-                    rec.append((tree[0].tolist(), accepted.tolist(), tree[1].tolist()))  # (stats travel as JSON)
+                if outcome.tree:
+                    obs.tree_outcome(view.req_ids[row], outcome.accepted)
 
     def _on_step(self, scheduled: dict, pure: bool) -> None:
         exit_ = self.prefix.exit if self.prefix is not None else None
@@ -113,7 +98,7 @@ class EarlyExitProposer(AdaspecProposer):
             exit_.feeding = not pure or self._feed_next
             if not exit_.feeding:
                 new = scheduled.keys() - self._stale
-                self.stats["plain_switches"] += len(new)
+                self.stats.plain_switches += len(new)
                 self._stale.update(new)
 
     def _size_drafts(self, view: BatchView, rows: list[int], budgets: list[int], decoding: int) -> list[int]:
@@ -200,7 +185,7 @@ class EarlyExitProposer(AdaspecProposer):
             tokens = logits.argmax(dim=-1)  # [B]
             if vocab is not None:
                 tokens = vocab[tokens]
-            self.stats["draft_passes"] += 1
+            self.stats.draft_passes += 1
             token_list = tokens.tolist()  # (the device sync: drafting time, not policy time)
             tp = time.perf_counter()
             conf = self._confidence(logits, temps, len(entries))
@@ -258,7 +243,8 @@ class EarlyExitProposer(AdaspecProposer):
         # Slots the scheduler reserved past the root: K - 1 (engine/scheduler.py), so at most K - 1 nodes run.
         room = self.cfg.num_speculative_tokens - 1
         max_seq_len = int(n.max()) + room  # bound on slot positions + 1
-        top_n = ENTROPY_TOP_N if (self.c2t is not None or self._record_trees) else None
+        record = [obs for obs in self.observers if obs.wants_tree_features]
+        top_n = ENTROPY_TOP_N if (self.c2t is not None or record) else None
         for depth in range(1, max(limit) + 1):
             req = [e for e, _ in feed]
             tokens = [int(token_ids_cpu[rows[e], n[e] - 1]) if node < 0 else grown[e].tokens[node] for e, node in feed]
@@ -276,7 +262,7 @@ class EarlyExitProposer(AdaspecProposer):
             if top_n is not None:
                 for (e, node), h in zip(feed, stats.top_n_entropy.tolist()):
                     entropy_of[e][node] = h
-            self.stats["draft_passes"] += 1
+            self.stats.draft_passes += 1
             tp = time.perf_counter()
             conf = self._confidence(logits, None if temps is None else temps[idx], len(feed))
             scores = [None] * len(feed)
@@ -318,9 +304,9 @@ class EarlyExitProposer(AdaspecProposer):
             tree, order = best_subtree(grown[e], ts.budget, limit[e])
             tree_tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
             plans[row] = DraftPlan(tuple(tree_tokens), tuple(parents))
-            if self._record_trees:
+            for obs in record:  # each node: (joint probability, its parent's top-n entropy, depth)
                 g = grown[e]
-                self._tree_feats[req_ids[row]] = (np.array(
+                obs.tree_features(req_ids[row], np.array(
                     [(g.probs[i], entropy_of[e][g.parents[i]], g.depths[i]) for i in order], dtype=np.float32),
                     np.array(parents, dtype=np.int64))
         return policy_s
@@ -351,14 +337,12 @@ class EarlyExitProposer(AdaspecProposer):
                 g.probs.append(joint)
                 g.depths.append(depth)
                 added[e].append((len(g.parents) - 1, f))
-        self.stats["c2t_seconds"] += time.perf_counter() - t0
+        self.stats.c2t_seconds += time.perf_counter() - t0
         return added
 
     @staticmethod
     def _draft_prefix(root, block_rows):
         """DraftPrefix of the call's trees: key positions 0..root of each (root [T], block_rows [T, max_blocks])."""
-        from vllm_adaspec.engine.tree_runtime import DraftPrefix
-
         root = torch.as_tensor(root, dtype=torch.long)
         pos = torch.arange(int(root.max()) + 1).expand(len(root), -1)
         return DraftPrefix(block_rows.cpu(), torch.where(pos <= root[:, None], pos, 0))
@@ -367,8 +351,6 @@ class EarlyExitProposer(AdaspecProposer):
     def _draft_mask(feed, grown, slot_of, root, prefix):
         """DraftMask for a step running `feed` [(tree, node)]: each row sees its tree's prefix and root and the
         slots of its own ancestors-or-self (every ancestor ran in an earlier step, so it has a slot)."""
-        from vllm_adaspec.engine.tree_runtime import DraftMask
-
         by_tree: dict[int, list[int]] = {}
         for f, (e, _) in enumerate(feed):
             by_tree.setdefault(e, []).append(f)
@@ -412,11 +394,8 @@ class EarlyExitProposer(AdaspecProposer):
         if hidden is None:
             raise RuntimeError("thompson-cali: the worker did not hand over the target's hidden states")
         h = hidden[torch.tensor([self._outcomes_now[i].row for i in rows], device=hidden.device)]
-        if self._check_rows:  # greedy runs: the row must re-produce the token it sampled (tests set this)
-            got = self.prefix.model.compute_logits(h).argmax(-1).tolist()
-            self.stats["row_checks"] = self.stats.get("row_checks", 0) + len(rows)
-            self.stats["row_mismatches"] = self.stats.get("row_mismatches", 0) + sum(
-                g != view.sampled[i][-1] for g, i in zip(got, rows))
+        for obs in self.observers:
+            obs.target_rows([view.sampled[i][-1] for i in rows], h)
         return self.calibration.project_target(h)
 
     def _config_stats(self) -> dict:

@@ -17,7 +17,6 @@ target, so output is exactly plain decoding's (greedy), and sampled output keeps
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +25,7 @@ from vllm_adaspec.policies.cost_model import attention_load
 from vllm_adaspec.pools import PoolSet, make_pools
 from vllm_adaspec.pools import Taps as PoolTaps
 from vllm_adaspec.pools.branches import append_branches
-from vllm_adaspec.proposers.base import AdaspecProposer, request_seed
+from vllm_adaspec.proposers.base import AdaspecProposer, Stats, request_seed
 from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, Taps
 from vllm_adaspec.trees.trie import Calibration, Trie, best_prefix, feedback, merge, ranked, streak_state, subtree
 
@@ -98,8 +97,20 @@ class RequestPools:
     branches_sent: list[list[int]] = field(default_factory=list)  # the Self-Draft branches its last proposal carried
 
 
+@dataclass
+class MultiBranchStats(Stats):
+    pool_nodes: dict = field(default_factory=dict)  # candidate nodes each pool proposed
+    pool_accepted: dict = field(default_factory=dict)  # accepted nodes each pool had proposed
+    trie_nodes: int = 0
+    chosen_nodes: int = 0
+    branch_rows: int = 0  # Self-Draft branch rows sent, read back, and the grams they wrote
+    branch_rows_read: int = 0
+    branch_grams: int = 0
+
+
 class MultiBranchProposer(AdaspecProposer):
     proposer = "multi_branch"
+    stats_cls = MultiBranchStats
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
@@ -119,7 +130,6 @@ class MultiBranchProposer(AdaspecProposer):
             from vllm_adaspec.heads.medusa import find_medusa
 
             self.medusa_folder = find_medusa(hf, self.cfg.medusa)
-        self._check_rows = os.environ.get("VLLM_ADASPEC_CHECK_TARGET_ROWS") == "1"
         self.calibration = Calibration()
         self.requests: dict[str, RequestPools] = {}
         # Self-Draft: N branches of L tokens per tree-verified request (0: off; tree mode only: a chain forward
@@ -131,9 +141,8 @@ class MultiBranchProposer(AdaspecProposer):
         # medusa reads the target's final hidden states; recycled the top-k at every verified row
         self.needs = Needs(target_hidden="medusa" in pools, verified_logits=8 if "recycled" in pools else 0,
                            trees=self.tree_mode)
-        self.stats.update({"pool_nodes": self.poolset.nodes if self.poolset else {}, "trie_nodes": 0, "chosen_nodes": 0,
-                           "pool_accepted": {p: 0 for p in pools}, "branch_rows": 0, "branch_rows_read": 0,
-                           "branch_grams": 0})
+        self.stats.pool_nodes = self.poolset.nodes if self.poolset else {}
+        self.stats.pool_accepted = {p: 0 for p in pools}
 
     def _make_pools(self, heads=None) -> PoolSet:
         return PoolSet(make_pools(self.pools, vocab_size=self.vocab_size, corpus_table=self.corpus, medusa_heads=heads,
@@ -148,12 +157,9 @@ class MultiBranchProposer(AdaspecProposer):
     def load_model(self, target_model) -> None:
         """vLLM calls this on every custom proposer; only the medusa pool needs the target (its LM head rows)."""
         if self.medusa_folder is not None:
-            from vllm_adaspec.engine.medusa_heads import load_medusa_heads
-
-            self.medusa = load_medusa_heads(target_model, self.vllm_config, self.medusa_folder)
+            self.medusa = self.port.medusa_heads(target_model, self.medusa_folder)
             self.poolset = self._make_pools(self.medusa)
-            self.stats["pool_nodes"] = self.poolset.nodes
-            self._target = target_model  # for the row check below (tests)
+            self.stats.pool_nodes = self.poolset.nodes
             logger.info("vllm_adaspec: Medusa heads %s (K=%d, draft vocabulary %d)", self.medusa_folder,
                         self.medusa.w.shape[0], len(self.medusa.vocab))
 
@@ -187,9 +193,9 @@ class MultiBranchProposer(AdaspecProposer):
             elif st.trie is not None:
                 self._calibrate(st, outcome)
             if outcome.branch_argmax and st.branches_sent:
-                self.stats["branch_grams"] += self.poolset.observe_branches(req_id, st.branches_sent,
+                self.stats.branch_grams += self.poolset.observe_branches(req_id, st.branches_sent,
                                                                             list(outcome.branch_argmax))
-                self.stats["branch_rows_read"] += len(outcome.branch_argmax)
+                self.stats.branch_rows_read += len(outcome.branch_argmax)
             self.poolset.extend(req_id, view.token_ids[i, self.poolset.fed[req_id]:n])
             st.last_token = int(view.token_ids[i, n - 1])
             st.trie, st.chosen, st.nodes_sent, st.branches_sent = None, [], 0, []
@@ -204,7 +210,7 @@ class MultiBranchProposer(AdaspecProposer):
         st.accepted_last = len(path)
         for node in path:
             for pool in st.trie.keys[node][0][0]:  # the pools that proposed it
-                self.stats["pool_accepted"][pool] += 1
+                self.stats.pool_accepted[pool] += 1
 
     def _draft(self, view: BatchView, rows: list[int], budgets: list[int], policies: list,
                plans: dict[int, DraftPlan]) -> float:
@@ -215,17 +221,15 @@ class MultiBranchProposer(AdaspecProposer):
         tries, cands = [], []  # per drafting row: its trie, and its candidate nodes (best first, within budget)
         candidates = self.poolset.propose([req_ids[i] for i in rows], budgets, self._pool_taps(view, rows))
         medusa = self.poolset.get("medusa")
-        if self._record and medusa is not None:  # tests: head 1's top token after each committed length
-            rec = self.stats.setdefault("medusa_top1", {})
-            for e, i in enumerate(rows):  # [committed tokens, head 1's top token]
-                rec.setdefault(req_ids[i], []).append([int(view.num_tokens[i]), int(medusa.last_top_ids[e][0][0])])
+        for obs in self.observers if medusa is not None else ():
+            obs.medusa_top([req_ids[i] for i in rows], [int(view.num_tokens[i]) for i in rows], medusa.last_top_ids)
         for e, (i, budget) in enumerate(zip(rows, budgets)):
             st = self.requests[req_ids[i]]
             trie = merge(candidates[e], self.calibration, streak_state(st.accepted_last))
             order = ranked(trie)[:budget] if treeish[e] else best_path(trie, budget)
             tries.append(trie)
             cands.append(order)
-            self.stats["trie_nodes"] += len(trie)
+            self.stats.trie_nodes += len(trie)
         # Across the batch: the nodes with the highest path probability first, as many as the step cost pays for
         # (expected tokens per second of the whole batch; cost_model "off": every candidate).
         flat = sorted(((tries[e].path[node], e, j) for e, order in enumerate(cands) for j, node in enumerate(order)),
@@ -265,10 +269,10 @@ class MultiBranchProposer(AdaspecProposer):
             if branching[e]:
                 st.branches_sent = branches[e]
                 rows_out, parents = append_branches(tokens, parents, branches[e])
-                self.stats["branch_rows"] += len(rows_out) - len(tokens)
+                self.stats.branch_rows += len(rows_out) - len(tokens)
             plans[i] = DraftPlan(tuple(rows_out), tuple(parents) if treeish[e] else None,
                                  len(tokens) if len(rows_out) > len(tokens) else None)
-            self.stats["chosen_nodes"] += len(tokens)
+            self.stats.chosen_nodes += len(tokens)
         return 0.0
 
     def _pool_taps(self, view: BatchView, rows: list[int]) -> PoolTaps:
@@ -281,11 +285,8 @@ class MultiBranchProposer(AdaspecProposer):
         if hidden is None:
             raise RuntimeError("medusa pool: the worker did not hand over the target's hidden states")
         h = hidden[torch.tensor([self._outcomes_now[i].row for i in rows], device=hidden.device)]  # [R, H]
-        if self._check_rows:  # greedy tests: the row re-produces its token
-            got = self._target.compute_logits(h).argmax(-1).tolist()
-            self.stats["row_checks"] = self.stats.get("row_checks", 0) + len(rows)
-            self.stats["row_mismatches"] = self.stats.get("row_mismatches", 0) + sum(
-                g != t for g, t in zip(got, last))
+        for obs in self.observers:
+            obs.target_rows(last, h)
         return PoolTaps(h, last)
 
     def _config_stats(self) -> dict:

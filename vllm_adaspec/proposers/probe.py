@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 
-from vllm_adaspec.proposers.base import AdaspecProposer
+from vllm_adaspec.proposers.base import AdaspecProposer, Stats
 from vllm_adaspec.step import DraftPlan, Needs
 
 
@@ -24,8 +25,14 @@ def binary_tree_parents(n: int) -> list[int]:
     return [-1 if i < 2 else (i - 2) // 2 for i in range(n)]
 
 
+@dataclass
+class ProbeStats(Stats):
+    probe_seconds: dict = field(default_factory=dict)  # size -> [step seconds, ...]
+
+
 class ProbeProposer(AdaspecProposer):
     proposer = "probe"
+    stats_cls = ProbeStats
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
@@ -41,7 +48,6 @@ class ProbeProposer(AdaspecProposer):
         self.fixed = int(fixed) if fixed else None
         self._step = 0
         self._last = None  # (time, size) of the previous propose call
-        self.stats["probe_seconds"] = {}
 
     def load_model(self, target_model) -> None:
         pass
@@ -49,7 +55,7 @@ class ProbeProposer(AdaspecProposer):
     def _draft(self, view, rows, budgets, policies, plans) -> float:
         now = time.perf_counter()
         if self._last is not None:
-            self.stats["probe_seconds"].setdefault(str(self._last[1]), []).append(now - self._last[0])
+            self.stats.probe_seconds.setdefault(str(self._last[1]), []).append(now - self._last[0])
         size = self._step % (self.cfg.num_speculative_tokens + 1) if self.fixed is None else self.fixed
         self._step += 1
         self._last = (now, size) if rows and len(rows) == view.decoding() else None

@@ -1,0 +1,66 @@
+"""The layout's promises, read from the source (no engine): the pure core and the drafters import neither vLLM nor
+the engine glue; the glue drives drafters through their declared interface, never by probing them; the tree path
+keeps no module-level state; attention is changed by a registered backend, not by patching vLLM's classes."""
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "vllm_adaspec"
+# No vLLM, no glue: the algorithms, the step contract, settings and instrumentation.
+PURE = ["step.py", "requests.py", "metrics.py", "observers.py", "config.py", "trees", "pools", "policies",
+        "kernels", "heads/__init__.py", "heads/medusa.py", "heads/c2t.py"]
+DRAFTERS = ["proposers"]
+TREE_PATH = ["engine/tree_runtime.py", "engine/tree_sampler.py", "engine/tree_backend.py", "engine/cpu_kv.py",
+             "engine/runner_hooks.py", "engine/port.py", "engine/worker.py"]
+
+
+def _files(parts):
+    for part in parts:
+        p = PKG / part
+        yield from (sorted(p.rglob("*.py")) if p.is_dir() else [p])
+
+
+def _imports(path: Path):
+    """Every module a file imports, at any depth (function-local imports included)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+
+
+def test_the_pure_core_and_the_drafters_import_neither_vllm_nor_the_engine_glue():
+    bad = [(str(f.relative_to(PKG)), m) for f in _files(PURE + DRAFTERS) for m in _imports(f)
+           if m == "vllm" or m.startswith("vllm.") or m.startswith("vllm_adaspec.engine")]
+    assert not bad, bad
+
+
+def test_the_glue_never_probes_a_drafter_for_what_it_can_do():
+    for f in _files(["engine"]):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr",
+                                                                                                  "getattr"):
+                target = ast.unparse(node.args[0])
+                assert "drafter" not in target and "proposer" not in target, (f.name, ast.unparse(node))
+
+
+def test_the_tree_path_keeps_no_module_level_mutable_state():
+    for f in _files(TREE_PATH):
+        tree = ast.parse(f.read_text())
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                assert not isinstance(node.value, (ast.Dict, ast.List, ast.Set, ast.Call, ast.DictComp,
+                                                   ast.ListComp, ast.SetComp)), (f.name, ast.unparse(node))
+            assert not isinstance(node, ast.Global)
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], f.name
+
+
+def test_attention_is_a_registered_backend_not_a_patched_class():
+    for f in _files(["engine"]):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
+                        assert "Attention" not in t.value.id, (f.name, ast.unparse(node))
+    text = (PKG / "engine" / "tree_backend.py").read_text()
+    assert "register_backend(AttentionBackendEnum.CPU_ATTN" in text
