@@ -39,8 +39,8 @@ def test_explicit_values_are_kept():
                                 "'greedy'"]),
         ({"policy": {"gamma": 0.2}}, ["['policy']", "needs a 'name'"]),
         ({"policy": {"name": "adaedl", "gama": 0.2}}, ["['policy']", "no parameter(s) 'gama'", "takes: gamma,"]),
-        ({"policy": {"name": "adaedl", "beta2": 1.0}}, ["['policy']", "beta2 must be in [0, 1)", "got 1.0"]),
-        ({"policy": {"name": "thompson-beta", "alpha0": "1"}}, ["['policy']", "'alpha0' must be a number"]),
+        ({"policy": {"name": "adaedl", "beta2": 1.0}}, ["['policy']['beta2']", "must be a finite number in [0, 1)", "got 1.0"]),
+        ({"policy": {"name": "thompson-beta", "alpha0": "1"}}, ["['policy']['alpha0']", "must be a finite number in [1e-6, 1e6]", "str '1'"]),
         ({"policy": {"name": "fixed", "k": 3}}, ["['policy']", "takes: none"]),
         ({"speed_guard": "yes"}, ["['speed_guard']", "must be true or false", "str 'yes'", "older name of 'cost_model'"]),
         ({"cost_model": "fast"}, ["['cost_model']", "must be one of 'online', 'prior', 'off'", "'fast'"]),
@@ -110,7 +110,7 @@ def test_tree_settings_parse_and_default_depth():
     ({"budget": 4, "top_k": 0}, ["top_k", "1..16"]),
     ({"budget": 4, "depth": 5}, ["depth", "1..budget"]),
     ({"budget": 4, "width": 2}, ["unknown", "width"]),
-    ({"budget": True}, ["tree.budget", "integer"]),
+    ({"budget": True}, ["['tree']['budget']", "integer", "bool True"]),
     ({"budget": 4, "builder": "eagle"}, ["builder", "'joint'", "'c2t'", "eagle"]),
     ({"budget": 4, "beta": 0.5}, ["'beta'", "c2t"]),
     ({"budget": 4, "builder": "joint", "second_top_k": 2}, ["'second_top_k'", "c2t"]),
@@ -198,10 +198,11 @@ def test_acceptance_is_exact_unless_typical_is_asked_for_with_valid_thresholds()
     got = parse_adaspec_config({"adaspec": {"acceptance": {"name": "typical", "epsilon": 0.2}, "tree": {"budget": 4}}})
     assert got.acceptance == Acceptance("typical", 0.2, 0.3)
     assert parse_adaspec_config({"adaspec": {"acceptance": "typical"}}, proposer="multi_branch").acceptance.name == "typical"
-    for bad, words in (("lossy", "must be 'exact', 'typical'"), ({"name": "typical", "epsilon": 0}, "epsilon must be"),
-                       ({"name": "typical", "delta": True}, "delta must be"),
-                       ({"name": "typical", "eps": 0.1}, "unknown key(s) 'eps'")):
-        with pytest.raises(AdaspecConfigError, match=r"\['acceptance'\]: " + re.escape(words)):
+    for bad, words in (("lossy", ": must be 'exact', 'typical'"),
+                       ({"name": "typical", "epsilon": 0}, "['epsilon']: must be a finite number in (0, 1], got 0"),
+                       ({"name": "typical", "delta": True}, "['delta']: must be a finite number in (0, 1], got bool"),
+                       ({"name": "typical", "eps": 0.1}, ": unknown key(s) 'eps'")):
+        with pytest.raises(AdaspecConfigError, match=r"\['acceptance'\]" + re.escape(words)):
             parse_adaspec_config({"adaspec": {"acceptance": bad}}, proposer="multi_branch")
     with pytest.raises(AdaspecConfigError, match=r"\['acceptance'\]: 'typical' applies to token trees"):
         resolve_config(parse_adaspec_config({"adaspec": {"acceptance": "typical"}}), **LLAMA)
@@ -219,7 +220,7 @@ def test_draft_branches_are_checked_against_the_draft_slots_at_start_up():
     with pytest.raises(AdaspecConfigError, match=r"2 \* 3 \+ 8 = 14 rows per request, more than the .*"
                                                  r"num_speculative_tokens'\] = 12 .*raise num_speculative_tokens to 14"):
         mb({"branches": 2, "branch_length": 3, "tree": {"budget": 8}}, k=12)
-    with pytest.raises(AdaspecConfigError, match=r"= 161, but vLLM verifies at most 128"):
+    with pytest.raises(AdaspecConfigError, match=r"num_speculative_tokens'\] must be in 1..128 .*got 161"):
         mb({"branches": 10, "branch_length": 16}, k=161)
     for section, words in [({"branches": -1}, r"\['branches'\]: must be in 0..32"),
                            ({"branches": 2, "branch_length": 0}, r"\['branch_length'\]: must be in 1..16"),
@@ -231,3 +232,347 @@ def test_draft_branches_are_checked_against_the_draft_slots_at_start_up():
             parse_adaspec_config({"adaspec": section}, proposer="multi_branch")
     with pytest.raises(AdaspecConfigError, match=r"'branches'.* for EarlyExitProposer"):
         parse_adaspec_config({"adaspec": {"branches": 2}})
+
+
+# --- every number finite and in range; start-up checks (engine/startup.py) on a fake engine config ---------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import pickle  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+INF, NAN = float("inf"), float("nan")
+
+
+def refused(section, proposer="early_exit", **resolve):
+    """The one-line message a bad section gets from parse (and resolve, with `resolve` arguments)."""
+    with pytest.raises(AdaspecConfigError) as e:
+        cfg = parse_adaspec_config({"adaspec": section}, proposer=proposer)
+        if resolve:
+            resolve_config(cfg, **{**LLAMA, **resolve}, proposer=proposer)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("section, proposer, key, allowed", [
+    # vLLM's JSON parser takes Infinity and NaN: betavariate(inf, .) hung the worker; an infinite gamma or sigma_m
+    # never drafted
+    ({"policy": {"name": "thompson-beta", "alpha0": INF}}, "early_exit", "['policy']['alpha0']", "[1e-6, 1e6], got inf"),
+    ({"policy": {"name": "thompson-beta", "beta0": NAN}}, "multi_branch", "['policy']['beta0']", "got nan"),
+    ({"policy": {"name": "thompson-beta", "alpha0": 0}}, "early_exit", "['policy']['alpha0']", "[1e-6, 1e6], got 0"),
+    ({"policy": {"name": "adaedl", "gamma": INF}}, "early_exit", "['policy']['gamma']", "[1e-6, 100], got inf"),
+    ({"policy": {"name": "thompson-cali", "sigma_m": INF}}, "early_exit", "['policy']['sigma_m']", "[1e-6, 1000]"),
+    ({"policy": {"name": "thompson-cali", "theta0": -INF}}, "early_exit", "['policy']['theta0']", "[0, 1], got -inf"),
+    ({"policy": {"name": "max-confidence", "lambda0": True}}, "early_exit", "['policy']['lambda0']", "got bool True"),
+    ({"policy": {"name": "adaedl", "alpha": 0}}, "early_exit", "['policy']['alpha']", "(0, 1], got 0"),
+    ({"policy": {"name": "adaedl", "eps": [0.1]}}, "early_exit", "['policy']['eps']", "got list [0.1]"),
+    ({"tree": {"budget": INF}}, "early_exit", "['tree']['budget']", "must be an integer, got float inf"),
+    ({"tree": {"budget": 4.0}}, "multi_branch", "['tree']['budget']", "must be an integer, got float 4.0"),
+    ({"tree": {"budget": 10**30}}, "early_exit", "['tree']['budget']", "1..128"),
+    ({"tree": {"budget": 4, "top_k": -1}}, "early_exit", "['tree']['top_k']", "1..16"),
+    ({"tree": {"budget": 4, "builder": "c2t", "beta": NAN}}, "early_exit", "['tree']['beta']", "[0, 1), got nan"),
+    ({"tree": {"budget": 4, "builder": "c2t", "beta": -0.5}}, "early_exit", "['tree']['beta']", "[0, 1)"),
+    ({"tree": {"budget": 4, "kv_copy_tokens": 2**40}}, "multi_branch", "['tree']['kv_copy_tokens']",
+     "1..2147483647"),
+    ({"tree": {"budget": 4, "kv_copy_tokens": 0}}, "early_exit", "['tree']['kv_copy_tokens']", "1..2147483647"),
+    pytest.param({"tree": {"budget": 4, "max_depth": 10**5000}}, "early_exit", "['tree']['max_depth']",
+                 "integer of 16610 bits", id="huge-max_depth"),  # no repr in Python 3.11
+    ({"acceptance": {"name": "typical", "epsilon": INF}}, "multi_branch", "['acceptance']['epsilon']", "(0, 1]"),
+    ({"acceptance": {"name": "typical", "delta": NAN}}, "early_exit", "['acceptance']['delta']", "got nan"),
+    ({"branches": True}, "multi_branch", "['branches']", "must be an integer, got bool True"),
+    ({"branches": 2, "branch_length": 10**9}, "multi_branch", "['branch_length']", "1..16"),
+    ({"branches": 33}, "multi_branch", "['branches']", "0..32"),
+    ({"exit_layer": INF}, "early_exit", "['exit_layer']", "must be an integer, got float inf"),
+    pytest.param({"exit_layer": -10**5000}, "early_exit", "['exit_layer']", ">= 1", id="huge-exit_layer"),
+    ({"cost_model": {"online": 1}}, "early_exit", "['cost_model']", "'online', 'prior', 'off'"),
+    ({"pools": [["context"]]}, "multi_branch", "['pools']", "unknown pool(s) ['context']"),
+    ({"pools": ["context"], "corpus": {"path": 1}}, "multi_branch", "['corpus']", "'auto' or the path"),
+    ({"tree": {"budget": 4, 7: 1}}, "early_exit", "['tree']", "unknown key(s) 7"),
+    ({1: 2, "x": 3}, "early_exit", "additional_config['adaspec']:", "unknown key(s) 'x', 1"),
+])
+def test_every_number_is_finite_and_in_a_stated_range(section, proposer, key, allowed):
+    msg = refused(section, proposer)
+    assert msg.startswith(f"additional_config['adaspec']{key}" if key.startswith("[") else key), msg
+    assert allowed in msg, msg
+
+
+def test_numbers_in_range_are_accepted_as_floats():
+    cfg = parse_adaspec_config({"adaspec": {"policy": {"name": "thompson-beta", "alpha0": 1, "beta0": 1e6},
+                                            "tree": {"budget": 128, "kv_copy_tokens": 2**31 - 1}}})
+    assert cfg.policy_params == {"alpha0": 1.0, "beta0": 1e6} and cfg.tree.kv_copy_tokens == 2**31 - 1
+    assert parse_adaspec_config({"adaspec": {"tree": {"budget": 4, "builder": "c2t", "beta": -0.0}}}).tree.beta == 0
+
+
+@pytest.mark.parametrize("k, words", [
+    (10**9, "must be in 1..128 (vLLM verifies at most 128 drafts per request and step), got 1000000000"),
+    (129, "must be in 1..128"), (True, "must be an integer, got bool True"), (4.0, "must be an integer, got float"),
+    (INF, "got float inf"), pytest.param(10**5000, "must be in 1..128", id="huge"),
+])
+def test_num_speculative_tokens_is_capped_at_what_vllm_verifies(k, words):
+    for proposer in ("early_exit", "multi_branch", "probe"):
+        msg = refused({}, proposer, num_speculative_tokens=k)
+        assert msg.startswith("speculative_config['num_speculative_tokens'] ") and words in msg, msg
+
+
+# A fake VllmConfig: the attributes engine/startup.py reads, nothing else (no vLLM, no model).
+OTHER_MODEL = SimpleNamespace(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=30,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                              vocab_size=1000, rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=True)
+
+
+# The fields that make OTHER_MODEL the SmolLM2 heads ship for (its config hash).
+SMOL_SHAPE = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                  vocab_size=49152, rms_norm_eps=9.999999747378752e-06, rope_theta=100000.0)
+
+
+def engine(section=None, proposer="vllm_adaspec.EarlyExitProposer", k=4, *, spec=True, tp=1, pp=1, batched=2048,
+           hf=OTHER_MODEL, extra=None):
+    return SimpleNamespace(
+        additional_config={**({"adaspec": section} if section is not None else {}), **(extra or {})},
+        speculative_config=(SimpleNamespace(method="custom_class", model=proposer, num_speculative_tokens=k)
+                            if spec is True else spec),
+        model_config=SimpleNamespace(hf_text_config=hf, architectures=hf.architectures, tokenizer=None,
+                                     is_submodel_config=False, runner_type="generate"),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=batched),
+        cache_config=SimpleNamespace(cache_dtype="auto"))
+
+
+MB = "vllm_adaspec.MultiBranchProposer"
+
+
+@pytest.fixture
+def startup(monkeypatch):
+    """engine/startup.py on a CPU platform, with the suffix pool available (no vLLM, no arctic-inference needed)."""
+    import vllm_adaspec.pools.suffix as suffix
+    from vllm_adaspec.engine import startup as module
+
+    import vllm_adaspec.pools.corpus as corpus
+
+    def find_corpus(tokenizer, setting="auto"):  # no tokenizer to fingerprint here: the fake model has no table
+        if setting == "auto":
+            raise AdaspecConfigError("additional_config['adaspec']['pools']: 'corpus' has no table for this tokenizer")
+        return setting
+
+    monkeypatch.setattr(module, "_platform", lambda: SimpleNamespace(is_cpu=lambda: True))
+    monkeypatch.setattr(suffix, "suffix_available", lambda: True)
+    monkeypatch.setattr(corpus, "find_corpus", find_corpus)
+    return module
+
+
+def start(startup, vc):
+    return startup.check_engine(vc, startup.proposer_kind(vc))
+
+
+def start_refused(startup, vc) -> str:
+    with pytest.raises(AdaspecConfigError) as e:
+        start(startup, vc)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def test_the_engine_checks_pass_and_their_result_travels_with_the_config(startup):
+    vc = engine({"exit_head": "none", "policy": {"name": "adaedl", "gamma": 0.3}})
+    got = start(startup, vc)
+    assert (got.exit_layer, got.policy_params, got.exit_head) == (7, {"gamma": 0.3}, None)
+    assert startup.settings_for(vc, "early_exit") is got  # the worker gets the front end's result
+    copy = pickle.loads(pickle.dumps(vc))  # how the config reaches the engine-core and worker processes
+    startup_check = startup._check_all
+    startup._check_all = lambda *a: pytest.fail("checked again in the worker")
+    try:
+        assert startup.settings_for(copy, "early_exit") == got
+    finally:
+        startup._check_all = startup_check
+    from vllm_adaspec.config import carried_settings
+
+    assert carried_settings(copy, "early_exit") == got  # the same without the engine glue (drafters are pure)
+    assert carried_settings(copy, "multi_branch") is None  # kept for another proposer: not these settings
+    assert got.checked and got.tree_unsupported is None  # the engine's answers ride along
+    vc.additional_config["adaspec"]["exit_layer"] = 5  # a changed config is checked again, not served stale
+    assert carried_settings(vc, "early_exit") is None
+    assert startup.settings_for(vc, "early_exit").exit_layer == 5
+
+
+from pydantic import ConfigDict, Field  # noqa: E402
+from pydantic.dataclasses import dataclass as pydantic_dataclass  # noqa: E402
+
+
+@pydantic_dataclass(config=ConfigDict(extra="forbid", arbitrary_types_allowed=True))
+class PydanticConfig:  # vLLM's @config decorator on VllmConfig, reduced to one field
+    additional_config: dict = Field(default_factory=dict)
+
+
+def test_the_result_survives_pickling_a_pydantic_config_like_vllms():
+    # VllmConfig is a pydantic dataclass (extra="forbid"); an attribute set after __init__ is kept by pickle and
+    # deepcopy (how vLLM hands the config to its processes) and left out of its fields, hash and repr.
+    import copy
+    import dataclasses
+
+    from vllm_adaspec.config import KEPT
+
+    c = PydanticConfig({"adaspec": {"policy": "fixed"}})
+    object.__setattr__(c, KEPT, ("fp", resolve_config(parse_adaspec_config(c.additional_config), **LLAMA)))
+    for twin in (pickle.loads(pickle.dumps(c)), copy.deepcopy(c)):
+        assert getattr(twin, KEPT) == getattr(c, KEPT)
+    assert [f.name for f in dataclasses.fields(c)] == ["additional_config"]
+    json.dumps(c.additional_config)  # what VllmConfig.compute_hash does with it: untouched
+
+
+def test_an_adaspec_section_without_an_adaspec_proposer_is_refused(startup):
+    msg = start_refused(startup, engine({"policy": "fixed"}, spec=None))
+    assert msg.startswith("additional_config['adaspec'] is set, but there is no speculative_config"), msg
+    assert "'vllm_adaspec.MultiBranchProposer'" in msg and "'vllm_adaspec.EarlyExitProposer'" in msg
+    ngram = SimpleNamespace(method="ngram", model=None, num_speculative_tokens=3)
+    assert "speculative_config has method 'ngram'" in start_refused(startup, engine({}, spec=ngram))
+    assert start(startup, engine(None, spec=None)) is None  # plain runs: nothing to check
+    assert start(startup, engine(None, spec=ngram, extra={"other_plugin": 1})) is None
+    # configs vLLM derives from a checked one (a submodel view, a draft model's runner) are not checked again
+    view = engine({"policy": "fixed"}, spec=None)
+    view.model_config.is_submodel_config = True
+    assert start(startup, view) is None
+    draft = engine({"policy": "fixed"}, spec=None)
+    draft.model_config.runner_type = "draft"
+    assert start(startup, draft) is None
+
+
+def test_engine_limits_are_start_up_errors(startup):
+    assert start_refused(startup, engine({"exit_head": "none"}, pp=2)).startswith(
+        "parallel_config['pipeline_parallel_size']: must be 1")
+    msg = start_refused(startup, engine({"exit_head": "none"}, k=20, batched=16))
+    assert msg.startswith("speculative_config['num_speculative_tokens'] must be in 1..15 here") and "16" in msg, msg
+    assert start(startup, engine({"exit_head": "none"}, k=15, batched=16)).num_speculative_tokens == 15
+    msg = start_refused(startup, engine({"pools": ["context", "medusa"]}, MB, k=8, tp=2))
+    assert msg.startswith("additional_config['adaspec']['pools']: 'medusa' needs tensor_parallel_size 1"), msg
+    # the default set leaves medusa out under tensor parallelism (and here: no heads, no corpus for this model)
+    got = start(startup, engine({"pools": ["context", "suffix"]}, MB, k=8, tp=2))
+    assert got.pools == ("context", "suffix") and got.checked
+
+
+def test_tree_verification_limits_are_start_up_errors(startup, monkeypatch):
+    monkeypatch.setattr(startup, "_platform", lambda: SimpleNamespace(is_cpu=lambda: False))
+    msg = start_refused(startup, engine({"exit_head": "none", "tree": {"budget": 4}}))
+    assert msg.startswith("additional_config['adaspec']['tree']: tree verification is wired into vLLM's CPU"), msg
+    msg = start_refused(startup, engine({"pools": ["context"], "branches": 1, "tree": {"budget": 4}}, MB, k=8))
+    assert msg.startswith("additional_config['adaspec']['branches']: draft branches ride"), msg
+    msg = start_refused(startup, engine({"pools": ["context"], "acceptance": "typical"}, MB, k=8))
+    assert msg.startswith("additional_config['adaspec']['acceptance']: 'typical' needs tree verification"), msg
+    chains = start(startup, engine({"pools": ["context"]}, MB, k=8))
+    assert chains.pools == ("context",) and chains.tree_unsupported.startswith("tree verification is wired")
+
+
+def test_default_pools_run_what_the_model_has_and_the_worker_does_not_look_again(startup, monkeypatch):
+    got = start(startup, engine({}, MB, k=8))  # no corpus table, no Medusa heads for this model: left out
+    assert got.pools == ("context", "suffix") and got.checked
+    import vllm_adaspec.pools.corpus as corpus
+
+    monkeypatch.setattr(corpus, "find_corpus", lambda *a: pytest.fail("the worker looked for the corpus again"))
+    assert startup.usable_pools(got, None) == ("context", "suffix")
+
+
+def test_a_file_the_user_named_must_be_readable_even_without_a_pools_list(startup, tmp_path):
+    msg = start_refused(startup, engine({"corpus": str(tmp_path / "missing.npz")}, MB, k=8))
+    assert msg.startswith("additional_config['adaspec']['corpus']: no corpus table at") and "missing.npz" in msg, msg
+    msg = start_refused(startup, engine({"medusa": str(tmp_path / "nothing")}, MB, k=8))
+    assert msg.startswith("additional_config['adaspec']['medusa']:") and "holds no Medusa heads" in msg, msg
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"PK\x03\x04 a truncated zip", "BadZipFile"), (b"not numpy at all", "cannot read"), (b"", "EOFError"),
+    (None, "KeyError"), ("short", "do not fit"),
+])
+def test_a_corrupt_corpus_table_is_a_start_up_error_naming_the_key_and_file(startup, tmp_path, content, words):
+    import numpy as np
+
+    from vllm_adaspec.pools.corpus import CorpusTable
+
+    path = tmp_path / "corpus.npz"
+    if content is None:  # a zip of arrays without the table's
+        np.savez(path, other=np.zeros(3))
+    elif content == "short":  # ids for fewer contexts than keys
+        CorpusTable(10, np.arange(3), np.zeros((2, 4), np.int32), np.zeros((2, 4)), np.arange(0), np.zeros((0, 4)),
+                    np.zeros((0, 4))).save(str(path))
+    else:
+        path.write_bytes(content)
+    for setting in (str(path), str(tmp_path)):  # the file or its folder
+        msg = start_refused(startup, engine({"corpus": setting}, MB, k=8))
+        assert msg.startswith("additional_config['adaspec']['corpus']: ") and str(path) in msg and words in msg, msg
+
+
+def _heads_folder(tmp_path, meta=None, weights=True, text=None):
+    import torch
+
+    from vllm_adaspec.heads import config_hash
+    from vllm_adaspec.heads.medusa import FORMAT, init_heads, save_medusa
+
+    folder = tmp_path / "heads"
+    w = init_heads(2, 64)
+    good = {"base_model": {"name": "other", "config_hash": config_hash(OTHER_MODEL), "weights_fingerprint": []},
+            "num_heads": 2, "accuracy_by_rank": [[0.5], [0.3]]}
+    save_medusa(str(folder), w["w"], w["b"], torch.arange(5), good)
+    if meta is not None:
+        (folder / "medusa.json").write_text(json.dumps({"format": FORMAT, **meta}))
+    if text is not None:
+        (folder / "medusa.json").write_text(text)
+    if not weights:
+        os.remove(folder / "medusa.safetensors")
+    elif weights == "truncated":
+        (folder / "medusa.safetensors").write_bytes(b"\x10\x00")
+    return str(folder)
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("good", None),
+    ("not json", "cannot read"), ("a list", "must hold a JSON object"), ("no base_model", "has no 'base_model'"),
+    ("no config_hash", "'base_model' has no 'config_hash'"), ("no safetensors", "no medusa.safetensors"),
+    ("truncated safetensors", "cannot read"),
+])
+def test_a_malformed_medusa_folder_is_a_start_up_error_naming_the_key_and_file(startup, tmp_path, kind, words):
+    folder = _heads_folder(tmp_path, **{
+        "good": {}, "not json": {"text": "{\"format\": "}, "a list": {"text": "[1, 2]"},
+        "no base_model": {"meta": {"accuracy_by_rank": []}},
+        "no config_hash": {"meta": {"base_model": {}, "accuracy_by_rank": []}},
+        "no safetensors": {"weights": False}, "truncated safetensors": {"weights": "truncated"}}[kind])
+    for section in ({"medusa": folder}, {"pools": ["context", "medusa"], "medusa": folder}):
+        if words is None:
+            got = start(startup, engine(section, MB, k=8))
+            assert "medusa" in got.pools and got.medusa == folder
+            continue
+        msg = start_refused(startup, engine(section, MB, k=8))
+        assert msg.startswith("additional_config['adaspec']['medusa']: ") and folder in msg and words in msg, msg
+
+
+def test_a_malformed_exit_head_is_a_start_up_error_naming_the_key_and_file(startup, tmp_path):
+    from vllm_adaspec.heads import find_shipped
+
+    shipped = open(os.path.join(find_shipped(SimpleNamespace(**{**vars(OTHER_MODEL), **SMOL_SHAPE})),
+                                "exit_head.json")).read()
+    for text, weights, words in (("{", b"", "cannot read"),
+                                 ("{\"format\": \"vllm-adaspec/exit-head/1\"}", b"", "has no 'base_model'"),
+                                 (shipped, None, "has exit_head.json but no exit_head.safetensors"),
+                                 (shipped, b"\x00" * 9, "cannot read")):
+        (tmp_path / "exit_head.json").write_text(text)
+        if weights is None:
+            (tmp_path / "exit_head.safetensors").unlink(missing_ok=True)
+        else:
+            (tmp_path / "exit_head.safetensors").write_bytes(weights)
+        msg = start_refused(startup, engine({"exit_head": str(tmp_path)}))
+        assert msg.startswith("additional_config['adaspec']['exit_head']: ") and str(tmp_path) in msg, msg
+        assert words in msg, msg
+
+
+def test_each_proposer_has_one_settings_class_over_the_common_part():
+    from dataclasses import fields as dc_fields
+
+    from vllm_adaspec.config import (OLD_NAMES, PROPOSER_KEYS, SETTINGS_CLASSES, CommonSettings, ResolvedConfig)
+    from vllm_adaspec.policies import PARAM_RANGES, POLICIES, policy_params
+
+    assert ResolvedConfig is CommonSettings
+    renamed = {"exit_head": "exit_head_setting"}  # the setting as given; `exit_head` is the folder resolved
+    for proposer, keys in PROPOSER_KEYS.items():
+        cls = SETTINGS_CLASSES[proposer]
+        assert issubclass(cls, CommonSettings)
+        names = {f.name for f in dc_fields(cls)}
+        assert {renamed.get(k, k) for k in keys if k not in OLD_NAMES} <= names, (proposer, keys)
+    for name in POLICIES:  # every policy parameter has its range
+        assert set(policy_params(name)) <= set(PARAM_RANGES), name

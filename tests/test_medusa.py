@@ -118,7 +118,7 @@ def test_default_pools_drop_what_a_model_lacks_and_listed_pools_must_exist(smoll
     from transformers import AutoConfig
 
     from vllm_adaspec.config import parse_adaspec_config, resolve_config
-    from vllm_adaspec.proposers.multi_branch import usable_pools
+    from vllm_adaspec.engine.startup import usable_pools
 
     def resolved(section, **hf_changes):
         hf = AutoConfig.from_pretrained(smollm2)

@@ -6,9 +6,10 @@ how vLLM resolves `speculative_config.model = "vllm_adaspec.EarlyExitProposer"`.
 
 __version__ = "0.1.0"
 
-_LAZY = {"EarlyExitProposer": "vllm_adaspec.proposers.early_exit",
-         "MultiBranchProposer": "vllm_adaspec.proposers.multi_branch",
-         "ProbeProposer": "vllm_adaspec.proposers.probe"}
+# the classes vLLM instantiates (engine/proposers.py); the drafters themselves are in vllm_adaspec/proposers/
+_LAZY = {"EarlyExitProposer": "vllm_adaspec.engine.proposers",
+         "MultiBranchProposer": "vllm_adaspec.engine.proposers",
+         "ProbeProposer": "vllm_adaspec.engine.proposers"}
 
 
 def __getattr__(name):

@@ -1,11 +1,16 @@
 """The `adaspec` section of vLLM's `additional_config`, parsed into a typed, validated object.
 
 Everything here is pure Python so it can be checked in the front-end process, before any engine starts,
-and unit-tested in milliseconds. Every error names the offending key and what is allowed.
+and unit-tested in milliseconds. Every error is one line naming the offending key and what is allowed; every number
+must be finite and inside a stated range (vLLM's JSON parser accepts Infinity and NaN). The checks that need the
+engine's config (files for this tokenizer, tree verification on this platform, what the scheduler can hold) live in
+engine/startup.py, which runs all of them once.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -49,14 +54,118 @@ TREE_KEYS = {"early_exit": ("budget", "top_k", "depth", "max_depth", "kv_copy_to
 POOLS = ("context", "suffix", "recycled", "corpus", "medusa", "branches")
 # context + suffix + corpus + medusa: first in the offline replay on HumanEval and MT-Bench and ahead of the old
 # default (context + suffix + recycled) in the engine at batch 1 and 8 (benchmarks/RESULTS.md, session 9). A model
-# without a corpus table or Medusa heads runs the others (proposers/multi_branch.usable_pools).
+# without a corpus table or Medusa heads runs the others (engine/startup.usable_pools).
 DEFAULT_POOLS = ("context", "suffix", "corpus", "medusa")
 
 
 # Self-Draft branches: off by default (benchmarks/RESULTS.md, session 12: the extra rows do not pay on this CPU).
 DEFAULT_BRANCHES = 0
 DEFAULT_BRANCH_LENGTH = 4
+MAX_BRANCHES = 32
+MAX_BRANCH_LENGTH = 16
 MAX_DRAFTS = 128  # vLLM verifies at most this many drafts per request and step
+MAX_TOP_K = 16
+MAX_KV_COPY_TOKENS = 2**31 - 1  # KV positions are int32 indices
+
+
+# --- numbers: finite, in a stated range -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Interval:
+    """A closed, open or half-open range of numbers, printed the way errors state it: [0, 1), (0, 1e6]."""
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, v) -> bool:  # v: an int (compared exactly, however large) or a finite float
+        return (self.lo < v if self.lo_open else self.lo <= v) and (v < self.hi if self.hi_open else v <= self.hi)
+
+    def __str__(self) -> str:
+        return f"{'(' if self.lo_open else '['}{_fmt(self.lo)}, {_fmt(self.hi)}{')' if self.hi_open else ']'}"
+
+
+def _fmt(x: float) -> str:
+    if isinstance(x, int) or float(x).is_integer() and abs(x) < 1e5:
+        return str(int(x))
+    return format(x, "g").replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
+
+
+def show(value: Any, limit: int = 80) -> str:
+    """A value as an error shows it (its repr), never more than `limit` characters and never an exception (a
+    5000-digit int has no repr in Python 3.11, a very deep list none either)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def one_line(e: BaseException) -> str:
+    """An exception raised while reading a user's file, as the tail of a one-line error (type: message)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def typed(value: Any) -> str:
+    """show(value), with its type unless it is a number: what a type error prints (str '6', bool True, 6)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return show(value)
+    return f"{type(value).__name__} {show(value)}"
+
+
+def key_name(path: tuple[str, ...] | str) -> str:
+    """additional_config['adaspec']['tree']['budget'] for ("tree", "budget")."""
+    path = (path,) if isinstance(path, str) else path
+    return f"additional_config['{SECTION}']" + "".join(f"[{p!r}]" for p in path)
+
+
+def _fail(path: tuple[str, ...] | str, msg: str) -> AdaspecConfigError:
+    return AdaspecConfigError(f"{key_name(path)}: {msg}")
+
+
+def is_number(value: Any) -> bool:
+    """An int or a finite float; bool is an int subclass, but `true` is never a count or a threshold."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
+
+
+def check_number(path, value: Any, interval: Interval) -> float:
+    if not is_number(value) or value not in interval:
+        raise _fail(path, f"must be a finite number in {interval}, got {typed(value)}")
+    return float(value)
+
+
+def _check_int(path, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(path, f"must be an integer, got {type(value).__name__} {show(value)}")
+    return value
+
+
+def _check_int_in(path, value: Any, lo: int, hi: int, what: str = "") -> int:
+    value = _check_int(path, value)
+    if not lo <= value <= hi:
+        raise _fail(path, f"must be in {lo}..{hi}{f' ({what})' if what else ''}, got {show(value)}")
+    return value
+
+
+def _names(keys) -> str:
+    """Unknown keys, sorted, as errors list them (a Python caller's keys need not be strings)."""
+    return ", ".join(show(k) for k in sorted(keys, key=show))
+
+
+def _check_choice(path, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise _fail(path, f"must be one of {', '.join(map(repr, choices))}, got {show(value)}")
+    return value
+
+
+# --- parsed settings (model-independent) --------------------------------------------------------------------------
+
+ACCEPTANCE_EPSILON = Interval(0, 1, lo_open=True)  # a probability threshold; 0 would accept every node
+ACCEPTANCE_DELTA = Interval(0, 1, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -81,7 +190,7 @@ class AdaspecConfig:
     # How drafts are sized against their verification cost (COST_MODELS). `speed_guard` is its older name:
     # true = "online", false = "prior" (MultiBranchProposer) / "off" (early exit), what it meant before.
     cost_model: str = "online"
-    # Token-tree drafting (engine/tree_verification.py): {"budget": nodes per tree, "top_k": children per chain
+    # Token-tree drafting (engine/tree_runtime.py): {"budget": nodes per tree, "top_k": children per chain
     # node, "depth": chain depth (default ceil(budget / top_k))}. None = chains.
     tree: "TreeSettings | None" = None
     # MultiBranchProposer: the candidate pools that feed its trees.
@@ -103,7 +212,7 @@ class AdaspecConfig:
 
     @classmethod
     def keys(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "policy_params"]  # parameters live inside `policy`
+        return [f.name for f in fields(cls) if f.name not in ("policy_params", "pools_given")]
 
 
 def _parse_acceptance(value: Any) -> Acceptance:
@@ -113,18 +222,14 @@ def _parse_acceptance(value: Any) -> Acceptance:
         return Acceptance("typical")
     if not isinstance(value, Mapping) or value.get("name") not in ("exact", "typical"):
         raise _fail("acceptance", f"must be 'exact', 'typical' or {{\"name\": \"typical\", \"epsilon\": 0.09, "
-                                  f"\"delta\": 0.3}}; got {value!r}")
-    unknown = sorted(set(value) - {"name", "epsilon", "delta"})
+                                  f"\"delta\": 0.3}}; got {show(value)}")
+    unknown = set(value) - {"name", "epsilon", "delta"}
     if unknown or (value["name"] == "exact" and len(value) > 1):
-        raise _fail("acceptance", f"unknown key(s) {', '.join(map(repr, unknown or sorted(set(value) - {'name'})))}; "
+        raise _fail("acceptance", f"unknown key(s) {_names(unknown or set(value) - {'name'})}; "
                                   "typical takes epsilon and delta")
-    out = {}
-    for key, default in (("epsilon", 0.09), ("delta", 0.3)):
-        v = value.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-            raise _fail("acceptance", f"{key} must be a number in (0, 1], got {v!r}")
-        out[key] = float(v)
-    return Acceptance(value["name"], **out)
+    return Acceptance(value["name"],
+                      epsilon=check_number(("acceptance", "epsilon"), value.get("epsilon", 0.09), ACCEPTANCE_EPSILON),
+                      delta=check_number(("acceptance", "delta"), value.get("delta", 0.3), ACCEPTANCE_DELTA))
 
 
 TREE_BUILDERS = ("joint", "c2t")
@@ -132,6 +237,7 @@ TREE_BUILDERS = ("joint", "c2t")
 # session 11: beta 0.1-0.4 at max depth 6). The paper's 0.5 / 10 fit its classifier and its cheaper draft model.
 C2T_BETA = 0.4
 C2T_MAX_DEPTH = 6
+C2T_BETA_RANGE = Interval(0, 1, hi_open=True)  # the classifier's confidence threshold; 1 would keep nothing
 
 
 @dataclass(frozen=True)
@@ -139,7 +245,7 @@ class TreeSettings:
     budget: int  # nodes per tree (verified rows besides the root)
     top_k: int = 2  # candidates per depth (the chain's token and top_k - 1 alternatives)
     depth: int | None = None  # chain depth drafted; None = ceil(budget / top_k)
-    # Most KV positions the tree path may hold in its per-request contiguous copies (engine/tree_verification.py),
+    # Most KV positions the tree path may hold in its per-request contiguous copies (engine/tree_runtime.py),
     # all requests together; requests past it draft chains. None = an eighth of the KV cache's token capacity.
     kv_copy_tokens: int | None = None
     # Which nodes enter the tree: "joint" (the `budget` most probable by joint probability) or "c2t" (paper 004:
@@ -162,98 +268,85 @@ def _parse_tree(value: Any, proposer: str = "early_exit") -> TreeSettings | None
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise _fail("tree", f"must be an object like {{\"budget\": 16, \"top_k\": 2}}, got {value!r}")
+        raise _fail("tree", f"must be an object like {{\"budget\": 16, \"top_k\": 2}}, got {show(value)}")
     allowed = TREE_KEYS[proposer]
-    unknown = sorted(set(value) - set(allowed))
+    unknown = set(value) - set(allowed)
     if unknown:
-        raise _fail("tree", f"unknown key(s) {', '.join(map(repr, unknown))} for {PROPOSER_CLASSES[proposer]}; "
+        raise _fail("tree", f"unknown key(s) {_names(unknown)} for {PROPOSER_CLASSES[proposer]}; "
                             f"allowed: {', '.join(allowed)}")
     if "budget" not in value:
         raise _fail("tree", "needs 'budget' (tree nodes verified per step)")
-    budget = _check_int("tree.budget", value["budget"])
-    top_k = _check_int("tree.top_k", value.get("top_k", 2))
     if "depth" in value and "max_depth" in value:
         raise _fail("tree", "give 'max_depth' or its older name 'depth', not both")
-    depth = value.get("max_depth", value.get("depth"))
-    builder = value.get("builder", "joint")
-    if builder not in TREE_BUILDERS:
-        raise _fail("tree", f"builder must be one of {', '.join(map(repr, TREE_BUILDERS))}, got {builder!r}")
+    budget = _check_int_in(("tree", "budget"), value["budget"], 1, MAX_DRAFTS,
+                           f"vLLM verifies at most {MAX_DRAFTS} drafts")
+    top_k = _check_int_in(("tree", "top_k"), value.get("top_k", 2), 1, MAX_TOP_K, "children per chain node")
+    builder = _check_choice(("tree", "builder"), value.get("builder", "joint"), TREE_BUILDERS)
     c2t_only = sorted(set(value) & {"beta", "second_top_k"})
     if c2t_only and builder != "c2t":
         raise _fail("tree", f"{', '.join(map(repr, c2t_only))} appl{'ies' if len(c2t_only) == 1 else 'y'} to "
                             "\"builder\": \"c2t\" only")
-    beta = value.get("beta", C2T_BETA)
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
-        raise _fail("tree", f"beta must be a number in [0, 1) (the classifier's confidence threshold), got {beta!r}")
+    beta = check_number(("tree", "beta"), value.get("beta", C2T_BETA), C2T_BETA_RANGE)
     second = value.get("second_top_k")
     if second is not None:
-        second = _check_int("tree.second_top_k", second)
-        if not 1 <= second <= budget:
-            raise _fail("tree", f"second_top_k must be in 1..budget ({budget}), got {second}")
-    if not 1 <= budget <= 128:
-        raise _fail("tree", f"budget must be in 1..128 (vLLM verifies at most 128 drafts), got {budget}")
-    if not 1 <= top_k <= 16:
-        raise _fail("tree", f"top_k must be in 1..16, got {top_k}")
+        second = _check_int_in(("tree", "second_top_k"), second, 1, budget, f"1..budget, the budget is {budget}")
+    depth_key = "max_depth" if "max_depth" in value else "depth"
+    depth = value.get(depth_key)
     if depth is not None:
-        depth = _check_int("tree.max_depth", depth)
-        if not 1 <= depth <= budget:
-            raise _fail("tree", f"max_depth must be in 1..budget ({budget}), got {depth}")
+        depth = _check_int_in(("tree", depth_key), depth, 1, budget, f"1..budget, the budget is {budget}")
     copy_tokens = value.get("kv_copy_tokens")
     if copy_tokens is not None:
-        copy_tokens = _check_int("tree.kv_copy_tokens", copy_tokens)
-        if copy_tokens < 1:
-            raise _fail("tree", f"kv_copy_tokens must be >= 1 (KV positions), got {copy_tokens}")
+        copy_tokens = _check_int_in(("tree", "kv_copy_tokens"), copy_tokens, 1, MAX_KV_COPY_TOKENS, "KV positions")
     return TreeSettings(budget=budget, top_k=top_k, depth=depth, kv_copy_tokens=copy_tokens, builder=builder,
-                        beta=float(beta), second_top_k=second)
+                        beta=beta, second_top_k=second)
 
 
-def _fail(key: str, msg: str) -> AdaspecConfigError:
-    return AdaspecConfigError(f"additional_config['{SECTION}']['{key}']: {msg}")
-
-
-def _check_int(key: str, value: Any) -> int:
-    # bool is an int subclass: `true` is never a layer count.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(key, f"must be an integer, got {type(value).__name__} {value!r}")
-    return value
+def section_of(additional_config: Any) -> Mapping:
+    """The `adaspec` section of additional_config ({} when there is none). vLLM also allows an object with a
+    compute_hash() there instead of a dict: such an object has no `adaspec` section."""
+    if not isinstance(additional_config, Mapping):
+        return {}
+    section = additional_config.get(SECTION)
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise AdaspecConfigError(f"additional_config['{SECTION}'] must be a JSON object (dict), got {typed(section)}")
+    return section
 
 
 def parse_adaspec_config(additional_config: Mapping[str, Any] | None, proposer: str = "early_exit") -> AdaspecConfig:
     """Parse `additional_config` (the whole dict) into an AdaspecConfig for `proposer` (a PROPOSER_KEYS name).
     Model-independent checks only."""
-    section = (additional_config or {}).get(SECTION, {})
-    if section is None:
-        section = {}
-    if not isinstance(section, Mapping):
-        raise AdaspecConfigError(
-            f"additional_config['{SECTION}'] must be a JSON object (dict), got {type(section).__name__} {section!r}"
-        )
+    section = section_of(additional_config)
     allowed = PROPOSER_KEYS[proposer]
-    unknown = sorted(set(section) - set(allowed))
+    unknown = set(section) - set(allowed)
     if unknown:
         other = [k for k in unknown if k in AdaspecConfig.keys()]
-        hint = (f" ({', '.join(map(repr, other))} belong to another proposer)" if other else "")
+        hint = (f" ({_names(other)} belong to another proposer)" if other else "")
         raise AdaspecConfigError(
-            f"additional_config['{SECTION}']: unknown key(s) {', '.join(map(repr, unknown))} for "
+            f"additional_config['{SECTION}']: unknown key(s) {_names(unknown)} for "
             f"{PROPOSER_CLASSES[proposer]}{hint}; allowed keys: {', '.join(k for k in allowed if k not in OLD_NAMES)}"
         )
     exit_layer = section.get("exit_layer")
     if exit_layer is not None:
         exit_layer = _check_int("exit_layer", exit_layer)
-        if exit_layer < 1:
-            raise _fail("exit_layer", f"must be >= 1 (the number of target layers the drafter runs), got {exit_layer}")
+        if exit_layer < 1:  # the upper end is the model's layer count (resolve_config)
+            raise _fail("exit_layer", f"must be >= 1 (the number of target layers the drafter runs), got "
+                                      f"{show(exit_layer)}")
     policy, policy_params = _parse_policy(section.get("policy", "fixed"))
     exit_head = section.get("exit_head", "auto")
     if not isinstance(exit_head, str) or not exit_head:
-        raise _fail("exit_head", f"must be 'auto', 'none' or a checkpoint folder; got {exit_head!r}")
-    cost_model = _parse_cost_model(section, proposer)
+        raise _fail("exit_head", f"must be 'auto', 'none' or a checkpoint folder; got {show(exit_head)}")
+    pools = _parse_pools(section.get("pools", DEFAULT_POOLS))
     return AdaspecConfig(exit_layer=exit_layer, policy=policy, policy_params=policy_params, exit_head=exit_head,
-                         cost_model=cost_model, tree=_parse_tree(section.get("tree"), proposer),
-                         pools=_parse_pools(section.get("pools", DEFAULT_POOLS)), pools_given="pools" in section,
-                         corpus=_parse_artifact("corpus", section, "a corpus table (corpus.npz or its folder)"),
-                         medusa=_parse_artifact("medusa", section, "a Medusa heads folder (`adaspec train medusa`)"),
+                         cost_model=_parse_cost_model(section, proposer),
+                         tree=_parse_tree(section.get("tree"), proposer),
+                         pools=pools, pools_given="pools" in section,
+                         corpus=_parse_artifact("corpus", section, pools, "a corpus table (corpus.npz or its folder)"),
+                         medusa=_parse_artifact("medusa", section, pools,
+                                                "a Medusa heads folder (`adaspec train medusa`)"),
                          acceptance=_parse_acceptance(section.get("acceptance")),
-                         **_parse_branches(section))
+                         **_parse_branches(section, pools))
 
 
 def _parse_cost_model(section: Mapping, proposer: str) -> str:
@@ -262,42 +355,33 @@ def _parse_cost_model(section: Mapping, proposer: str) -> str:
     if "speed_guard" in section:
         guard = section["speed_guard"]
         if not isinstance(guard, bool):
-            raise _fail("speed_guard", f"must be true or false, got {type(guard).__name__} {guard!r} (it is the "
+            raise _fail("speed_guard", f"must be true or false, got {typed(guard)} (it is the "
                                        f"older name of 'cost_model': one of {', '.join(map(repr, COST_MODELS))})")
         return "online" if guard else ("prior" if proposer == "multi_branch" else "off")
-    value = section.get("cost_model", "online")
-    if value not in COST_MODELS:
-        raise _fail("cost_model", f"must be one of {', '.join(map(repr, COST_MODELS))}, got {value!r}")
-    return value
+    return _check_choice("cost_model", section.get("cost_model", "online"), COST_MODELS)
 
 
-def _parse_branches(section: Mapping) -> dict:
+def _parse_branches(section: Mapping, pools: tuple[str, ...]) -> dict:
     from vllm_adaspec.pools.branches import BRANCH_INITS
 
-    n = _check_int("branches", section.get("branches", DEFAULT_BRANCHES))
-    length = _check_int("branch_length", section.get("branch_length", DEFAULT_BRANCH_LENGTH))
-    init = section.get("branch_init", "prompt")
-    if not 0 <= n <= 32:
-        raise _fail("branches", f"must be in 0..32 (draft branches per request; 0 = off), got {n}")
-    if not 1 <= length <= 16:
-        raise _fail("branch_length", f"must be in 1..16 (tokens per branch), got {length}")
-    if init not in BRANCH_INITS:
-        raise _fail("branch_init", f"must be one of {', '.join(map(repr, BRANCH_INITS))}, got {init!r}")
+    n = _check_int_in("branches", section.get("branches", DEFAULT_BRANCHES), 0, MAX_BRANCHES,
+                      "draft branches per request; 0 = off")
+    length = _check_int_in("branch_length", section.get("branch_length", DEFAULT_BRANCH_LENGTH), 1, MAX_BRANCH_LENGTH,
+                           "tokens per branch")
+    init = _check_choice("branch_init", section.get("branch_init", "prompt"), BRANCH_INITS)
     if n == 0 and ("branch_length" in section or "branch_init" in section):
         raise _fail("branches", "is 0 (off), so 'branch_length' / 'branch_init' would do nothing; set branches "
                                 "(e.g. 2) or drop them")
-    pools = section.get("pools", ())
-    if n == 0 and isinstance(pools, (list, tuple)) and "branches" in pools:
+    if n == 0 and "branches" in pools and "pools" in section:
         raise _fail("pools", "lists 'branches', which is fed by draft branches: set 'branches' (e.g. 2) too")
     return {"branches": n, "branch_length": length, "branch_init": init}
 
 
-def _parse_artifact(pool: str, section: Mapping, what: str) -> str:
+def _parse_artifact(pool: str, section: Mapping, pools: tuple[str, ...], what: str) -> str:
     """The file a pool loads (setting named like the pool): "auto" or a path, and only with the pool in use."""
     value = section.get(pool, "auto")
-    pools = section.get("pools", DEFAULT_POOLS)
     if not isinstance(value, str) or not value:
-        raise _fail(pool, f"must be 'auto' or the path of {what}, got {value!r}")
+        raise _fail(pool, f"must be 'auto' or the path of {what}, got {show(value)}")
     if value != "auto" and pool not in pools:
         raise _fail(pool, f"names a file but {pool!r} is not in pools ({list(pools)!r}); add it or drop {pool!r}")
     return value
@@ -305,55 +389,108 @@ def _parse_artifact(pool: str, section: Mapping, what: str) -> str:
 
 def _parse_pools(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
-        raise _fail("pools", f"must be a non-empty list of pool names ({', '.join(POOLS)}), got {value!r}")
-    unknown = [v for v in value if v not in POOLS]
+        raise _fail("pools", f"must be a non-empty list of pool names ({', '.join(POOLS)}), got {show(value)}")
+    unknown = [v for v in value if not isinstance(v, str) or v not in POOLS]
     if unknown:
-        raise _fail("pools", f"unknown pool(s) {', '.join(map(repr, unknown))}; known: {', '.join(POOLS)}")
+        raise _fail("pools", f"unknown pool(s) {', '.join(map(show, unknown))}; known: {', '.join(POOLS)}")
     if len(set(value)) != len(value):
         raise _fail("pools", f"lists a pool twice: {list(value)!r}")
     return tuple(value)
 
 
 def _parse_policy(value: Any) -> tuple[str, dict]:
-    from vllm_adaspec.policies import POLICIES, check_policy
+    from vllm_adaspec.policies import POLICIES, PolicyError, check_policy
 
     if isinstance(value, Mapping):
         params = dict(value)
         name = params.pop("name", None)
         if name is None:
-            raise _fail("policy", f"an object needs a 'name' (one of {', '.join(POLICIES)}); got {value!r}")
+            raise _fail("policy", f"an object needs a 'name' (one of {', '.join(POLICIES)}); got {show(value)}")
     else:
         name, params = value, {}
     if not isinstance(name, str) or name not in POLICIES:
-        raise _fail("policy", f"must be one of {', '.join(POLICIES)} (or an object with 'name'); got {name!r}")
+        raise _fail("policy", f"must be one of {', '.join(POLICIES)} (or an object with 'name'); got {show(name)}")
     try:
-        check_policy(name, params)
-    except ValueError as e:
-        raise _fail("policy", str(e)) from None
-    return name, params
+        return name, check_policy(name, params)
+    except PolicyError as e:
+        raise _fail(("policy", e.param) if e.param else "policy", str(e)) from None
 
 
-@dataclass(frozen=True)
-class ResolvedConfig:
-    """AdaspecConfig checked against the model and the speculative config: every value concrete."""
+# --- resolved settings: one frozen dataclass per proposer over a common part ------------------------------------
 
-    exit_layer: int
-    num_layers: int
-    num_speculative_tokens: int
-    policy: str
-    exit_head: str | None = None  # checkpoint folder, or None for the untrained exit
+@dataclass(frozen=True, kw_only=True)
+class CommonSettings:
+    """What every proposer reads, checked against the model and the speculative config: every value concrete."""
+    num_speculative_tokens: int  # K: the most drafts per request and step (speculative_config)
+    num_layers: int  # the target's decoder layers
+    policy: str = "fixed"
     policy_params: dict = field(default_factory=dict)
     cost_model: str = "online"
-    exit_head_setting: str = "auto"  # what the user asked for: "auto", "none" or a folder
     tree: TreeSettings | None = None
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    # Set by engine/startup.check_engine, which checked these settings against the engine: then `tree_unsupported`
+    # says why this engine cannot verify token trees (None: it can), and a MultiBranchProposer's `pools` are the ones
+    # this engine runs and its `corpus` / `medusa` the files checked for this model (concrete paths), so the worker
+    # loads them without looking again.
+    checked: bool = False
+    tree_unsupported: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EarlyExitSettings(CommonSettings):
+    exit_layer: int
+    exit_head: str | None = None  # checkpoint folder, or None for the untrained exit
+    exit_head_setting: str = "auto"  # what the user asked for: "auto", "none" or a folder
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiBranchSettings(CommonSettings):
     pools: tuple[str, ...] = DEFAULT_POOLS
     pools_given: bool = False
     corpus: str = "auto"
     medusa: str = "auto"
-    acceptance: Acceptance = field(default_factory=Acceptance)
     branches: int = 0
     branch_length: int = DEFAULT_BRANCH_LENGTH
     branch_init: str = "prompt"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeSettings(CommonSettings):
+    """ProbeProposer reads the common part only."""
+
+
+# The name callers use for any proposer's resolved settings.
+ResolvedConfig = CommonSettings
+SETTINGS_CLASSES = {"early_exit": EarlyExitSettings, "multi_branch": MultiBranchSettings, "probe": ProbeSettings}
+
+# The settings engine/startup.check_engine resolved travel on the VllmConfig object as this attribute: vLLM pickles
+# the config (its __dict__ included) to the engine-core and worker processes. Not inside additional_config, which
+# vLLM hashes with json.dumps (VllmConfig.compute_hash): a dataclass there would break it, any entry would change it.
+KEPT = "_adaspec_settings"
+
+
+def settings_fingerprint(vllm_config, proposer: str) -> str | None:
+    """What kept settings were computed from besides the model (the section, K): a config whose settings changed is
+    checked again. None (never equal to a kept one) when the inputs do not serialise."""
+    try:
+        section = section_of(getattr(vllm_config, "additional_config", None))
+        k = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
+        return json.dumps([proposer, section, k], sort_keys=True, default=repr)
+    except (AdaspecConfigError, TypeError, ValueError):
+        return None
+
+
+def keep_settings(vllm_config, proposer: str, settings: CommonSettings) -> None:
+    object.__setattr__(vllm_config, KEPT, (settings_fingerprint(vllm_config, proposer), settings))
+
+
+def carried_settings(vllm_config, proposer: str) -> CommonSettings | None:
+    """The settings the front end's start-up checks left on this config for `proposer` (pure: what a drafter may
+    call without importing the engine glue), or None when there are none or they are for other inputs."""
+    kept = getattr(vllm_config, KEPT, None)
+    if kept is None or kept[0] is None or kept[0] != settings_fingerprint(vllm_config, proposer):
+        return None
+    return kept[1]
 
 
 def resolve_config(
@@ -370,15 +507,15 @@ def resolve_config(
     With `hf_config` the exit head is resolved too: an explicit checkpoint must match the model's config and N
     (its weights are checked when the worker loads it); "auto" finds a shipped one.
     """
+    k = _check_k(num_speculative_tokens)
     if proposer in ("multi_branch", "probe"):
-        return _resolve_multi_branch(cfg, num_layers, _check_k(num_speculative_tokens))
+        return _resolve_multi_branch(cfg, num_layers, k, proposer)
     archs = list(architectures or [])
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise AdaspecConfigError(
             f"vllm_adaspec: model architecture {archs or 'unknown'} is not supported by early-exit drafting; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    k = _check_k(num_speculative_tokens)
     if num_layers < 2:
         raise AdaspecConfigError(f"vllm_adaspec: the model has {num_layers} layer(s); early exit needs at least 2")
     head, exit_layer = None, cfg.exit_layer
@@ -399,11 +536,7 @@ def resolve_config(
         from vllm_adaspec.heads import check_calibration
 
         check_calibration(head, cfg.policy)
-    if cfg.tree is not None and k < cfg.tree.budget:
-        raise AdaspecConfigError(
-            f"additional_config['{SECTION}']['tree']['budget'] = {cfg.tree.budget} needs "
-            f"speculative_config['num_speculative_tokens'] >= {cfg.tree.budget} (every tree node is a draft vLLM "
-            f"verifies), got {k}")
+    _check_budget_fits(cfg.tree, k)
     if cfg.acceptance.name == "typical" and cfg.tree is None:
         raise _fail("acceptance", "'typical' applies to token trees; set 'tree' (e.g. {\"budget\": 4}) or drop it")
     if hf_config is not None and cfg.tree is not None and cfg.tree.builder == "c2t":
@@ -415,23 +548,36 @@ def resolve_config(
     if not 1 <= exit_layer < num_layers:
         raise _fail(
             "exit_layer",
-            f"must satisfy 1 <= exit_layer < {num_layers} (the model has {num_layers} layers), got {exit_layer}",
+            f"must satisfy 1 <= exit_layer < {num_layers} (the model has {num_layers} layers), got {show(exit_layer)}",
         )
-    return ResolvedConfig(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
-                          policy_params=cfg.policy_params,
-                          exit_head=head, cost_model=cfg.cost_model, exit_head_setting=cfg.exit_head,
-                          tree=cfg.tree, acceptance=cfg.acceptance)
+    return EarlyExitSettings(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k,
+                             policy=cfg.policy, policy_params=cfg.policy_params, exit_head=head,
+                             cost_model=cfg.cost_model, exit_head_setting=cfg.exit_head, tree=cfg.tree,
+                             acceptance=cfg.acceptance)
+
+
+K_KEY = "speculative_config['num_speculative_tokens']"
 
 
 def _check_k(num_speculative_tokens) -> int:
     if num_speculative_tokens is None:
-        raise AdaspecConfigError("speculative_config['num_speculative_tokens'] is required (K, the most drafts per step)")
+        raise AdaspecConfigError(f"{K_KEY} is required (K, the most drafts per step)")
     if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
-        raise AdaspecConfigError(
-            f"speculative_config['num_speculative_tokens'] must be an integer, got {num_speculative_tokens!r}")
+        raise AdaspecConfigError(f"{K_KEY} must be an integer, got {type(num_speculative_tokens).__name__} "
+                                 f"{show(num_speculative_tokens)}")
     if num_speculative_tokens < 1:
-        raise AdaspecConfigError(f"speculative_config['num_speculative_tokens'] must be >= 1, got {num_speculative_tokens}")
+        raise AdaspecConfigError(f"{K_KEY} must be >= 1, got {show(num_speculative_tokens)}")
+    if num_speculative_tokens > MAX_DRAFTS:
+        raise AdaspecConfigError(f"{K_KEY} must be in 1..{MAX_DRAFTS} (vLLM verifies at most {MAX_DRAFTS} drafts per "
+                                 f"request and step), got {show(num_speculative_tokens)}")
     return num_speculative_tokens
+
+
+def _check_budget_fits(tree: TreeSettings | None, k: int) -> None:
+    if tree is not None and tree.budget > k:
+        raise AdaspecConfigError(
+            f"additional_config['{SECTION}']['tree']['budget'] = {tree.budget} needs {K_KEY} >= {tree.budget} (every "
+            f"tree node is a draft vLLM verifies), got {k}")
 
 
 # Policies that need the drafter's own distribution (entropy, top probability, a predictor) have nothing to read
@@ -439,30 +585,27 @@ def _check_k(num_speculative_tokens) -> int:
 MODEL_FREE_POLICIES = ("fixed", "thompson-beta")
 
 
-def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int) -> ResolvedConfig:
-    """MultiBranchProposer: model-free, any architecture vLLM runs; every proposal is a tree of at most
-    tree.budget nodes (default K)."""
+def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int, proposer: str = "multi_branch"):
+    """MultiBranchProposer (and ProbeProposer): model-free, any architecture vLLM runs; every proposal is a tree of
+    at most tree.budget nodes (default K)."""
     if cfg.policy not in MODEL_FREE_POLICIES:
-        raise _fail("policy", f"{cfg.policy!r} reads a drafting model's distribution, which MultiBranchProposer does "
-                              f"not have; use one of {', '.join(MODEL_FREE_POLICIES)}")
+        raise _fail("policy", f"{cfg.policy!r} reads a drafting model's distribution, which "
+                              f"{PROPOSER_CLASSES[proposer]} does not have; use one of "
+                              f"{', '.join(MODEL_FREE_POLICIES)}")
     # Default budget: what K leaves after the branch rows, at most DEFAULT_BUDGET.
     tree = cfg.tree or TreeSettings(budget=max(1, min(k - cfg.branches * cfg.branch_length, DEFAULT_BUDGET)))
-    if tree.budget > k:
-        raise AdaspecConfigError(
-            f"additional_config['{SECTION}']['tree']['budget'] = {tree.budget} needs "
-            f"speculative_config['num_speculative_tokens'] >= {tree.budget} (every tree node is a draft vLLM "
-            f"verifies), got {k}")
+    _check_budget_fits(tree, k)
+    common = dict(num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy, policy_params=cfg.policy_params,
+                  cost_model=cfg.cost_model, tree=tree, acceptance=cfg.acceptance)
+    if proposer == "probe":
+        return ProbeSettings(**common)
     rows = tree.budget + cfg.branches * cfg.branch_length
     if cfg.branches and rows > k:
         raise AdaspecConfigError(
             f"additional_config['{SECTION}']: branches * branch_length + tree budget = {cfg.branches} * "
             f"{cfg.branch_length} + {tree.budget} = {rows} rows per request, more than the "
-            f"speculative_config['num_speculative_tokens'] = {k} draft slots the scheduler reserves; raise "
+            f"{K_KEY} = {k} draft slots the scheduler reserves; raise "
             f"num_speculative_tokens to {rows} or shrink branches / branch_length / tree.budget")
-    if rows > MAX_DRAFTS:
-        raise AdaspecConfigError(
-            f"additional_config['{SECTION}']: branches * branch_length + tree budget = {rows}, but vLLM verifies at "
-            f"most {MAX_DRAFTS} drafts per request")
     pools = cfg.pools + (("branches",) if cfg.branches and "branches" not in cfg.pools else ())
     if "suffix" in cfg.pools:
         from vllm_adaspec.pools.suffix import suffix_available
@@ -471,11 +614,9 @@ def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int) -> Resolv
             raise _fail("pools", "'suffix' needs the package arctic-inference==0.1.1, which is not installed (its "
                                  "sdist must be built against the installed torch: scripts/setup.sh shows how); "
                                  "remove 'suffix' from pools to run without it")
-    return ResolvedConfig(exit_layer=0, num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy,
-                          policy_params=cfg.policy_params, cost_model=cfg.cost_model, exit_head_setting="none",
-                          tree=tree, pools=pools, pools_given=cfg.pools_given, corpus=cfg.corpus, medusa=cfg.medusa,
-                          acceptance=cfg.acceptance, branches=cfg.branches, branch_length=cfg.branch_length,
-                          branch_init=cfg.branch_init)
+    return MultiBranchSettings(**common, pools=pools, pools_given=cfg.pools_given, corpus=cfg.corpus,
+                               medusa=cfg.medusa, branches=cfg.branches, branch_length=cfg.branch_length,
+                               branch_init=cfg.branch_init)
 
 
 DEFAULT_BUDGET = 16  # MultiBranchProposer's node budget when `tree` is not given (capped at K)

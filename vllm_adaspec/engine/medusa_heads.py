@@ -9,8 +9,6 @@ from typing import Callable
 
 import torch
 
-from vllm_adaspec.config import AdaspecConfigError
-
 
 @dataclass
 class MedusaHeads:
@@ -47,8 +45,7 @@ def load_medusa_heads(target_model, vllm_config, folder: str) -> MedusaHeads:
     from vllm_adaspec.heads.medusa import check_weights, load_medusa, reads_token
 
     hf = vllm_config.model_config.hf_text_config
-    if vllm_config.parallel_config.tensor_parallel_size > 1:
-        raise AdaspecConfigError("vllm_adaspec: Medusa heads need tensor_parallel_size == 1 for now")
+    # tensor_parallel_size 1 is a start-up check (engine/startup.py): the pool is not run otherwise
     meta, t = load_medusa(folder)
     params = dict(target_model.named_parameters())
     check_weights(meta, folder, hf, params.__getitem__)  # raises when the target's weights are not the trained-on ones

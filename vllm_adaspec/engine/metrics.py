@@ -99,7 +99,7 @@ class AdaspecCollector:
 
 class AdaspecStatLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0):
-        from vllm_adaspec.engine.plugin import adaspec_proposer_name
+        from vllm_adaspec.engine.startup import adaspec_proposer_name
 
         self.enabled = adaspec_proposer_name(vllm_config) is not None
         self.engine_index = engine_index

@@ -11,6 +11,7 @@ Pure Python + torch: usable by the trainer (no vLLM) and by the drafter (inside 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from vllm_adaspec.config import AdaspecConfigError
+from vllm_adaspec.config import AdaspecConfigError, one_line
 
 __all__ = ["FORMAT", "config_hash", "weights_fingerprint", "fingerprint_mismatch", "fingerprint_names", "save_exit_head", "load_exit_head",
            "check_against_model", "find_shipped", "SHIPPED_DIR", "exit_head_hash", "check_calibration"]
@@ -117,29 +118,84 @@ def save_exit_head(folder: str, tensors: dict[str, torch.Tensor], meta: dict, dt
         json.dump({"format": FORMAT, **meta}, f, indent=1, sort_keys=True)
 
 
+EXIT_HEAD_KEY = "additional_config['adaspec']['exit_head']"
+
+
 def load_exit_head(folder: str, tensors: bool = True) -> tuple[dict, dict[str, torch.Tensor] | None]:
     return load_checkpoint(folder, "exit_head", FORMAT, tensors,
-                           f"additional_config['adaspec']['exit_head']: {folder!r} is not an exit-head checkpoint "
-                           "folder (no exit_head.json); train one with `adaspec train exit-layer`")
+                           f"{EXIT_HEAD_KEY}: {folder!r} is not an exit-head checkpoint folder (no exit_head.json); "
+                           "train one with `adaspec train exit-layer`", key=EXIT_HEAD_KEY)
 
 
-def load_checkpoint(folder: str, stem: str, fmt: str, tensors: bool,
-                    missing: str) -> tuple[dict, dict[str, torch.Tensor] | None]:
+# What each checkpoint's JSON must hold for start-up and the worker to read it (name -> JSON type), and the tensors
+# its .safetensors must hold: a hand-edited or truncated file is refused at start-up, naming the file.
+REQUIRED_META = {"exit_head": {"base_model": dict, "exit_layer": int, "num_exit_layers": int},
+                 "medusa": {"base_model": dict, "accuracy_by_rank": list}}
+REQUIRED_TENSORS = {"exit_head": ("norm.weight", "draft_vocab"), "medusa": ("w", "b", "draft_vocab"),
+                    "c2t": ("w1", "b1", "w2", "b2")}
+
+
+def load_checkpoint(folder: str, stem: str, fmt: str, tensors: bool, missing: str,
+                    key: str = "additional_config['adaspec']") -> tuple[dict, dict[str, torch.Tensor] | None]:
     """FOLDER/<stem>.json (its "format" must be `fmt`) and, with `tensors`, FOLDER/<stem>.safetensors;
-    AdaspecConfigError(`missing`) when there is no <stem>.json."""
+    AdaspecConfigError(`missing`) when there is no <stem>.json, and AdaspecConfigError naming `key` (the setting
+    that named the folder) and the file when either file cannot be read or lacks what this package reads."""
     folder = os.path.expanduser(folder)
     path = os.path.join(folder, f"{stem}.json")
     if not os.path.isfile(path):
         raise AdaspecConfigError(missing)
-    with open(path) as f:
-        meta = json.load(f)
+    meta = _read_meta(path, key)
     if meta.get("format") != fmt:
-        raise AdaspecConfigError(f"{path}: format {meta.get('format')!r}, this vllm_adaspec reads {fmt!r}")
-    if not tensors:
-        return meta, None
+        raise AdaspecConfigError(f"{key}: {path}: format {meta.get('format')!r}, this vllm_adaspec reads {fmt!r}")
+    _check_meta(meta, path, key, REQUIRED_META.get(stem, {}))
+    weights = os.path.join(folder, f"{stem}.safetensors")
+    if not os.path.isfile(weights):
+        raise AdaspecConfigError(f"{key}: {folder} has {stem}.json but no {stem}.safetensors (an incomplete copy?)")
+    try:
+        names = _tensor_names(weights)
+        loaded = _load_tensors(weights) if tensors else None
+    except Exception as e:  # safetensors raises its own error types for a truncated or foreign file
+        raise AdaspecConfigError(f"{key}: cannot read {weights} ({one_line(e)})") from None
+    lacking = [n for n in REQUIRED_TENSORS.get(stem, ()) if n not in names]
+    if lacking:
+        raise AdaspecConfigError(f"{key}: {weights} lacks the tensor(s) {', '.join(lacking)}")
+    return meta, loaded
+
+
+def _read_meta(path: str, key: str) -> dict:
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise AdaspecConfigError(f"{key}: cannot read {path} ({one_line(e)})") from None
+    if not isinstance(meta, dict):
+        raise AdaspecConfigError(f"{key}: {path} must hold a JSON object, got {type(meta).__name__}")
+    return meta
+
+
+def _check_meta(meta: dict, path: str, key: str, required: dict) -> None:
+    for name, kind in required.items():
+        value = meta.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise AdaspecConfigError(f"{key}: {path} has no {name!r} ({kind.__name__}); it was not written by this "
+                                     f"package's trainer, or was edited")
+    base = meta.get("base_model")
+    if "base_model" in required and not isinstance(base.get("config_hash"), str):
+        raise AdaspecConfigError(f"{key}: {path}: 'base_model' has no 'config_hash' (string)")
+
+
+def _tensor_names(path: str) -> set[str]:
+    """The tensors in a .safetensors file, from its header only (cheap at start-up)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return set(f.keys())
+
+
+def _load_tensors(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return meta, load_file(os.path.join(folder, f"{stem}.safetensors"))
+    return load_file(path)
 
 
 def hf_num_layers(hf_config) -> int:
@@ -155,7 +211,8 @@ def check_against_model(meta: dict, folder: str, hf_config, exit_layer: int | No
     archs = list(_cfg_get(hf_config, "architectures") or [])
     if base["config_hash"] != config_hash(hf_config):
         raise AdaspecConfigError(
-            f"{where} was trained for {base.get('name')} ({', '.join(base.get('architectures', []))}, config hash "
+            f"{EXIT_HEAD_KEY}: {where} was trained for {base.get('name')} "
+            f"({', '.join(base.get('architectures', []))}, config hash "
             f"{base['config_hash']}), not for this model ({', '.join(archs)}, config hash {config_hash(hf_config)})")
     if exit_layer is not None and exit_layer != meta["exit_layer"]:
         raise AdaspecConfigError(
@@ -171,9 +228,9 @@ def check_against_model(meta: dict, folder: str, hf_config, exit_layer: int | No
                 stored, weights_fingerprint(get_weights, hf_num_layers(hf_config), _cfg_get(hf_config, "vocab_size")))
         if off is not None:
             raise AdaspecConfigError(
-                f"{where} was trained for {base.get('name')} with other weights (same architecture, different "
-                f"weights: another checkpoint or a fine-tune; its weights fingerprint is {off:.3g}x the tolerance "
-                "away). Train a head for these weights with `adaspec train exit-layer`")
+                f"{EXIT_HEAD_KEY}: {where} was trained for {base.get('name')} with other weights (same architecture, "
+                f"different weights: another checkpoint or a fine-tune; its weights fingerprint is {off:.3g}x the "
+                "tolerance away). Train a head for these weights with `adaspec train exit-layer`")
 
 
 def find_shipped(hf_config, exit_layer: int | None = None) -> str | None:
@@ -191,27 +248,44 @@ def find_shipped(hf_config, exit_layer: int | None = None) -> str | None:
 
 def exit_head_hash(folder: str) -> str:
     """sha256 of the exit head's weights file: ties a calibration predictor to the head it was trained with."""
-    with open(os.path.join(os.path.expanduser(folder), "exit_head.safetensors"), "rb") as f:
+    path = os.path.join(os.path.expanduser(folder), "exit_head.safetensors")
+    st = os.stat(path)
+    return _file_hash(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _file_hash(path: str, mtime_ns: int, size: int) -> str:
+    """Start-up reads the hash several times (predictor, classifier): a 7 MB file is hashed once per version."""
+    with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+POLICY_KEY = "additional_config['adaspec']['policy']"
 
 
 def check_calibration(folder: str | None, policy: str) -> None:
     """Raise AdaspecConfigError unless `folder` (the exit head in use) holds a predictor trained for it."""
-    from vllm_adaspec.policies.calibration import META, read_meta
+    from vllm_adaspec.policies.calibration import META, WEIGHTS, read_meta
 
     fix = "train one with `adaspec train calibration --exit-head <folder>` or pick another policy"
     if folder is None:
-        raise AdaspecConfigError(f"policy {policy!r} needs a trained exit head with a calibration predictor; this "
-                                 "configuration drafts with the untrained exit (exit_head 'none' or none ships for "
-                                 "this model / exit_layer)")
+        raise AdaspecConfigError(f"{POLICY_KEY}: policy {policy!r} needs a trained exit head with a calibration "
+                                 "predictor; this configuration drafts with the untrained exit (exit_head 'none' or "
+                                 "none ships for this model / exit_layer)")
     try:
         meta = read_meta(folder)
     except FileNotFoundError:
-        raise AdaspecConfigError(f"policy {policy!r} needs a calibration predictor in the exit head folder {folder} "
-                                 f"(no {META}); {fix}") from None
-    except ValueError as e:
-        raise AdaspecConfigError(f"policy {policy!r}: {e}") from None
+        raise AdaspecConfigError(f"{POLICY_KEY}: policy {policy!r} needs a calibration predictor in the exit head "
+                                 f"folder {folder} (no {META}); {fix}") from None
+    except ValueError as e:  # not JSON, or another format
+        raise AdaspecConfigError(f"{POLICY_KEY}: policy {policy!r}: {one_line(e)}") from None
+    weights = os.path.join(folder, WEIGHTS)
+    try:
+        _tensor_names(weights)
+    except Exception as e:
+        raise AdaspecConfigError(f"{POLICY_KEY}: policy {policy!r}: cannot read {weights} ({one_line(e)}); "
+                                 f"{fix}") from None
     if meta.get("exit_head_hash") != exit_head_hash(folder):
-        raise AdaspecConfigError(f"policy {policy!r}: the calibration predictor in {folder} was trained for another "
-                                 f"exit head (hash {meta.get('exit_head_hash')}, this head {exit_head_hash(folder)}); "
-                                 f"{fix}")
+        raise AdaspecConfigError(f"{POLICY_KEY}: policy {policy!r}: the calibration predictor in {folder} was trained "
+                                 f"for another exit head (hash {meta.get('exit_head_hash')}, this head "
+                                 f"{exit_head_hash(folder)}); {fix}")

@@ -36,7 +36,8 @@ def load_c2t(folder: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
         raise AdaspecConfigError(f"{key}: 'c2t' needs a trained exit head with a classifier; this configuration "
                                  "drafts with the untrained exit")
     meta, t = load_checkpoint(folder, "c2t", FORMAT, True,
-                              f"{key}: 'c2t' needs a classifier in the exit head folder {folder} (no c2t.json); {fix}")
+                              f"{key}: 'c2t' needs a classifier in the exit head folder {folder} (no c2t.json); {fix}",
+                              key=key)
     if meta.get("exit_head_hash") != exit_head_hash(folder):
         raise AdaspecConfigError(f"{key}: the classifier in {folder} was trained for another version of that exit "
                                  f"head (its weights changed since); {fix}")

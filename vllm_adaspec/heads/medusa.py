@@ -65,9 +65,10 @@ def save_medusa(folder: str, w: torch.Tensor, b: torch.Tensor, draft_vocab: torc
 def load_medusa(folder: str, tensors: bool = True) -> tuple[dict, dict[str, torch.Tensor] | None]:
     from vllm_adaspec.heads import load_checkpoint
 
+    key = f"additional_config['{SECTION}']['medusa']"
     return load_checkpoint(folder, "medusa", FORMAT, tensors,
-                           f"additional_config['{SECTION}']['medusa']: {folder!r} holds no Medusa heads (no "
-                           "medusa.json); train them with `adaspec train medusa`")
+                           f"{key}: {folder!r} holds no Medusa heads (no medusa.json); train them with "
+                           "`adaspec train medusa`", key=key)
 
 
 def find_medusa(hf_config, setting: str = "auto") -> str:

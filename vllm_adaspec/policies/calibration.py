@@ -72,6 +72,7 @@ def read_meta(folder: str) -> dict:
         raise FileNotFoundError(path)
     with open(path) as f:
         meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a calibration predictor ({meta.get('format')!r})")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a calibration predictor "
+                         f"({meta.get('format') if isinstance(meta, dict) else type(meta).__name__!r})")
     return meta

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from vllm_adaspec.config import parse_adaspec_config, resolve_config
 from vllm_adaspec.metrics import ACCEPTANCE_BUCKETS, DRAFTS_PER_ROUND_BUCKETS, new_histogram, observe
 from vllm_adaspec.policies import make_policy
 from vllm_adaspec.policies.cost_model import VERIFY_COST, DraftCost, StepCostModel, attention_load
@@ -77,17 +76,11 @@ class AdaspecProposer:
     stats_cls = Stats
     needs = Needs()  # what the engine must hand over (subclasses set theirs in __init__)
 
-    def __init__(self, vllm_config):
+    def __init__(self, vllm_config, settings):
+        """settings: this proposer's part of the config, checked once at start-up (engine/startup.py; the class vLLM
+        instantiates, engine/proposers.py, hands them over)."""
         self.vllm_config = vllm_config
-        hf = vllm_config.model_config.hf_text_config
-        self.cfg = resolve_config(
-            parse_adaspec_config(vllm_config.additional_config, proposer=self.proposer),
-            architectures=vllm_config.model_config.architectures,
-            num_layers=hf.num_hidden_layers,
-            num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens,
-            hf_config=hf,
-            proposer=self.proposer,
-        )
+        self.cfg = settings
         k = self.cfg.num_speculative_tokens
         self.base_seed = vllm_config.model_config.seed or 0
         self.states = RequestStates(

@@ -41,8 +41,8 @@ class EarlyExitProposer(AdaspecProposer):
     proposer = "early_exit"
     stats_cls = EarlyExitStats
 
-    def __init__(self, vllm_config):
-        super().__init__(vllm_config)
+    def __init__(self, vllm_config, settings):
+        super().__init__(vllm_config, settings)
         self.prefix = None
         # thompson-cali's acceptance predictor (policies/calibration.py) and the target output it reads: the
         # worker hands over the last forward's sampled rows of the final hidden state (normed) and, per batch row,

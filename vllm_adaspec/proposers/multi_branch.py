@@ -33,58 +33,6 @@ logger = logging.getLogger("vllm_adaspec")
 
 
 
-def usable_pools(resolved, vllm_config) -> tuple[str, ...]:
-    """The pools this engine runs. Pools the user listed must have their files (the corpus table for this tokenizer,
-    Medusa heads for this model: AdaspecConfigError otherwise); of the default set, a model runs those it has files
-    for, and the others are left out with a note in the log."""
-    from vllm_adaspec.config import AdaspecConfigError
-    from vllm_adaspec.heads.medusa import find_medusa
-    from vllm_adaspec.pools.corpus import find_corpus
-
-    def medusa():
-        if vllm_config.parallel_config.tensor_parallel_size > 1:
-            raise AdaspecConfigError("vllm_adaspec: the medusa pool needs tensor_parallel_size 1 (its heads read the "
-                                     "unsharded LM head)")
-        find_medusa(vllm_config.model_config.hf_text_config, resolved.medusa)
-
-    checks = {"corpus": lambda: find_corpus(vllm_config.model_config.tokenizer, resolved.corpus), "medusa": medusa}
-    out = []
-    for pool in resolved.pools:
-        if pool in checks:
-            try:
-                checks[pool]()
-            except AdaspecConfigError as e:
-                if resolved.pools_given:
-                    raise
-                logger.info("vllm_adaspec: default pool %r left out for this model: %s", pool, e)
-                continue
-        out.append(pool)
-    return tuple(out)
-
-
-def check_start_up(resolved, vllm_config) -> None:
-    """Front-end checks (the user's process, before any engine starts): the listed pools' files fit this model;
-    typical acceptance needs tree verification; where trees cannot be verified, say once that requests draft
-    chains."""
-    from vllm_adaspec.engine.plugin import tree_support
-
-    usable_pools(resolved, vllm_config)
-    reason = tree_support(vllm_config)
-    if reason and resolved.branches:
-        from vllm_adaspec.config import SECTION, AdaspecConfigError
-
-        raise AdaspecConfigError(f"additional_config['{SECTION}']['branches']: draft branches ride in tree "
-                                 f"verification forwards, which this engine lacks: {reason}; set branches to 0")
-    if reason and resolved.acceptance.name == "typical":
-        from vllm_adaspec.config import SECTION, AdaspecConfigError
-
-        raise AdaspecConfigError(f"additional_config['{SECTION}']['acceptance']: 'typical' needs tree verification, "
-                                 f"which this engine lacks: {reason}")
-    if reason:
-        logger.warning("vllm_adaspec: MultiBranchProposer proposes chains (the best path of each candidate tree): "
-                       "%s", reason)
-
-
 @dataclass
 class RequestPools:
     """One request's pool state and its last proposal (for calibration once it is verified)."""
@@ -112,24 +60,18 @@ class MultiBranchProposer(AdaspecProposer):
     proposer = "multi_branch"
     stats_cls = MultiBranchStats
 
-    def __init__(self, vllm_config):
-        super().__init__(vllm_config)
-        from vllm_adaspec.engine.plugin import tree_support
-
-        self.tree_mode = tree_support(vllm_config) is None
-        self.pools = pools = usable_pools(self.cfg, vllm_config)
+    def __init__(self, vllm_config, settings):
+        super().__init__(vllm_config, settings)
+        self.tree_mode = self.cfg.tree_unsupported is None
+        self.pools = pools = self.cfg.pools  # the pools this engine runs, their files checked at start-up
         hf = vllm_config.model_config.hf_text_config
         self.corpus = None
         if "corpus" in pools:
-            from vllm_adaspec.pools.corpus import CorpusTable, find_corpus
+            from vllm_adaspec.pools.corpus import CorpusTable
 
-            self.corpus = CorpusTable.load(find_corpus(vllm_config.model_config.tokenizer, self.cfg.corpus))
+            self.corpus = CorpusTable.load(self.cfg.corpus)
         self.medusa = None  # engine/medusa_heads.MedusaHeads, once load_model has the target
-        self.medusa_folder = None
-        if "medusa" in pools:
-            from vllm_adaspec.heads.medusa import find_medusa
-
-            self.medusa_folder = find_medusa(hf, self.cfg.medusa)
+        self.medusa_folder = self.cfg.medusa if "medusa" in pools else None
         self.calibration = Calibration()
         self.requests: dict[str, RequestPools] = {}
         # Self-Draft: N branches of L tokens per tree-verified request (0: off; tree mode only: a chain forward

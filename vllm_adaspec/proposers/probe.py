@@ -34,14 +34,12 @@ class ProbeProposer(AdaspecProposer):
     proposer = "probe"
     stats_cls = ProbeStats
 
-    def __init__(self, vllm_config):
-        super().__init__(vllm_config)
+    def __init__(self, vllm_config, settings):
+        super().__init__(vllm_config, settings)
         self.shape = os.environ.get("VLLM_ADASPEC_PROBE_SHAPE", "chain")
         if self.shape not in ("chain", "tree"):
             raise ValueError(f"VLLM_ADASPEC_PROBE_SHAPE must be 'chain' or 'tree', got {self.shape!r}")
-        from vllm_adaspec.engine.plugin import tree_support
-
-        self.tree_mode = self.shape == "tree" and tree_support(vllm_config) is None
+        self.tree_mode = self.shape == "tree" and self.cfg.tree_unsupported is None
         self.needs = Needs(trees=self.tree_mode)
         self.vocab = vllm_config.model_config.hf_text_config.vocab_size
         fixed = os.environ.get("VLLM_ADASPEC_PROBE_SIZE")  # one size every step instead of the cycle (profiling)
