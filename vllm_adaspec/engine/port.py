@@ -5,6 +5,8 @@ a step; the drafter reads it once, at its next propose call.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -89,10 +91,12 @@ class EnginePort:
 
     # --- test instrumentation ---
     def observer_stats(self) -> dict:
+        """Copies: in a single-process engine the stats RPC hands back these very objects, and callers diff
+        snapshots."""
         out = {}
         for obs in self.observers:
             out.update(obs.stats())
-        return out
+        return copy.deepcopy(out)
 
     def observer_live(self) -> dict:
         out = {}
