@@ -36,8 +36,8 @@ PARTS = [
     ("    sample / verify", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_sample"),
     ("    bookkeeping", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_bookkeeping_sync"),
     ("    propose (drafter)", None, "propose_draft_token_ids"),
-    ("      adaspec propose", "vllm_adaspec.proposers.base:AdaspecProposer", "propose"),
-    ("  adaspec on_schedule", "vllm_adaspec.proposers.base:AdaspecProposer", "on_schedule"),
+    ("      adaspec propose", "vllm_adaspec.proposers.driver:Driver", "propose"),
+    ("  adaspec on_schedule", "vllm_adaspec.proposers.driver:Driver", "on_schedule"),
 ]
 
 

@@ -1,7 +1,7 @@
 """Per-request bookkeeping: keyed by request id, survives reordering and preemption, dropped on finish."""
 
 from vllm_adaspec.policies import FixedPolicy, make_policy
-from vllm_adaspec.proposers.base import request_seed
+from vllm_adaspec.proposers.driver import request_seed
 from vllm_adaspec.requests import RequestStates
 
 

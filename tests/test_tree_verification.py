@@ -198,7 +198,7 @@ def test_only_plain_sampling_requests_draft_trees():
 
 
 def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():
-    from vllm_adaspec.proposers.early_exit import EarlyExitProposer
+    from vllm_adaspec.proposers.early_exit import EarlyExitDrafter
     from vllm_adaspec.trees import GrowingTree, add_children
 
     g = torch.Generator().manual_seed(4)
@@ -221,9 +221,9 @@ def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():
     ops.cpu_attn_reshape_and_cache(k2, v2, kc, vc, block_rows[1][pos2 // BS] * BS + pos2 % BS, "vec",
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     k, v = gather_cpu_kv(cache, block_row, r + 5, "vec")  # tree 0 as the cache holds it now
-    prefix = EarlyExitProposer._draft_prefix(np.array([r, r2]), block_rows)
+    prefix = EarlyExitDrafter._draft_prefix(np.array([r, r2]), block_rows)
     assert prefix.positions.shape == (2, r + 1) and prefix.positions[1, r2 + 1:].eq(0).all()
-    mask = EarlyExitProposer._draft_mask(feed, [t, t2], slot_of, np.array([r, r2]), prefix)
+    mask = EarlyExitDrafter._draft_mask(feed, [t, t2], slot_of, np.array([r, r2]), prefix)
     assert mask.num_tokens == 3 and mask.trees.tolist() == [0, 1]
     assert mask.rows.tolist() == [[0, 2], [1, 1]] and mask.valid.tolist() == [[True, True], [True, False]]
     assert mask.node_pos.tolist() == [[r + 1, r + 2, r + 3, r + 4], [r2 + 1, r2, r2, r2]]

@@ -1,23 +1,28 @@
 """The classes vLLM instantiates for `speculative_config.model = "vllm_adaspec.<Name>"` (with the VllmConfig only):
-each hands its drafter the settings checked once at start-up (engine/startup.py), so drafters read no config file
-again and import nothing of vLLM."""
+a driver (proposers/driver.py) around one drafter, given the settings checked once at start-up (engine/startup.py),
+so drafters read no config file again and import nothing of vLLM."""
 
 from __future__ import annotations
 
 from vllm_adaspec.engine.startup import settings_for
-from vllm_adaspec.proposers import early_exit, multi_branch, probe
+from vllm_adaspec.proposers.driver import Driver
+from vllm_adaspec.proposers.early_exit import EarlyExitDrafter
+from vllm_adaspec.proposers.multi_branch import MultiBranchDrafter
+from vllm_adaspec.proposers.probe import ProbeDrafter
 
 
-class EarlyExitProposer(early_exit.EarlyExitProposer):
+class _Engine(Driver):
     def __init__(self, vllm_config):
         super().__init__(vllm_config, settings_for(vllm_config, self.proposer))
 
 
-class MultiBranchProposer(multi_branch.MultiBranchProposer):
-    def __init__(self, vllm_config):
-        super().__init__(vllm_config, settings_for(vllm_config, self.proposer))
+class EarlyExitProposer(_Engine):
+    proposer, drafter_cls = "early_exit", EarlyExitDrafter
 
 
-class ProbeProposer(probe.ProbeProposer):
-    def __init__(self, vllm_config):
-        super().__init__(vllm_config, settings_for(vllm_config, self.proposer))
+class MultiBranchProposer(_Engine):
+    proposer, drafter_cls = "multi_branch", MultiBranchDrafter
+
+
+class ProbeProposer(_Engine):
+    proposer, drafter_cls = "probe", ProbeDrafter

@@ -1,6 +1,6 @@
 """EESD early-exit self-drafting: draft with the target's own first N layers and an exit head.
 
-vLLM constructs this class in the worker (speculative_config.model = "vllm_adaspec.EarlyExitProposer").
+vLLM constructs it in the worker, inside the driver (speculative_config.model = "vllm_adaspec.EarlyExitProposer").
 Each step it drafts, batched across requests, up to K tokens per request: token by token through the first
 N layers (engine/drafting.py) and the exit head, greedily. The number of drafts per request is decided by
 that request's draft-length policy. Verification is vLLM's own: drafts are deterministic given the context,
@@ -19,7 +19,7 @@ import torch
 from vllm_adaspec.kernels.entropy_topk import entropy_topk
 from vllm_adaspec.policies import POLICIES
 from vllm_adaspec.policies.cost_model import attention_load
-from vllm_adaspec.proposers.base import AdaspecProposer, Stats
+from vllm_adaspec.proposers.drafter import Drafter, Stats
 from vllm_adaspec.step import BatchView, DraftMask, DraftPlan, DraftPrefix, Needs, Outcome, Taps
 from vllm_adaspec.trees import GrowingTree, add_children, best_subtree, to_expand
 from vllm_adaspec.trees.trie import best_prefix
@@ -37,12 +37,11 @@ class EarlyExitStats(Stats):
     c2t_seconds: float = 0.0  # C2T's classifier calls (tree builder "c2t")
 
 
-class EarlyExitProposer(AdaspecProposer):
-    proposer = "early_exit"
+class EarlyExitDrafter(Drafter):
     stats_cls = EarlyExitStats
 
-    def __init__(self, vllm_config, settings):
-        super().__init__(vllm_config, settings)
+    def __init__(self, vllm_config, settings, driver):
+        super().__init__(vllm_config, settings, driver)
         self.prefix = None
         # thompson-cali's acceptance predictor (policies/calibration.py) and the target output it reads: the
         # worker hands over the last forward's sampled rows of the final hidden state (normed) and, per batch row,
@@ -59,12 +58,12 @@ class EarlyExitProposer(AdaspecProposer):
         self._feed_next = True
         self._plain_streak = 0  # decode steps in a row the cost model drafted nothing
         self._stale: set[str] = set()
-        self._rng = random.Random(self.base_seed)  # exploration draws: the same on every tensor-parallel rank
+        self._rng = random.Random(self.driver.base_seed)  # exploration draws: the same on every tensor-parallel rank
         self.c2t = None  # C2T's classifier parameters (tree builder "c2t")
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
-        self.prefix = self.port.target_prefix(target_model, self.cfg.exit_layer, self.cfg.exit_head,
+        self.prefix = self.driver.port.target_prefix(target_model, self.cfg.exit_layer, self.cfg.exit_head,
                                               self.cfg.exit_head_setting)
         self.exit_head = self.cfg.exit_head if self.prefix.exit is not None else None
         if self.tree is not None and self.tree.builder == "c2t":
@@ -73,25 +72,25 @@ class EarlyExitProposer(AdaspecProposer):
             device = next(target_model.parameters()).device
             self.c2t = {k: v.to(device) for k, v in load_c2t(self.exit_head)[1].items()}
         if self.needs.target_hidden:
-            self.calibration = self.port.acceptance_calibration(self.exit_head, self.cfg.policy,
+            self.calibration = self.driver.port.acceptance_calibration(self.exit_head, self.cfg.policy,
                                                                 next(target_model.parameters()).device)
 
-    def _eligible(self, req_id: str) -> bool:
+    def eligible(self, req_id: str) -> bool:
         return req_id not in self._stale
 
-    def _on_finished(self, req_ids) -> None:
+    def finish(self, req_ids) -> None:
         self._stale.difference_update(req_ids)
 
-    def live_state(self) -> dict:
-        return {**super().live_state(), "paused_requests": len(self._stale)}
+    def live(self) -> dict:
+        return {"paused_requests": len(self._stale)}
 
-    def _observe(self, view: BatchView, outcomes: dict[int, Outcome], taps: Taps) -> None:
-        for obs in self.observers:  # labels for `adaspec train c2t`: a node is accepted iff it is on the path
+    def observe(self, view: BatchView, outcomes: dict[int, Outcome], taps: Taps) -> None:
+        for obs in self.driver.observers:  # labels for `adaspec train c2t`: a node is accepted iff it is on the path
             for row, outcome in outcomes.items():
                 if outcome.tree:
                     obs.tree_outcome(view.req_ids[row], outcome.accepted)
 
-    def _on_step(self, scheduled: dict, pure: bool) -> None:
+    def on_step(self, scheduled: dict, pure: bool) -> None:
         exit_ = self.prefix.exit if self.prefix is not None else None
         if exit_ is not None and scheduled and self._can_pause_feed:
             # Prompt chunks always feed the exit layers: a new request may draft.
@@ -101,7 +100,7 @@ class EarlyExitProposer(AdaspecProposer):
                 self.stats.plain_switches += len(new)
                 self._stale.update(new)
 
-    def _size_drafts(self, view: BatchView, rows: list[int], budgets: list[int], decoding: int) -> list[int]:
+    def size(self, view: BatchView, rows: list[int], budgets: list[int], decoding: int) -> list[int]:
         """Chain lengths from the cost model: a request's j-th draft is accepted with chance a^j (a: its share of
         drafts accepted, from a prior at the engine's rate); drafts are taken best first across the batch while the
         batch's expected tokens per second rise, a step costing its verified rows (the fitted curve) plus one draft
@@ -110,17 +109,17 @@ class EarlyExitProposer(AdaspecProposer):
         if self.tree is not None:
             return budgets
         req_ids = view.req_ids
-        total_acc, total_rej = self._chain_counts
+        total_acc, total_rej = self.driver.chain_counts
         engine_rate = (total_acc + 1) / (total_acc + total_rej + 2)
         units = []
         for e, (i, budget) in enumerate(zip(rows, budgets)):
-            st = self.states.get(req_ids[i])
+            st = self.driver.states.get(req_ids[i])
             a = (st.accepted + ACCEPT_PRIOR * engine_rate) / (st.accepted + st.rejected + ACCEPT_PRIOR)
             units += [(a ** j, e, j) for j in range(1, budget + 1)]
         units.sort(key=lambda u: (-u[0], u[2]))
-        step_cost, attention, _ = self._step_seconds(decoding)
-        if self.costs.unit:
-            per_pass = self.draft_costs.predict(decoding, 1) - self.draft_costs.predict(decoding, 0)
+        step_cost, attention, _ = self.driver.step_seconds(decoding)
+        if self.driver.costs.unit:
+            per_pass = self.driver.draft_costs.predict(decoding, 1) - self.driver.draft_costs.predict(decoding, 0)
         else:
             per_pass = PASS_PRIOR  # relative units until the first step is measured
         n = view.num_tokens
@@ -142,12 +141,12 @@ class EarlyExitProposer(AdaspecProposer):
             sized = [min(1, b) for b in budgets]
         return sized
 
-    def _draft(self, view: BatchView, rows: list[int], budgets: list[int], policies: list,
+    def draft(self, view: BatchView, rows: list[int], budgets: list[int], policies: list,
                plans: dict[int, DraftPlan]) -> float:
         if not rows:
             return 0.0
         self.prefix.ensure_attached()
-        treeish = self._tree_rows(view, rows)
+        treeish = self.driver.tree_rows(view, rows)
         policy_s = 0.0
         for part, draft in (([e for e, t in enumerate(treeish) if not t], self._draft_chains),
                             ([e for e, t in enumerate(treeish) if t], self._draft_trees)):
@@ -243,7 +242,7 @@ class EarlyExitProposer(AdaspecProposer):
         # Slots the scheduler reserved past the root: K - 1 (engine/scheduler.py), so at most K - 1 nodes run.
         room = self.cfg.num_speculative_tokens - 1
         max_seq_len = int(n.max()) + room  # bound on slot positions + 1
-        record = [obs for obs in self.observers if obs.wants_tree_features]
+        record = [obs for obs in self.driver.observers if obs.wants_tree_features]
         top_n = ENTROPY_TOP_N if (self.c2t is not None or record) else None
         for depth in range(1, max(limit) + 1):
             req = [e for e, _ in feed]
@@ -390,15 +389,15 @@ class EarlyExitProposer(AdaspecProposer):
         request's last sampled token (requests.bonus_rows: in tree mode the row of the last accepted node)."""
         if self.calibration is None:
             return None
-        hidden = self._taps.hidden
+        hidden = self.driver.taps.hidden
         if hidden is None:
             raise RuntimeError("thompson-cali: the worker did not hand over the target's hidden states")
-        h = hidden[torch.tensor([self._outcomes_now[i].row for i in rows], device=hidden.device)]
-        for obs in self.observers:
+        h = hidden[torch.tensor([self.driver.outcomes[i].row for i in rows], device=hidden.device)]
+        for obs in self.driver.observers:
             obs.target_rows([view.sampled[i][-1] for i in rows], h)
         return self.calibration.project_target(h)
 
-    def _config_stats(self) -> dict:
+    def config(self) -> dict:
         return {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head,
                 "exit_kv_layers": self.prefix.exit_kv_layers() if self.prefix is not None else [],
                 "plain_requests": len(self._stale)}

@@ -25,7 +25,8 @@ from vllm_adaspec.policies.cost_model import attention_load
 from vllm_adaspec.pools import PoolSet, make_pools
 from vllm_adaspec.pools import Taps as PoolTaps
 from vllm_adaspec.pools.branches import append_branches
-from vllm_adaspec.proposers.base import AdaspecProposer, Stats, request_seed
+from vllm_adaspec.proposers.drafter import Drafter, Stats
+from vllm_adaspec.proposers.driver import request_seed
 from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, Taps
 from vllm_adaspec.trees.trie import Calibration, Trie, best_prefix, feedback, merge, ranked, streak_state, subtree
 
@@ -56,12 +57,11 @@ class MultiBranchStats(Stats):
     branch_grams: int = 0
 
 
-class MultiBranchProposer(AdaspecProposer):
-    proposer = "multi_branch"
+class MultiBranchDrafter(Drafter):
     stats_cls = MultiBranchStats
 
-    def __init__(self, vllm_config, settings):
-        super().__init__(vllm_config, settings)
+    def __init__(self, vllm_config, settings, driver):
+        super().__init__(vllm_config, settings, driver)
         self.tree_mode = self.cfg.tree_unsupported is None
         self.pools = pools = self.cfg.pools  # the pools this engine runs, their files checked at start-up
         hf = vllm_config.model_config.hf_text_config
@@ -90,22 +90,22 @@ class MultiBranchProposer(AdaspecProposer):
         return PoolSet(make_pools(self.pools, vocab_size=self.vocab_size, corpus_table=self.corpus, medusa_heads=heads,
                                   num_branches=self.num_branches, branch_length=self.cfg.branch_length,
                                   branch_init=self.cfg.branch_init,
-                                  branch_seed=lambda r: request_seed(r, self.base_seed)))
+                                  branch_seed=lambda r: request_seed(r, self.driver.base_seed)))
 
-    # --- AdaspecProposer hooks ---
-    def _policy_max(self) -> int:
+    # --- the drafter interface ---
+    def max_drafts(self) -> int:
         return self.cfg.tree.budget
 
     def load_model(self, target_model) -> None:
         """vLLM calls this on every custom proposer; only the medusa pool needs the target (its LM head rows)."""
         if self.medusa_folder is not None:
-            self.medusa = self.port.medusa_heads(target_model, self.medusa_folder)
+            self.medusa = self.driver.port.medusa_heads(target_model, self.medusa_folder)
             self.poolset = self._make_pools(self.medusa)
             self.stats.pool_nodes = self.poolset.nodes
             logger.info("vllm_adaspec: Medusa heads %s (K=%d, draft vocabulary %d)", self.medusa_folder,
                         self.medusa.w.shape[0], len(self.medusa.vocab))
 
-    def _on_finished(self, req_ids) -> None:
+    def finish(self, req_ids) -> None:
         for r in req_ids:
             self.requests.pop(r, None)
             self.poolset.stop(r)
@@ -114,12 +114,12 @@ class MultiBranchProposer(AdaspecProposer):
         branches = self.poolset.get("branches") if self.poolset is not None else None
         return branches.grams_held() if branches is not None else 0
 
-    def live_state(self) -> dict:
+    def live(self) -> dict:
         live = self.poolset.live() if self.poolset is not None else {}
-        return {**super().live_state(), "pools": len(self.requests), "suffix_requests": live.get("suffix", 0),
+        return {"pools": len(self.requests), "suffix_requests": live.get("suffix", 0),
                 "branch_grams": self._grams_held()}
 
-    def _observe(self, view: BatchView, outcomes: dict[int, Outcome], taps: Taps) -> None:
+    def observe(self, view: BatchView, outcomes: dict[int, Outcome], taps: Taps) -> None:
         """Every decoding request: its last proposal's outcome calibrates the pools (and its branch rows' argmax
         writes grams), its new tokens feed its pools; the recycled table takes the verified rows' top-k."""
         for req_ids, tokens, ids, probs in taps.logits_topk:
@@ -154,16 +154,16 @@ class MultiBranchProposer(AdaspecProposer):
             for pool in st.trie.keys[node][0][0]:  # the pools that proposed it
                 self.stats.pool_accepted[pool] += 1
 
-    def _draft(self, view: BatchView, rows: list[int], budgets: list[int], policies: list,
+    def draft(self, view: BatchView, rows: list[int], budgets: list[int], policies: list,
                plans: dict[int, DraftPlan]) -> float:
         if not rows:
             return 0.0
         req_ids, num_tokens_no_spec = view.req_ids, view.num_tokens
-        treeish = self._tree_rows(view, rows) if self.tree_mode else [False] * len(rows)
+        treeish = self.driver.tree_rows(view, rows, self._extra_rows) if self.tree_mode else [False] * len(rows)
         tries, cands = [], []  # per drafting row: its trie, and its candidate nodes (best first, within budget)
         candidates = self.poolset.propose([req_ids[i] for i in rows], budgets, self._pool_taps(view, rows))
         medusa = self.poolset.get("medusa")
-        for obs in self.observers if medusa is not None else ():
+        for obs in self.driver.observers if medusa is not None else ():
             obs.medusa_top([req_ids[i] for i in rows], [int(view.num_tokens[i]) for i in rows], medusa.last_top_ids)
         for e, (i, budget) in enumerate(zip(rows, budgets)):
             st = self.requests[req_ids[i]]
@@ -182,10 +182,10 @@ class MultiBranchProposer(AdaspecProposer):
         branching = [bool(self.num_branches and treeish[e] and branches[e]) for e in range(len(rows))]
         base_rows = decoding + self._extra_rows * sum(branching)  # branch rows run whatever the trees hold
         count = [0] * len(rows)
-        if self.costs is None:
+        if self.driver.costs is None:
             keep = len(flat)
         else:
-            step_cost, attention, tree_extra = self._step_seconds(decoding)
+            step_cost, attention, tree_extra = self.driver.step_seconds(decoding)
             # a node's row also costs attention over its request's context (seconds per row of each request)
             per_row = [attention * attention_load(1, int(num_tokens_no_spec[i])) for i in rows]
             extra = [attention * attention_load(1, sum(int(n) for n, s in zip(num_tokens_no_spec, view.sampled)
@@ -196,7 +196,7 @@ class MultiBranchProposer(AdaspecProposer):
         for _, e, j in flat[:keep]:
             count[e] = max(count[e], j + 1)  # a prefix of a request's ranked nodes is closed under parents
         chosen_of = [cands[e][:count[e]] for e in range(len(rows))]
-        if self.costs is not None:  # trees cost more than chains of their rows: keep each only where it pays
+        if self.driver.costs is not None:  # trees cost more than chains of their rows: keep each only where it pays
             chains_where_cheaper(tries, chosen_of, [treeish[e] and not branching[e] for e in range(len(rows))],
                                  decoding + sum(p for p, _, _ in flat[:keep]), base_rows + keep, extra[keep],
                                  per_row, sum(branching), self._extra_rows * sum(branching), step_cost, tree_extra)
@@ -223,25 +223,25 @@ class MultiBranchProposer(AdaspecProposer):
         last = [view.sampled[i][-1] for i in rows]
         if not self.poolset.needs_hidden:
             return PoolTaps(None, last)
-        hidden = self._taps.hidden
+        hidden = self.driver.taps.hidden
         if hidden is None:
             raise RuntimeError("medusa pool: the worker did not hand over the target's hidden states")
-        h = hidden[torch.tensor([self._outcomes_now[i].row for i in rows], device=hidden.device)]  # [R, H]
-        for obs in self.observers:
+        h = hidden[torch.tensor([self.driver.outcomes[i].row for i in rows], device=hidden.device)]  # [R, H]
+        for obs in self.driver.observers:
             obs.target_rows(last, h)
         return PoolTaps(h, last)
 
-    def _config_stats(self) -> dict:
+    def config(self) -> dict:
         return {"pools": list(self.pools), "budget": self.cfg.tree.budget, "tree_mode": self.tree_mode,
                 "acceptance": self.cfg.acceptance.name, "medusa": self.medusa_folder,
                 "branches": self.num_branches, "branch_length": self.cfg.branch_length,
                 "branch_init": self.cfg.branch_init}
 
-    def get_stats(self) -> dict:
-        return {**super().get_stats(), "pool_requests": len(self.requests),
+    def extra_stats(self) -> dict:
+        return {"pool_requests": len(self.requests),
                 "gram_entries": self._grams_held(),
                 "suffix_active": (self.poolset.live().get("suffix", 0) if self.poolset is not None else 0),
-                "kv_copies": self.port.held_copy_tokens() if self.port is not None else 0}
+                "kv_copies": self.driver.port.held_copy_tokens() if self.driver.port is not None else 0}
 
 
 def is_tree(trie: Trie, nodes: list[int]) -> bool:

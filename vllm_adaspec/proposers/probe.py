@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from vllm_adaspec.proposers.base import AdaspecProposer, Stats
+from vllm_adaspec.proposers.drafter import Drafter, Stats
 from vllm_adaspec.step import DraftPlan, Needs
 
 
@@ -30,12 +30,11 @@ class ProbeStats(Stats):
     probe_seconds: dict = field(default_factory=dict)  # size -> [step seconds, ...]
 
 
-class ProbeProposer(AdaspecProposer):
-    proposer = "probe"
+class ProbeDrafter(Drafter):
     stats_cls = ProbeStats
 
-    def __init__(self, vllm_config, settings):
-        super().__init__(vllm_config, settings)
+    def __init__(self, vllm_config, settings, driver):
+        super().__init__(vllm_config, settings, driver)
         self.shape = os.environ.get("VLLM_ADASPEC_PROBE_SHAPE", "chain")
         if self.shape not in ("chain", "tree"):
             raise ValueError(f"VLLM_ADASPEC_PROBE_SHAPE must be 'chain' or 'tree', got {self.shape!r}")
@@ -50,7 +49,7 @@ class ProbeProposer(AdaspecProposer):
     def load_model(self, target_model) -> None:
         pass
 
-    def _draft(self, view, rows, budgets, policies, plans) -> float:
+    def draft(self, view, rows, budgets, policies, plans) -> float:
         now = time.perf_counter()
         if self._last is not None:
             self.stats.probe_seconds.setdefault(str(self._last[1]), []).append(now - self._last[0])
@@ -60,7 +59,7 @@ class ProbeProposer(AdaspecProposer):
         parents = (binary_tree_parents(size) if self.shape == "tree" else list(range(-1, size - 1)))
         tokens = tuple(self.vocab - 1 - j for j in range(size))
         if self.tree_mode:
-            self.tree_holders = {view.req_ids[i] for i in rows}  # keep their KV copies through the chain-sized steps
+            self.driver.tree_holders = {view.req_ids[i] for i in rows}  # keep their KV copies through the chain-sized steps
         for i in rows:
             if size:
                 plans[i] = DraftPlan(tokens, tuple(parents) if self.tree_mode and size > 1 else None)

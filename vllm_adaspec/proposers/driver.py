@@ -1,16 +1,17 @@
-"""What every adaspec proposer shares: the per-request states and draft-length policies, the step cost model, tree
-admission, the statistics, and the one interface the engine glue drives (engine/worker.py, engine/port.py). A
-proposer subclasses `AdaspecProposer`, declares its `needs`, implements `load_model` and `_draft`, and needs no glue
-of its own. It never sees vLLM's model runner: it reads the batch through a `BatchView` and gets feedback as
-`Outcome`s (vllm_adaspec/step.py).
+"""The driver: the per-request bookkeeping every drafter shares (request states and their draft-length policies,
+budgets, the step cost model, tree admission, statistics), and the custom proposer vLLM calls. It drives one drafter
+(proposers/drafter.py) through its interface and never sees vLLM's model runner: the engine glue attaches an engine
+port (engine/port.py) that hands it the batch (`BatchView`) and each step's feedback, which becomes one `Outcome`
+per decoding request (vllm_adaspec/step.py).
 
 One step, as the glue drives it (worker process):
-    attach(port)                                 once: the engine port (engine/port.py)
+    attach(port)                                    once: the engine port (before the model loads)
+    load_model(target_model)                        vLLM: the drafter builds what it needs on the target
     on_schedule(scheduled, spec_tokens, finished)   at the start of every step, before the forward
-    propose(sampled_token_ids, ...)              vLLM's custom-proposer call, after sampling: the port's feedback
-                                                 (tree results, taps) becomes one Outcome per decoding request,
-                                                 `_observe(view, outcomes, taps)`, then `_draft` fills `plans`
-    adaspec_stats()                              `get_stats()` through LLM.collective_rpc
+    propose(sampled_token_ids, ...)                 vLLM's custom-proposer call, after sampling: feedback ->
+                                                    drafter.observe(view, outcomes, taps); policies and the cost
+                                                    model -> budgets; drafter.draft(...) -> plans
+    get_stats()                                     through the worker's `adaspec_stats` RPC
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from __future__ import annotations
 import hashlib
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-from vllm_adaspec.metrics import ACCEPTANCE_BUCKETS, DRAFTS_PER_ROUND_BUCKETS, new_histogram, observe
+from vllm_adaspec.metrics import observe
 from vllm_adaspec.policies import make_policy
 from vllm_adaspec.policies.cost_model import VERIFY_COST, DraftCost, StepCostModel, attention_load
 from vllm_adaspec.requests import RequestStates, bonus_rows
 from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, Taps
+from vllm_adaspec.proposers.drafter import Drafter
 from vllm_adaspec.trees import admit_within, copy_capacity
 
 
@@ -36,64 +37,28 @@ def request_seed(req_id: str, base_seed: int) -> int:
     return (int.from_bytes(hashlib.sha256(req_id.encode()).digest()[:8], "little") ^ base_seed) & (2**63 - 1)
 
 
-@dataclass
-class Stats:
-    """A drafter's counters (the `adaspec_stats` RPC, /metrics). Drafters extend it with their own."""
-    propose_calls: int = 0  # propose calls that drafted
-    decode_rows: int = 0  # target forwards, summed over requests (tau = tokens / this)
-    draft_passes: int = 0  # draft-model passes (early exit: per depth)
-    draft_tokens: int = 0
-    draft_seconds: float = 0.0  # wall time drafting (CPU: synchronous, so this is the drafting cost)
-    policy_seconds: float = 0.0
-    draft_digest: int = 0  # tensor parallelism: a CRC of every draft proposed (ranks must propose the same)
-    # tree mode: trees proposed, their verified nodes, trees verified as trees, KV slots compacted, requests the copy
-    # cap kept to chains, the copies' peak, accepted depth histogram
-    tree_rounds: int = 0
-    tree_nodes: int = 0
-    tree_verified: int = 0
-    tree_kv_moves: int = 0
-    tree_capped: int = 0
-    tree_kv_copy_peak: int = 0
-    tree_accepted_depth: list = field(default_factory=list)
-    plain_switches: int = 0  # early exit: requests that went on without the exit layers' KV upkeep
-    draft_steps: list = field(default_factory=lambda: [0, 0])  # decode steps without / with our drafts
-    cost_observations: int = 0
-    round_lengths: list = field(default_factory=list)  # rounds by the number of drafts proposed
-    policy: str = ""
-    # what verification made of our drafts, and per finished request (metrics.py histograms)
-    verified_drafts: int = 0
-    accepted_drafts: int = 0
-    requests_finished: int = 0
-    request_acceptance: dict = field(default_factory=lambda: new_histogram(ACCEPTANCE_BUCKETS))
-    request_drafts_per_round: dict = field(default_factory=lambda: new_histogram(DRAFTS_PER_ROUND_BUCKETS))
-
-    def as_dict(self) -> dict:
-        return asdict(self)  # (a deep copy: callers diff snapshots)
-
-
-class AdaspecProposer:
+class Driver:
+    """The per-request bookkeeping every drafter shares, and the custom proposer vLLM calls: it owns the request
+    states and their draft-length policies, budgets, the step cost model, tree admission and the statistics, and
+    drives one `Drafter` (proposers/drafter.py) through its interface. The class vLLM instantiates
+    (engine/proposers.py) is a Driver with its drafter class and the settings checked at start-up."""
     proposer = "early_exit"  # which part of the adaspec config applies (config.PROPOSER_KEYS)
-    stats_cls = Stats
-    needs = Needs()  # what the engine must hand over (subclasses set theirs in __init__)
+    drafter_cls: type = Drafter
 
     def __init__(self, vllm_config, settings):
-        """settings: this proposer's part of the config, checked once at start-up (engine/startup.py; the class vLLM
-        instantiates, engine/proposers.py, hands them over)."""
-        self.vllm_config = vllm_config
+        """settings: this proposer's part of the config, checked once at start-up (engine/startup.py)."""
         self.cfg = settings
         k = self.cfg.num_speculative_tokens
         self.base_seed = vllm_config.model_config.seed or 0
         self.states = RequestStates(
-            new_policy=lambda rid: make_policy(self.cfg.policy, self._policy_max(), request_seed(rid, self.base_seed),
-                                               self.cfg.policy_params))
+            new_policy=lambda rid: make_policy(self.cfg.policy, self.drafter.max_drafts(),
+                                               request_seed(rid, self.base_seed), self.cfg.policy_params))
         self.port = None  # engine/port.EnginePort, attached by the worker
-        self._outcomes_now: dict[int, Outcome] = {}
-        self._taps = Taps()
+        self.outcomes: dict[int, Outcome] = {}  # this propose call's feedback, by batch row (drafters read rows)
+        self.taps = Taps()  # and the target outputs of the step
         self.tree = self.cfg.tree
-        self.tree_mode = self.tree is not None
         self.plans: dict[str, DraftPlan] = {}  # the last propose call's plans, by request (trees and chains)
         self.tree_holders: set[str] = set()  # requests admitted to tree mode last step (they keep KV copies)
-        self._extra_rows = 0  # rows a tree carries besides its nodes (draft branches)
         self._tp = vllm_config.parallel_config.tensor_parallel_size > 1
         # What a step costs by its rows (policies/cost_model.py): fitted online from the engine's own step times
         # ("online"), the shipped curve only ("prior"), or none ("off": drafts are not sized by cost).
@@ -103,48 +68,32 @@ class AdaspecProposer:
         self._steps = 0  # engine steps since the previous propose call (an observation needs exactly one)
         self._last_propose = (0, 0, 0.0)  # (decoding requests, draft passes, seconds) of the previous propose call
         self.draft_costs = DraftCost()  # our own work per step: pools, bookkeeping, draft passes
-        self._chain_counts = [0, 0]  # accepted drafts, rejections (engine-wide: the prior of each request's rate)
+        self.chain_counts = [0, 0]  # accepted drafts, rejections (engine-wide: the prior of each request's rate)
         self._context: dict[str, int] = {}  # req_id -> committed tokens at its last propose (attention's load)
         self.observers: list = []  # vllm_adaspec/observers.py: what tests attach (through the port)
         # Cost accounting, read through the worker's `adaspec_stats` RPC (and /metrics)
-        self.stats = self.stats_cls(tree_accepted_depth=[0] * (k + 1), round_lengths=[0] * (k + 1),
-                                    policy=self.cfg.policy)
+        self.stats = self.drafter_cls.stats_cls(tree_accepted_depth=[0] * (k + 1), round_lengths=[0] * (k + 1),
+                                                policy=self.cfg.policy)
+        self.drafter = self.drafter_cls(vllm_config, settings, self)
 
-    # --- what a proposer decides ---
-    def _policy_max(self) -> int:
-        return self.cfg.num_speculative_tokens
+    @property
+    def needs(self) -> Needs:
+        return self.drafter.needs
 
-    def _eligible(self, req_id: str) -> bool:
-        return True
+    @property
+    def tree_mode(self) -> bool:
+        return self.drafter.needs.trees
 
-    def _draft(self, view: BatchView, rows: list[int], budgets: list[int], policies: list,
-               plans: dict[int, DraftPlan]) -> float:
-        """Fill plans[row] for the drafting rows (batch rows of `view`); returns the seconds spent in policy work."""
-        raise NotImplementedError
-
-    def _observe(self, view: BatchView, outcomes: dict[int, Outcome], taps: Taps) -> None:
-        """Every propose call, before the drafting rows are chosen: what verification made of each decoding row's
-        last plan (outcomes by batch row), and the target outputs asked for in `needs` (pools learn here)."""
-
-    def _size_drafts(self, view: BatchView, rows: list[int], budgets: list[int], decoding: int) -> list[int]:
-        """The cost model's cap on each drafting row's budget before drafting (early exit: chain lengths from the
-        requests' acceptance and the draft pass cost). MultiBranchProposer sizes its trees after drafting."""
-        return budgets
-
-    def _on_step(self, scheduled: dict, pure: bool) -> None:
-        """After on_schedule's bookkeeping (early exit pauses its exit layers' KV upkeep here)."""
-
-    def _on_finished(self, req_ids) -> None:
-        """Requests that finished or were aborted: drop their per-request state."""
-
-    def _config_stats(self) -> dict:
-        return {}
+    def load_model(self, target_model) -> None:
+        """vLLM calls this with the target model once it is loaded."""
+        self.drafter.load_model(target_model)
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def attach(self, port) -> None:
         """The engine port (engine/port.py): the batch view, feedback, tree runtime and rank broadcast."""
         self.port = port
         self.observers = port.observers
+        self.drafter.attach(port)
 
     def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
         if finished and self.tree_mode:  # their tree KV copies go now, not at the next step
@@ -160,7 +109,7 @@ class AdaspecProposer:
                 observe(self.stats.request_acceptance, st.accepted / st.drafted)
                 observe(self.stats.request_drafts_per_round, st.drafted / st.rounds)
         if finished:
-            self._on_finished(finished)
+            self.drafter.finish(finished)
         pure = bool(scheduled)
         rows = tree_requests = tree_rows = 0
         attention = 0.0
@@ -178,7 +127,7 @@ class AdaspecProposer:
                 tree_rows += drafts
         self._steps += 1
         self._step_shape = (len(scheduled), rows, tree_requests, tree_rows, attention) if pure else None
-        self._on_step(scheduled, pure)
+        self.drafter.on_step(scheduled, pure)
 
     # --- the proposer interface ---
     @torch.inference_mode()
@@ -193,8 +142,8 @@ class AdaspecProposer:
         view = self.port.view(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         req_ids = view.req_ids
         outcomes, taps = self._outcomes(view)
-        self._outcomes_now, self._taps = outcomes, taps  # this call's feedback (drafters read rows and taps)
-        self._observe(view, outcomes, taps)
+        self.outcomes, self.taps = outcomes, taps
+        self.drafter.observe(view, outcomes, taps)
         plans: dict[int, DraftPlan] = {}
         decoding = view.decoding()
         self.stats.decode_rows += decoding  # target forwards, summed over requests (tau = tokens / this)
@@ -209,12 +158,12 @@ class AdaspecProposer:
             self.stats.verified_drafts += drafted
             self.stats.accepted_drafts += accepted
             if drafted:  # the engine's chain acceptance: accepted drafts, rounds ended by a rejection
-                self._chain_counts[0] += accepted
-                self._chain_counts[1] += accepted < drafted
-            if not self._eligible(req_id):
+                self.chain_counts[0] += accepted
+                self.chain_counts[1] += accepted < drafted
+            if not self.drafter.eligible(req_id):
                 continue
             policy = self.states.get(req_id).policy
-            budget = min(policy.begin_round(), self._policy_max())
+            budget = min(policy.begin_round(), self.drafter.max_drafts())
             if budget > 0:
                 rows.append(i)
                 budgets.append(budget)
@@ -222,10 +171,10 @@ class AdaspecProposer:
         policy_s = time.perf_counter() - tp
         t0 = time.perf_counter()
         if rows and self.costs is not None:
-            budgets = self._size_drafts(view, rows, budgets, decoding)
+            budgets = self.drafter.size(view, rows, budgets, decoding)
             kept = [e for e, b in enumerate(budgets) if b > 0]
             rows, budgets, policies = [rows[e] for e in kept], [budgets[e] for e in kept], [policies[e] for e in kept]
-        policy_s += self._draft(view, rows, budgets, policies, plans)
+        policy_s += self.drafter.draft(view, rows, budgets, policies, plans)
         self.plans = {req_ids[i]: plan for i, plan in plans.items()}
         drafts = [list(plans[i].tokens) if i in plans else [] for i in range(len(sampled_token_ids))]
         st = self.stats
@@ -292,7 +241,7 @@ class AdaspecProposer:
         self.draft_costs.observe(decoding, passes, own)
         self.stats.cost_observations += 1
 
-    def _step_seconds(self, decoding: int):
+    def step_seconds(self, decoding: int):
         """For a step of `decoding` requests (seconds, or relative units until the first step is measured):
         rows -> its verification + our own work without draft passes; the seconds a row adds per 1000 tokens of its
         request's context (attention); and what tree verification adds, (tree requests, tree rows) -> seconds."""
@@ -301,16 +250,17 @@ class AdaspecProposer:
         return ((lambda rows: curve(rows) + own), self.costs.attention_seconds(decoding),
                 (lambda reqs, n: self.costs.tree_extra(decoding, reqs, n)))
 
-    # --- shared helpers ---
-    def _tree_rows(self, view: BatchView, rows: list[int]) -> list[bool]:
+    # --- for drafters ---
+    def tree_rows(self, view: BatchView, rows: list[int], extra_rows: int = 0) -> list[bool]:
         """Which drafting rows may draft a tree: requests whose sampling needs only temperature / top-k / top-p,
-        and whose KV copies fit the tree path's cap (trees.admit_within); the others draft chains."""
+        and whose KV copies fit the tree path's cap (trees.admit_within); the others draft chains. extra_rows: rows
+        a tree carries besides its nodes (draft branches)."""
         if self.tree is None:
             return [False] * len(rows)
         req_ids = view.req_ids
         ok = self.port.tree_compatible([req_ids[i] for i in rows])
         cand = [e for e, good in enumerate(ok) if good]
-        lengths = [copy_capacity(int(view.num_tokens[rows[e]]) + self.tree.budget + self._extra_rows) for e in cand]
+        lengths = [copy_capacity(int(view.num_tokens[rows[e]]) + self.tree.budget + extra_rows) for e in cand]
         holding = [req_ids[rows[e]] in self.tree_holders for e in cand]
         admitted = admit_within(lengths, self._copy_cap(), holding)
         for e, a in zip(cand, admitted):
@@ -335,7 +285,7 @@ class AdaspecProposer:
         stepped after it: /metrics `vllm:adaspec_live_state`, the soak test's check that nothing leaks)."""
         held = self.port.held_copy_tokens() if self.port is not None else 0
         return {"policies": len(self.states), "contexts": len(self._context), "tree_kv_copy_tokens": held,
-                "tree_holders": len(self.tree_holders),
+                "tree_holders": len(self.tree_holders), **self.drafter.live(),
                 **(self.port.observer_live() if self.port is not None else {})}
 
     def snapshot(self) -> dict:
@@ -347,11 +297,5 @@ class AdaspecProposer:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
         return {**self.stats.as_dict(), "tracked_requests": len(self.states),
                 "step_costs": self.costs.table() if self.costs is not None else {},
-                "config": {"cost_model": self.cfg.cost_model, **self._config_stats()}, "live": self.live_state(),
-                **(self.port.observer_stats() if self.port is not None else {})}
-
-
-def token_rows(rows: list[int], num_tokens_no_spec, token_ids_cpu) -> tuple[np.ndarray, list[np.ndarray]]:
-    """n [R] committed tokens of each drafting row, and each row's committed tokens (views)."""
-    n = num_tokens_no_spec[np.asarray(rows, dtype=np.int64)]
-    return n, [token_ids_cpu[r, :int(k)] for r, k in zip(rows, n)]
+                "config": {"cost_model": self.cfg.cost_model, **self.drafter.config()}, "live": self.live_state(),
+                **self.drafter.extra_stats(), **(self.port.observer_stats() if self.port is not None else {})}
