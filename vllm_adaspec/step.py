@@ -42,7 +42,7 @@ class DraftPlan:
     @property
     def is_tree(self) -> bool:
         """Verified as a tree: the nodes branch, or read-only rows ride along."""
-        return self.parents is not None and (self.num_verified < len(self.tokens) or not is_chain(list(self.parents)))
+        return self.parents is not None and (self.num_verified < len(self.tokens) or not is_chain(self.parents))
 
     def scheduled(self, n: int) -> "DraftPlan":
         """The plan as verified when the scheduler kept only its first n drafts: breadth-first order keeps a

@@ -70,9 +70,9 @@ class LogitsTap:
         b = self.runner.input_batch
         n = logits.shape[0]
         roots = [int(b.token_ids_cpu[i, b.num_tokens_no_spec[i] - 1]) for i in range(b.num_reqs)]
-        if metadata is None:
-            req_ids, tokens, rows = list(b.req_ids[:n]), roots[:n], list(range(min(n, len(roots))))
-            req_ids = req_ids[:len(rows)]
+        if metadata is None:  # one row per request
+            m = min(n, b.num_reqs)
+            req_ids, tokens, rows = list(b.req_ids[:m]), roots[:m], list(range(m))
         else:
             cu = [0] + metadata.cu_num_draft_tokens.tolist()
             drafts = metadata.draft_token_ids.tolist()
