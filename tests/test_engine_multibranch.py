@@ -16,7 +16,7 @@ import pytest
 from stats import two_sample_chi2_pvalue
 
 from conftest import (COPY_COUNTS, COPY_OR_NOT, COPYING, ENGINE, FEATURES_BATCH, GROW_MAX_TOKENS, GROW_PROMPTS,
-                      TREE_MIX, assert_features_match, assert_identical, greedy_batch)
+                      GUARD_BATCH, TREE_MIX, assert_features_match, assert_identical, greedy_batch)
 
 pytestmark = pytest.mark.engine
 
@@ -24,6 +24,12 @@ MB = "vllm_adaspec.MultiBranchProposer"
 EVERY_POOL = ("context", "suffix", "recycled", "corpus", "medusa", "branches")
 BRANCHES = {"branches": 2, "branch_length": 3}
 CHECK_BRANCHES = {"VLLM_ADASPEC_CHECK_BRANCH_SLOTS": "1"}
+# Faults injected into the every-pool engine (vllm_adaspec/faults.py): one in each pool's propose (medusa: its heads),
+# the trie, planning a step's trees, verifying a tree request and compaction, all early in its first batch; each is
+# contained (that step decodes plainly for the requests concerned), below the fault limit, so drafting goes on.
+INJECTED = {"context": 3, "suffix": 6, "recycled": 9, "corpus": 12, "medusa": 15, "branches": 18, "trie": 40,
+            "tree_plan": 24, "tree_verify": 60, "compaction": 30}
+INJECT = {"VLLM_ADASPEC_INJECT_FAULTS": ",".join(f"{place}@{n}" for place, n in INJECTED.items())}
 
 
 def mb_engine(budget=8, **extra):
@@ -45,9 +51,9 @@ def mb_runs(smollm2, tree_engines):
     batches = {"mixed": greedy_batch(), "again": greedy_batch(), "tree_mix": TREE_MIX, "counts": COPY_COUNTS,
                "features": FEATURES_BATCH}
     # at most 8 requests at a time: with 64 at once this CPU is compute-bound and no draft pays for its row
-    engine = mb_engine(max_num_seqs=8, settings={"pools": list(EVERY_POOL), **BRANCHES})  # every pool in one engine
+    engine = mb_engine(max_num_seqs=8, settings={"pools": list(EVERY_POOL), **BRANCHES, "fault_limit": 50})
     res = tree_engines.run({"model": smollm2, "engine": engine, "batches": list(batches.values()),
-                            "env": CHECK_BRANCHES})
+                            "env": {**CHECK_BRANCHES, **INJECT}})
     return {name: b["runs"][0] for name, b in zip(batches, res["batches"])}
 
 
@@ -57,7 +63,7 @@ def test_greedy_identical_and_every_pool_is_accepted(mb_runs, plain_greedy):
     assert_identical(again, plain_greedy["mixed"])
     st = again["adaspec"]
     assert st["config"]["pools"] == list(EVERY_POOL) and st["config"]["tree_mode"], st["config"]
-    assert st["tree_verified"] > 5 and st["tree_kv_moves"] >= 0, st
+    assert st["tree_verified"] > 5 and st["tree_kv_moves"] > 0, st  # accepted nodes off the first path moved
     # recycled: the verified rows' logits reached the drafter; medusa: the sampled rows' hidden states did
     for pool in EVERY_POOL:
         assert first["adaspec"]["pool_accepted"][pool] + st["pool_accepted"][pool] > 0, (pool, st["pool_accepted"])
@@ -66,9 +72,49 @@ def test_greedy_identical_and_every_pool_is_accepted(mb_runs, plain_greedy):
     assert first["adaspec"]["verified_drafts"] <= first["adaspec"]["chosen_nodes"]
     m1, m2 = first["metrics"], again["metrics"]
     assert m1["vllm:spec_decode_num_accepted_tokens"] > 100, m1
+    # the second pass's prompts hit the prefix cache (all of them were seen): trees over cached prefixes
+    assert m2["vllm:prefix_cache_hits"] > 0.5 * m2["vllm:prefix_cache_queries"], m2
     # The second pass meets outputs it has seen (the global suffix tree): it must accept more per draft.
     assert (m2["vllm:spec_decode_num_accepted_tokens"] / m2["vllm:spec_decode_num_drafts"]
             > m1["vllm:spec_decode_num_accepted_tokens"] / m1["vllm:spec_decode_num_drafts"]), (m1, m2)
+
+
+def test_injected_faults_are_contained_counted_and_drafting_goes_on(mb_runs, plain_greedy):
+    """Every failpoint of this engine raised once (INJECTED) inside the first batch; that batch's greedy output is
+    still plain decoding's (test_greedy_identical_and_every_pool_is_accepted), every request finished, and the
+    faults are counted where /metrics reads them (vllm:adaspec_drafter_faults_total, from the same statistics)."""
+    first, last = mb_runs["mixed"], mb_runs["features"]
+    assert first["adaspec"]["drafter_faults"] == len(INJECTED), first["adaspec"]["faults_by_place"]
+    assert sum(run["adaspec"]["drafter_faults"] for run in mb_runs.values()) == len(INJECTED)
+    places = last["adaspec"]["faults_by_place"]  # cumulative, by where the fault was contained
+    assert places == {"drafting": 7, "planning the step's token trees": 1,
+                      "compacting the accepted tree nodes' KV": 1,
+                      **{k: 1 for k in places if k.startswith("verifying request")}}, places
+    assert all(run["adaspec"]["drafting_off"] == 0 for run in mb_runs.values())
+    assert all(len(t) > 0 for t in first["token_ids"]) and len(first["token_ids"]) == len(plain_greedy["mixed"]["token_ids"])
+    # drafting went on after the faults: the later batches still verify trees and accept drafts
+    assert last["adaspec"]["tree_verified"] > 5 and mb_runs["again"]["adaspec"]["accepted_drafts"] > 50
+
+
+def test_at_the_fault_limit_speculation_stops_and_requests_finish_as_plain(smollm2, plain_greedy, tree_engines):
+    """fault_limit 3: a fault in the context pool, one in verifying a tree and one in planning a step's trees turn
+    speculation off for the engine's life; every request finishes with plain decoding's tokens, the next batch
+    drafts nothing and no per-request state is left."""
+    engine = mb_engine(settings={"pools": ["context"], "cost_model": "off", "fault_limit": 3})
+    flush = {"prompts": ["Hi"], "params": [{"temperature": 0.0, "max_tokens": 8}]}
+    res = tree_engines.run({"model": smollm2, "engine": engine, "batches": [GUARD_BATCH, flush],
+                            "env": {"VLLM_ADASPEC_INJECT_FAULTS": "context@4,tree_verify@12,tree_plan@20"}})
+    run, after = (b["runs"][0] for b in res["batches"])
+    assert_identical(run, plain_greedy["guard"])
+    st = run["adaspec"]
+    assert st["drafter_faults"] == 3 and st["drafting_off"] == 1, st
+    assert set(st["faults_by_place"]) == {"drafting", "planning the step's token trees"} | {
+        k for k in st["faults_by_place"] if k.startswith("verifying request")}, st["faults_by_place"]
+    assert st["accepted_drafts"] > 0 and st["tree_verified"] > 0, st  # it drafted trees until the limit
+    assert after["metrics"]["vllm:spec_decode_num_drafts"] == 0, after["metrics"]  # off for good
+    assert after["texts"][0] and after["adaspec"]["drafter_faults"] == 0
+    live = after["adaspec"]["live"]
+    assert after["adaspec"]["tracked_requests"] == 0 and not any(live.values()), (after["adaspec"], live)
 
 
 def test_request_features_work_as_without_speculation(mb_runs, plain_greedy):
@@ -99,6 +145,7 @@ def test_preemption_and_chunked_prefill_stay_exact_and_state_is_freed(smollm2, p
     run, after = res[0]["runs"][0], res[1]["runs"][0]
     assert_identical(run, plain_greedy["grow"])
     assert run["metrics"]["vllm:num_preemptions"] > 0, "no preemption happened: the test did not test it"
+    assert run["adaspec"]["prefill_chunk_rows"] > 0, "no prompt was prefilled in chunks: the test did not test it"
     assert run["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
     assert run["adaspec"]["tree_verified"] > 20, run["adaspec"]
     assert_branches_ran_and_never_leaked(run["adaspec"])

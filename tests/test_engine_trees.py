@@ -22,11 +22,11 @@ from vllm_adaspec.harness import default_env
 pytestmark = pytest.mark.engine
 
 
-def tree_engine(budget=8, top_k=2, k=8, **settings):
+def tree_engine(budget=8, top_k=2, k=8, engine=None, **settings):
     # The shipped head (N = 6) drafts; no cost model (trees keep their budget with it anyway).
     tree = {"budget": budget, "top_k": top_k, **settings.pop("tree", {})}
     return {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": k},
-            "additional_config": {"adaspec": {"cost_model": "off", "tree": tree, **settings}}}
+            "additional_config": {"adaspec": {"cost_model": "off", "tree": tree, **settings}}, **(engine or {})}
 
 
 def test_greedy_tree_decoding_is_identical_to_plain(smollm2, plain_greedy, tree_engines, engines):
@@ -48,7 +48,7 @@ def test_greedy_tree_decoding_is_identical_to_plain(smollm2, plain_greedy, tree_
     assert tree_rate > 1.15 * chain_rate, (tree_rate, chain_rate, st["tree_accepted_depth"])
 
 
-def test_c2t_trees_with_thompson_cali_read_the_last_accepted_node_and_kv_copies_stay_capped(
+def test_c2t_trees_with_thompson_cali_under_preemption_and_chunked_prefill(
         smollm2, plain_greedy, tree_engines):
     # C2T trees (the shipped classifier keeps a node when its confidence passes beta; trees vary in size) stay
     # token-identical to plain decoding. VLLM_ADASPEC_CHECK_TARGET_ROWS: with greedy decoding the row thompson-cali
@@ -56,13 +56,18 @@ def test_c2t_trees_with_thompson_cali_read_the_last_accepted_node_and_kv_copies_
     # node's row, not from root + depth. kv_copy_tokens 700: one ~420-token prompt's copy (~600 positions with
     # slack) fits, two do not, so the other long request drafts chains while the first holds its copy.
     # VLLM_ADASPEC_RECORD_TREES: what `adaspec train c2t` reads (features and labels of every verified tree).
+    # A small KV cache (30 MiB: ~650 positions in 32-token blocks) and 64 tokens per step: the long prompts are
+    # prefilled in chunks and requests are preempted and resumed (their KV recomputed, their copies dropped).
     engine = tree_engine(policy="thompson-cali", tree={"kv_copy_tokens": 700, "builder": "c2t", "beta": 0.2,
-                                                       "top_k": 3})
+                                                       "top_k": 3},
+                         engine={"kv_cache_memory_bytes": 30 * 2**20, "block_size": 32, "max_num_batched_tokens": 64})
     res = tree_engines.run({"model": smollm2, "engine": engine, "batches": [greedy_batch()],
                             "env": {"VLLM_ADASPEC_CHECK_TARGET_ROWS": "1", "VLLM_ADASPEC_RECORD_TREES": "1"}})
     run = res["batches"][0]["runs"][0]
     assert_identical(run, plain_greedy["mixed"])
+    assert run["metrics"]["vllm:num_preemptions"] > 0, "no preemption happened: the test did not test it"
     st = run["adaspec"]
+    assert st["prefill_chunk_rows"] > 0, "no prompt was prefilled in chunks: the test did not test it"
     assert st["tree_verified"] > 20 and st["tree_kv_moves"] > 0, st  # paths left the spine: the case under test
     assert st["row_checks"] > 20 and st["row_mismatches"] == 0, st
     assert st["tree_capped"] > 0, st

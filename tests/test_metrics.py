@@ -62,7 +62,8 @@ def test_collector_reports_counters_and_cumulative_histograms(tmp_path, monkeypa
              "draft_seconds": 0.5, "requests_finished": 2, "draft_steps": [1, 4],
              "step_costs": {"1": [12.0, 20.0, 21.0, 22.5, 26.0, 31.0, 40.0]},
              "request_acceptance": h, "request_drafts_per_round": h,
-             "tree_nodes": 40, "tree_accepted_depth": [3, 2, 1], "tree_kv_moves": 4}
+             "tree_nodes": 40, "tree_accepted_depth": [3, 2, 1], "tree_kv_moves": 4, "drafter_faults": 3,
+             "drafting_off": 1}
     SnapshotWriter("dp0").maybe_write(stats, force=True)
     fams = {f.name: f for f in AdaspecCollector().collect()}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
@@ -75,6 +76,8 @@ def test_collector_reports_counters_and_cumulative_histograms(tmp_path, monkeypa
     assert samples[("vllm:adaspec_tree_nodes_total", lab)] == 40
     assert samples[("vllm:adaspec_tree_rounds_total", tuple(sorted(lab + (("depth", "2"),))))] == 1
     assert samples[("vllm:adaspec_tree_kv_moves_total", lab)] == 4
+    assert samples[("vllm:adaspec_drafter_faults_total", lab)] == 3
+    assert samples[("vllm:adaspec_drafting_off", lab)] == 1
     assert samples[("vllm:adaspec_decode_steps_total", tuple(sorted(lab + (("drafting", "1"),))))] == 4
     # the cost model's fit: batch 1, 3 drafted rows (1 + 3 = the table's 4-row point) = 22.5 ms
     assert samples[("vllm:adaspec_step_cost_seconds", tuple(sorted(lab + (("batch", "1"), ("rows", "3")))))] == 0.0225

@@ -40,9 +40,9 @@ def post(url, body, stream=False):
 
 
 @contextlib.contextmanager
-def serving(model, work, speculative: dict, additional: dict | None = None):
+def serving(model, work, speculative: dict, additional: dict | None = None, env: dict | None = None):
     """`adaspec serve MODEL` as README says (vllm serve itself dies on the CPU build), float32, on a free loopback
-    port; yields (base url, server process). Stopped by SIGTERM to its PID."""
+    port; yields (base url, server process). Stopped by SIGTERM to its PID. env: added to the server's."""
     port = free_port()
     cmd = [
         os.path.join(os.path.dirname(sys.executable), "adaspec"), "serve", model,
@@ -52,7 +52,7 @@ def serving(model, work, speculative: dict, additional: dict | None = None):
     ] + (["--additional-config", json.dumps(additional)] if additional else [])
     log = open(work / "server.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=default_env(multiprocess=True, workdir=str(work)))
+                            env={**default_env(multiprocess=True, workdir=str(work)), **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 600
@@ -98,10 +98,13 @@ def test_completions_equal_offline_output(server, plain_greedy):
 
 
 def test_metrics_show_speculation(server):
-    base, _ = server
+    base, model = server
+    before = scrape(base, "vllm:spec_decode_num_")  # whatever ran before: this test reads its own request's share
+    post(base + "/v1/completions", {"model": model, "prompt": PROMPTS[7], "max_tokens": 32, "temperature": 0.0})
+    time.sleep(0.6)  # vLLM's counters reach /metrics with the front end's next stats update
     values = scrape(base, "vllm:spec_decode_num_")
-    assert values.get("vllm:spec_decode_num_drafts_total", 0) > 0, values
-    assert values.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0, values
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"):
+        assert values.get(name, 0) > before.get(name, 0), (name, before, values)
 
 
 def scrape(base, prefix):
@@ -146,6 +149,9 @@ def test_metrics_show_adaspec_drafting(server):
 
 # --- soak: many concurrent clients, some vanishing, some malformed; every proposer's default and tree mode ------
 
+# The MultiBranchProposer server also meets faults injected in a pool, the trie and tree planning
+# (vllm_adaspec/faults.py): each is contained, the soak's outputs stay exact and /metrics counts them.
+SOAK_FAULTS = {"suffix": 3, "tree_plan": 4, "trie": 10}
 SOAK_CONFIGS = {
     # README's first configuration: MultiBranchProposer with every default (trees on this CPU)
     "multibranch default": ({"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": 16}, None),
@@ -194,13 +200,14 @@ def soak_jobs(model):
     return jobs, kinds
 
 
-def soak_round(base, model, plain_greedy) -> None:
-    """One soak round against a running server, and the checks that follow it."""
+def soak_round(base, model, plain_greedy) -> dict:
+    """One soak round against a running server, and the checks that follow it. Returns /metrics after it."""
     from conftest import FEATURE_NAMES
     from soak import run_jobs, scrape, total
 
     edge_text = plain_greedy["features"]["texts"][FEATURE_NAMES.index("max_model_len")]
     jobs, kinds = soak_jobs(model)
+    before = scrape(base)
     results = run_jobs(base, jobs)
     for (kind, what), res in zip(kinds, results):
         if kind == "greedy":  # equal to the same request served alone (plain decoding, float32)
@@ -229,14 +236,26 @@ def soak_round(base, model, plain_greedy) -> None:
     res = run_jobs(base, [{"body": {"model": model, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS[1],
                                     "temperature": 0.0}}])[0]
     assert res["status"] == 200 and res["text"] == plain_greedy["mixed"]["texts"][1], res
+    # and the round was speculative: our drafts were verified and accepted (not plain decoding under another name)
+    m = scrape(base)
+    for name in ("vllm:adaspec_accepted_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"):
+        assert total(m, name) > total(before, name), (name, total(before, name), total(m, name))
+    return m
 
 
 @pytest.mark.parametrize("config", list(SOAK_CONFIGS))
 def test_soak_outputs_exact_bad_requests_4xx_nothing_left_running(config, smollm2, plain_greedy, tmp_path, request):
+    from soak import total
+
     if SOAK_CONFIGS[config] is None:
         base, _ = request.getfixturevalue("server")
         soak_round(base, smollm2, plain_greedy)
         return
     spec, additional = SOAK_CONFIGS[config]
-    with serving(smollm2, tmp_path, spec, additional) as (base, _):
-        soak_round(base, smollm2, plain_greedy)
+    faults = SOAK_FAULTS if config == "multibranch default" else {}
+    env = {"VLLM_ADASPEC_INJECT_FAULTS": ",".join(f"{k}@{n}" for k, n in faults.items())} if faults else None
+    with serving(smollm2, tmp_path, spec, additional, env=env) as (base, _):
+        m = soak_round(base, smollm2, plain_greedy)
+    # the injected faults were contained (the server served every request exactly) and counted
+    assert total(m, "vllm:adaspec_drafter_faults_total") == len(faults), m
+    assert total(m, "vllm:adaspec_drafting_off") == 0, m

@@ -30,12 +30,13 @@ class AdaspecConfigError(ValueError):
 
 # Which settings each proposer reads: a common part (draft-length policy, speed guard, token trees) and a part of
 # its own. Keys of another proposer are refused like unknown keys.
-COMMON_KEYS = ("policy", "cost_model", "speed_guard", "tree")
+COMMON_KEYS = ("policy", "cost_model", "speed_guard", "tree", "fault_limit")
 PROPOSER_KEYS = {
-    "early_exit": ("exit_layer", "policy", "exit_head", "cost_model", "speed_guard", "tree", "acceptance"),
+    "early_exit": ("exit_layer", "policy", "exit_head", "cost_model", "speed_guard", "tree", "acceptance",
+                   "fault_limit"),
     "multi_branch": ("pools", "corpus", "medusa", "policy", "cost_model", "speed_guard", "tree", "acceptance",
-                     "branches", "branch_length", "branch_init"),
-    "probe": ("policy", "cost_model", "speed_guard", "tree"),
+                     "branches", "branch_length", "branch_init", "suffix_cache_requests", "fault_limit"),
+    "probe": ("policy", "cost_model", "speed_guard", "tree", "fault_limit"),
 }
 # How drafts are sized against what verifying them costs (policies/cost_model.py):
 #   "online"  the step cost model, fitted online from the engine's own step times, starting from the shipped curve
@@ -66,6 +67,14 @@ MAX_BRANCH_LENGTH = 16
 MAX_DRAFTS = 128  # vLLM verifies at most this many drafts per request and step
 MAX_TOP_K = 16
 MAX_KV_COPY_TOKENS = 2**31 - 1  # KV positions are int32 indices
+# Contained drafter faults (vllm_adaspec/faults.py) after which speculation is off for the engine's life.
+DEFAULT_FAULT_LIMIT = 10
+MAX_FAULT_LIMIT = 10**6
+# The suffix pool's global cache of earlier outputs keeps this many recent requests (arctic-inference's
+# max_cached_requests; about 0.7 MiB each, benchmarks/RESULTS.md, session 12). vLLM's own `suffix` method uses
+# 10000 by default.
+DEFAULT_SUFFIX_CACHE_REQUESTS = 1000
+MAX_SUFFIX_CACHE_REQUESTS = 10**6
 
 
 # --- numbers: finite, in a stated range -------------------------------------------------------------------------
@@ -209,6 +218,10 @@ class AdaspecConfig:
     branches: int = DEFAULT_BRANCHES
     branch_length: int = DEFAULT_BRANCH_LENGTH
     branch_init: str = "prompt"  # or "random" (the paper's padding)
+    # The suffix pool's global cache bound, in requests (memory grows with it up to the bound, then stays flat).
+    suffix_cache_requests: int = DEFAULT_SUFFIX_CACHE_REQUESTS
+    # Contained faults after which the drafter turns itself off (faults.py).
+    fault_limit: int = DEFAULT_FAULT_LIMIT
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -346,7 +359,20 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None, proposer: 
                          medusa=_parse_artifact("medusa", section, pools,
                                                 "a Medusa heads folder (`adaspec train medusa`)"),
                          acceptance=_parse_acceptance(section.get("acceptance")),
+                         suffix_cache_requests=_parse_suffix_cache(section, pools),
+                         fault_limit=_check_int_in("fault_limit", section.get("fault_limit", DEFAULT_FAULT_LIMIT), 1,
+                                                   MAX_FAULT_LIMIT, "contained faults before drafting stops"),
                          **_parse_branches(section, pools))
+
+
+def _parse_suffix_cache(section: Mapping, pools: tuple[str, ...]) -> int:
+    if "suffix_cache_requests" not in section:
+        return DEFAULT_SUFFIX_CACHE_REQUESTS
+    if "suffix" not in pools:
+        raise _fail("suffix_cache_requests", f"bounds the 'suffix' pool's cache, which is not in pools "
+                                             f"({list(pools)!r}); add 'suffix' or drop the key")
+    return _check_int_in("suffix_cache_requests", section["suffix_cache_requests"], 1, MAX_SUFFIX_CACHE_REQUESTS,
+                         "requests the suffix pool's global cache keeps")
 
 
 def _parse_cost_model(section: Mapping, proposer: str) -> str:
@@ -428,6 +454,7 @@ class CommonSettings:
     cost_model: str = "online"
     tree: TreeSettings | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
+    fault_limit: int = DEFAULT_FAULT_LIMIT
     # Set by engine/startup.check_engine, which checked these settings against the engine: then `tree_unsupported`
     # says why this engine cannot verify token trees (None: it can), and a MultiBranchProposer's `pools` are the ones
     # this engine runs and its `corpus` / `medusa` the files checked for this model (concrete paths), so the worker
@@ -452,6 +479,7 @@ class MultiBranchSettings(CommonSettings):
     branches: int = 0
     branch_length: int = DEFAULT_BRANCH_LENGTH
     branch_init: str = "prompt"
+    suffix_cache_requests: int = DEFAULT_SUFFIX_CACHE_REQUESTS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -553,7 +581,7 @@ def resolve_config(
     return EarlyExitSettings(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k,
                              policy=cfg.policy, policy_params=cfg.policy_params, exit_head=head,
                              cost_model=cfg.cost_model, exit_head_setting=cfg.exit_head, tree=cfg.tree,
-                             acceptance=cfg.acceptance)
+                             acceptance=cfg.acceptance, fault_limit=cfg.fault_limit)
 
 
 K_KEY = "speculative_config['num_speculative_tokens']"
@@ -596,7 +624,7 @@ def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int, proposer:
     tree = cfg.tree or TreeSettings(budget=max(1, min(k - cfg.branches * cfg.branch_length, DEFAULT_BUDGET)))
     _check_budget_fits(tree, k)
     common = dict(num_layers=num_layers, num_speculative_tokens=k, policy=cfg.policy, policy_params=cfg.policy_params,
-                  cost_model=cfg.cost_model, tree=tree, acceptance=cfg.acceptance)
+                  cost_model=cfg.cost_model, tree=tree, acceptance=cfg.acceptance, fault_limit=cfg.fault_limit)
     if proposer == "probe":
         return ProbeSettings(**common)
     rows = tree.budget + cfg.branches * cfg.branch_length
@@ -616,7 +644,7 @@ def _resolve_multi_branch(cfg: AdaspecConfig, num_layers: int, k: int, proposer:
                                  "remove 'suffix' from pools to run without it")
     return MultiBranchSettings(**common, pools=pools, pools_given=cfg.pools_given, corpus=cfg.corpus,
                                medusa=cfg.medusa, branches=cfg.branches, branch_length=cfg.branch_length,
-                               branch_init=cfg.branch_init)
+                               branch_init=cfg.branch_init, suffix_cache_requests=cfg.suffix_cache_requests)
 
 
 DEFAULT_BUDGET = 16  # MultiBranchProposer's node budget when `tree` is not given (capped at K)

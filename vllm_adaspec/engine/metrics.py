@@ -19,6 +19,9 @@ Metrics (labels: policy, engine):
     vllm:adaspec_tree_nodes_total                tree mode: tree nodes drafted
     vllm:adaspec_tree_rounds_total{depth}        tree mode: trees verified, by accepted depth (tokens accepted)
     vllm:adaspec_tree_kv_moves_total             tree mode: KV slots moved by compaction
+    vllm:adaspec_drafter_faults_total            faults of ours contained (each: a step without drafts for the
+                                                 requests concerned; vllm_adaspec/faults.py)
+    vllm:adaspec_drafting_off                    1 once the faults reached `fault_limit`: speculation is off
     vllm:adaspec_live_state{kind}                per-request state held now (policies, pools, KV copy tokens,
                                                  branch grams, ...): 0 once every request finished
 Numbers trail the engine by up to one step and 0.5 s (finished requests are noticed at the next step).
@@ -69,6 +72,10 @@ class AdaspecCollector:
         depth = CounterMetricFamily("vllm:adaspec_tree_rounds", "Trees verified, by accepted depth",
                                     labels=names + ["depth"])
         moves = CounterMetricFamily("vllm:adaspec_tree_kv_moves", "KV slots moved by tree compaction", labels=names)
+        faults = CounterMetricFamily("vllm:adaspec_drafter_faults", "Drafter faults contained (steps decoded without "
+                                     "drafts for the requests concerned)", labels=names)
+        off = GaugeMetricFamily("vllm:adaspec_drafting_off", "1 once the drafter faults reached fault_limit",
+                                labels=names)
         live = GaugeMetricFamily("vllm:adaspec_live_state", "Per-request drafter state held now, by kind",
                                  labels=names + ["kind"])
         for i, st in enumerate(snaps):
@@ -88,13 +95,15 @@ class AdaspecCollector:
             moves.add_metric(labels, st.get("tree_kv_moves", 0))
             for d, count in enumerate(st.get("tree_accepted_depth", [])):
                 depth.add_metric(labels + [str(d)], count)
+            faults.add_metric(labels, st.get("drafter_faults", 0))
+            off.add_metric(labels, st.get("drafting_off", 0))
             for kind, value in st.get("live", {}).items():
                 live.add_metric(labels + [kind], value)
             if "request_acceptance" in st:
                 _histogram(acc_h, labels, st["request_acceptance"])
                 _histogram(len_h, labels, st["request_drafts_per_round"])
         yield from (rounds, verified, accepted, seconds, finished, steps, costs, acc_h, len_h, nodes, depth, moves,
-                    live)
+                    faults, off, live)
 
 
 class AdaspecStatLogger(StatLoggerBase):

@@ -27,7 +27,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vllm_adaspec.config import DEFAULT_FAULT_LIMIT
 from vllm_adaspec.engine.cpu_kv import compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at, paged_index
+from vllm_adaspec.faults import FaultGuard
 from vllm_adaspec.step import DraftMask
 from vllm_adaspec.trees import DraftTree, ancestor_mask, copy_capacity
 
@@ -69,11 +71,13 @@ class SequenceKV:
 
 def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tensor, spec_tokens: dict,
               plans: dict, num_tokens: int) -> TreeStep | None:
-    """Match the scheduled drafts against the planned trees and write depth positions in place.
+    """Match the scheduled drafts against the planned trees, then write depth positions in place.
 
     req_ids: batch order; query_start [num_reqs + 1] flattened row starts; positions [num_tokens] (rewritten);
     spec_tokens: the scheduler's req_id -> scheduled draft ids; plans: req_id -> step.DraftPlan. A tree whose
-    drafts the scheduler trimmed keeps its first nodes (DraftPlan.scheduled)."""
+    drafts the scheduler trimmed keeps its first nodes (DraftPlan.scheduled). Every tree is planned before any
+    position is written: a fault while planning leaves the positions as vLLM made them (the drafts verify as
+    chains)."""
     requests = []
     for row, req_id in enumerate(req_ids):
         spec = spec_tokens.get(req_id)
@@ -86,11 +90,13 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tens
             continue
         tree = DraftTree(torch.tensor(plan.tokens), torch.tensor(plan.parents))
         start = int(query_start[row])
-        root_pos = int(positions[start])
-        positions[start + 1:start + 1 + n] = root_pos + tree.depths.to(positions.dtype)
-        requests.append(TreeRequest(row, req_id, start, root_pos, tree, ancestor_mask(tree),
+        requests.append(TreeRequest(row, req_id, start, int(positions[start]), tree, ancestor_mask(tree),
                                     branch_rows=n - plan.num_verified))
-    return TreeStep(num_tokens, requests) if requests else None
+    if not requests:
+        return None
+    for r in requests:
+        positions[r.start + 1:r.start + 1 + len(r.tree)] = r.root_pos + r.tree.depths.to(positions.dtype)
+    return TreeStep(num_tokens, requests)
 
 
 def shrink_tree_seq_lens(step: TreeStep, seq_lens: torch.Tensor) -> None:
@@ -133,8 +139,10 @@ class TreeRuntime:
     contiguous KV copies of the requests in tree mode, keyed (request id, cache address). Observers (tests'
     instrumentation, vllm_adaspec/observers.py) see each forward's plan before it runs."""
 
-    def __init__(self, observers=()):
+    def __init__(self, observers=(), faults: FaultGuard | None = None):
         self.step: TreeStep | None = None
+        # the driver's fault guard (faults.py): planning and verification faults are contained and counted there
+        self.faults = faults if faults is not None else FaultGuard(DEFAULT_FAULT_LIMIT)
         self.draft: DraftMask | None = None
         self.copies: dict[tuple[str, int], SequenceKV] = {}
         self.observers = list(observers)
@@ -151,7 +159,12 @@ class TreeRuntime:
         step's tree requests, drop the others' and those of `resumed` requests (their KV was recomputed)."""
         step = None
         if plans and spec_tokens:
-            step = plan_step(req_ids, query_start, positions, spec_tokens, plans, num_tokens)
+            try:
+                self.faults.point("tree_plan")
+                step = plan_step(req_ids, query_start, positions, spec_tokens, plans, num_tokens)
+            except Exception as e:  # nothing written yet: every scheduled draft verifies as a chain (lossless)
+                self.faults.record("planning the step's token trees", e)
+                step = None
         keep = set(holders) | ({r.req_id for r in step.requests} if step else set())
         self.retain(keep, stale=resumed)
         for obs in self.observers:
@@ -268,6 +281,7 @@ class TreeRuntime:
         paths = {row: path for row, (path, *_) in results.items()}
         src, dst = compaction_slots(step, paths)
         compact_kv_cpu(step.kv_caches, src, dst)
+        self.faults.point("compaction")
         self.advance_copies(step, paths)
         self.results, self.kv_moves = results, len(src)
 

@@ -68,25 +68,44 @@ class TreeRejectionSampler:
         return getattr(self.stock, name)
 
     def _verify_trees(self, step, tokens, metadata, logits, sampling_metadata) -> None:
-        """tokens [B, max_spec_len + 1] int32, -1 padded: vLLM's result, rewritten for the tree rows."""
+        """tokens [B, max_spec_len + 1] int32, -1 padded: vLLM's result, rewritten for the tree rows.
+
+        Faults are contained (faults.py). A request whose verification fails keeps only vLLM's first token: its root
+        row attends to the prefix and itself alone, so that token is the one plain decoding samples there (the chain
+        verdict on its other rows is not: they were computed under the tree mask). A fault in compaction turns every
+        tree request of the step into that: positions past root + 1 are then scratch, whatever was moved there."""
         cu = metadata.cu_num_draft_tokens.tolist()
         target_idx, bonus_idx = metadata.target_logits_indices, metadata.bonus_logits_indices
         temps = sampling_metadata.temperature
+        faults = self.runtime.faults
         results = {}
         for r in step.requests:
             i = r.row
-            first = cu[i - 1] if i else 0
-            rows = torch.cat([target_idx[first:cu[i]], bonus_idx[i:i + 1]])
-            t = 0.0 if sampling_metadata.all_greedy or temps is None else float(temps[i])
-            k = None if sampling_metadata.top_k is None else int(sampling_metadata.top_k[i])
-            p = None if sampling_metadata.top_p is None else float(sampling_metadata.top_p[i])
-            m = r.num_verified  # the verified nodes; rows past them are draft branches, only read
-            tree = r.tree if m == len(r.tree) else DraftTree(r.tree.tokens[:m], r.tree.parents[:m])
-            path, bonus = verify_tree_request(tree, logits[rows[:m + 1]], t, k, p,
-                                              sampling_metadata.generators.get(i), self.acceptance)
-            predicted = logits[rows[m + 1:]].argmax(dim=-1).tolist() if m < len(r.tree) else []
-            node_tokens = r.tree.tokens[path].tolist()
+            try:
+                faults.point("tree_verify")
+                first = cu[i - 1] if i else 0
+                rows = torch.cat([target_idx[first:cu[i]], bonus_idx[i:i + 1]])
+                t = 0.0 if sampling_metadata.all_greedy or temps is None else float(temps[i])
+                k = None if sampling_metadata.top_k is None else int(sampling_metadata.top_k[i])
+                p = None if sampling_metadata.top_p is None else float(sampling_metadata.top_p[i])
+                m = r.num_verified  # the verified nodes; rows past them are draft branches, only read
+                tree = r.tree if m == len(r.tree) else DraftTree(r.tree.tokens[:m], r.tree.parents[:m])
+                path, bonus = verify_tree_request(tree, logits[rows[:m + 1]], t, k, p,
+                                                  sampling_metadata.generators.get(i), self.acceptance)
+                predicted = logits[rows[m + 1:]].argmax(dim=-1).tolist() if m < len(r.tree) else []
+                row = torch.tensor(r.tree.tokens[path].tolist() + [bonus], dtype=tokens.dtype)
+            except Exception as e:  # vLLM's first token stands, nothing more
+                faults.record(f"verifying request {r.req_id}'s token tree", e)
+                path, row, predicted = [], tokens[i, :1].clone(), []
             tokens[i].fill_(-1)
-            tokens[i, :len(path) + 1] = torch.tensor(node_tokens + [bonus], dtype=tokens.dtype)
-            results[i] = (path, bonus, predicted)
-        self.runtime.finish_step(step, results)
+            tokens[i, :len(row)] = row
+            results[i] = (path, int(row[-1]), predicted)
+        try:
+            self.runtime.finish_step(step, results)
+        except Exception as e:
+            faults.record("compacting the accepted tree nodes' KV", e)
+            for r in step.requests:
+                tokens[r.row, 1:] = -1
+            self.runtime.drop([r.req_id for r in step.requests])  # their copies are rebuilt from the paged cache
+            self.runtime.results = {r.row: ([], int(tokens[r.row, 0]), []) for r in step.requests}
+            self.runtime.kv_moves = 0

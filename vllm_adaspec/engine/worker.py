@@ -31,7 +31,7 @@ class _AdaspecWorkerMixin:
             from vllm_adaspec.engine.tree_runtime import TreeRuntime
 
             tree_backend.register()  # before the model (and its attention layers) is built
-            runtime = TreeRuntime(observers)
+            runtime = TreeRuntime(observers, faults=drafter.faults)
         drafter.attach(EnginePort(runner, runtime, observers))  # before load_model: drafters load through it
         # One writer per engine: tensor-parallel rank 0 (every rank drafts the same).
         self._adaspec_snapshots = (SnapshotWriter(f"dp{self.parallel_config.data_parallel_rank}")

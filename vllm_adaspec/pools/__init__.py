@@ -186,10 +186,11 @@ def pool_class(name: str) -> type[Pool]:
 
 def make_pools(names: Sequence[str], *, vocab_size: int, corpus_table=None, medusa_heads=None,
                num_branches: int = 0, branch_length: int = 4, branch_init: str = "prompt",
-               branch_seed: Callable[[str], int] = lambda req_id: 0) -> list[Pool]:
+               branch_seed: Callable[[str], int] = lambda req_id: 0, suffix_cache_requests: int = 1000) -> list[Pool]:
     """The named pools, in merge order (POOLS, not the order of `names`). corpus_table: a loaded CorpusTable or a
     path to one; medusa_heads: the loaded heads (engine/medusa_heads.MedusaHeads); branch_*: the Self-Draft
-    settings (branch_seed: req_id -> seed of its branch init)."""
+    settings (branch_seed: req_id -> seed of its branch init); suffix_cache_requests: the suffix pool's global
+    cache bound."""
     unknown = [n for n in names if n not in POOLS]
     if unknown:
         raise ValueError(f"unknown pool(s) {', '.join(map(repr, unknown))}; known: {', '.join(POOLS)}")
@@ -200,7 +201,8 @@ def make_pools(names: Sequence[str], *, vocab_size: int, corpus_table=None, medu
     for name in (n for n in POOLS if n in names):
         if name in files and args[name][0] is None:
             raise ValueError(f"the {name} pool needs its file loaded: pass {files[name]}")
-        out.append(pool_class(name)(*args.get(name, ())))
+        kwargs = {"max_cached_requests": suffix_cache_requests} if name == "suffix" else {}
+        out.append(pool_class(name)(*args.get(name, ()), **kwargs))
     return out
 
 
@@ -208,8 +210,9 @@ class PoolSet:
     """The drafter's pools as one: lifecycle calls fan out to every pool, `propose` gathers every pool's candidates
     per request (pools in their order), and what it proposed is counted per pool (stats)."""
 
-    def __init__(self, pools: Sequence[Pool]):
+    def __init__(self, pools: Sequence[Pool], failpoint: Callable[[str], None] | None = None):
         self.pools = list(pools)
+        self.failpoint = failpoint  # faults.FaultGuard.point: fault injection in each pool's propose (tests)
         self.fed: dict[str, int] = {}  # req -> tokens fed so far (prompt + extends): where the next extend starts
         self.nodes = {p.name: 0 for p in self.pools}  # candidate nodes proposed, per pool
 
@@ -258,6 +261,8 @@ class PoolSet:
         if not requests:
             return out
         for p in self.pools:
+            if self.failpoint is not None:
+                self.failpoint(p.name)
             cands = p.propose(requests, budgets, taps)
             for row, c in zip(out, cands):
                 row.append(c)

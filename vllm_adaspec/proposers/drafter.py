@@ -17,6 +17,7 @@ class Stats:
     """A drafter's counters (the `adaspec_stats` RPC, /metrics). Drafters extend it with their own."""
     propose_calls: int = 0  # propose calls that drafted
     decode_rows: int = 0  # target forwards, summed over requests (tau = tokens / this)
+    prefill_chunk_rows: int = 0  # rows that sampled nothing: a prompt chunk in flight (chunked prefill happened)
     draft_passes: int = 0  # draft-model passes (early exit: per depth)
     draft_tokens: int = 0
     draft_seconds: float = 0.0  # wall time drafting (CPU: synchronous, so this is the drafting cost)
@@ -42,6 +43,9 @@ class Stats:
     requests_finished: int = 0
     request_acceptance: dict = field(default_factory=lambda: new_histogram(ACCEPTANCE_BUCKETS))
     request_drafts_per_round: dict = field(default_factory=lambda: new_histogram(DRAFTS_PER_ROUND_BUCKETS))
+    # contained faults (vllm_adaspec/faults.py), and 1 once they reached fault_limit (speculation off for good)
+    drafter_faults: int = 0
+    drafting_off: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)  # (a deep copy: callers diff snapshots)

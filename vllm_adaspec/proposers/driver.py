@@ -23,6 +23,7 @@ import zlib
 import numpy as np
 import torch
 
+from vllm_adaspec.faults import FaultGuard
 from vllm_adaspec.metrics import observe
 from vllm_adaspec.policies import make_policy
 from vllm_adaspec.policies.cost_model import VERIFY_COST, DraftCost, StepCostModel, attention_load
@@ -74,6 +75,8 @@ class Driver:
         # Cost accounting, read through the worker's `adaspec_stats` RPC (and /metrics)
         self.stats = self.drafter_cls.stats_cls(tree_accepted_depth=[0] * (k + 1), round_lengths=[0] * (k + 1),
                                                 policy=self.cfg.policy)
+        # Contained faults (faults.py): shared with the tree runtime; the failpoints of fault injection (tests).
+        self.faults = FaultGuard.from_env(self.cfg.fault_limit)
         self.drafter = self.drafter_cls(vllm_config, settings, self)
 
     @property
@@ -96,6 +99,16 @@ class Driver:
         self.drafter.attach(port)
 
     def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
+        """At the start of every step: finished requests' state goes, and the step's shape is noted (cost model).
+        A fault here is contained: this step's plans are dropped (its scheduled drafts verify as chains)."""
+        if self.faults.off:
+            return
+        try:
+            self._on_schedule(scheduled, spec_tokens, finished)
+        except Exception as e:  # our code only saves time: never the engine's fault
+            self.contain("the drafter's step bookkeeping", e)
+
+    def _on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
         if finished and self.tree_mode:  # their tree KV copies go now, not at the next step
             self.port.drop_trees(finished)
             self.tree_holders.difference_update(finished)
@@ -132,10 +145,41 @@ class Driver:
     # --- the proposer interface ---
     @torch.inference_mode()
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_):
+        """vLLM's custom-proposer call: drafts per batch row ([] = none). A fault in drafting is contained: no row
+        drafts this step (plain decoding for the step, lossless)."""
         if self.port is None:
             raise RuntimeError(
                 f"{type(self).__name__} was not attached to the engine: the vllm_adaspec plugin did not install "
                 "its worker (is the package installed in the environment vLLM runs in?)")
+        if not self.faults.off:
+            try:
+                return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            except Exception as e:  # our code only saves time: never the engine's fault
+                self.contain("drafting", e)
+        if self.faults.off and not self.stats.drafting_off:  # the limit was reached (here or in the tree path)
+            self.stats.drafting_off = 1
+            self._release_all()
+        return [[] for _ in sampled_token_ids]
+
+    def contain(self, where: str, exc: Exception) -> None:
+        """After a contained fault: nothing this step's drafter planned is used; the step cost model skips it."""
+        self.faults.record(where, exc)
+        self.plans, self._last_end, self._step_shape = {}, None, None
+
+    def _release_all(self) -> None:
+        """Speculation is off for good: drop what every request holds (each part guarded: something is broken)."""
+        held = list(self.states.states)
+        for release in (lambda: self.port.drop_trees(held), lambda: self.drafter.finish(held),
+                        lambda: self.states.finish(held)):
+            try:
+                release()
+            except Exception:  # noqa: BLE001 (best effort: the engine runs on without us either way)
+                pass
+        self.plans, self.tree_holders, self._context = {}, set(), {}
+        for obs in self.observers:
+            obs.forget(held)
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         now = time.perf_counter()
         self._observe_step(now)
         passes_before = self.stats.draft_passes
@@ -151,6 +195,7 @@ class Driver:
         tp = time.perf_counter()  # policy time: its decisions, feedback and the statistics it asks for
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:  # prefill chunk in flight or discarded step: no new token to draft from
+                self.stats.prefill_chunk_rows += 1
                 continue
             req_id = req_ids[i]
             self._context[req_id] = int(num_tokens_no_spec[i])
@@ -290,12 +335,15 @@ class Driver:
 
     def snapshot(self) -> dict:
         """What /metrics shows (engine/metrics.py): the counters, the live state and the step cost model's fit."""
+        self.stats.drafter_faults = self.faults.count  # (the tree path counts its faults on the same guard)
         return {**self.stats.as_dict(), "live": self.live_state(),
                 "step_costs": self.costs.table() if self.costs is not None else {}}
 
     def get_stats(self) -> dict:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
+        self.stats.drafter_faults = self.faults.count
         return {**self.stats.as_dict(), "tracked_requests": len(self.states),
                 "step_costs": self.costs.table() if self.costs is not None else {},
                 "config": {"cost_model": self.cfg.cost_model, **self.drafter.config()}, "live": self.live_state(),
-                **self.drafter.extra_stats(), **(self.port.observer_stats() if self.port is not None else {})}
+                "faults_by_place": dict(self.faults.by_place), **self.drafter.extra_stats(),
+                **(self.port.observer_stats() if self.port is not None else {})}

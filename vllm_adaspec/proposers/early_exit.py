@@ -180,6 +180,7 @@ class EarlyExitDrafter(Drafter):
         entries = list(range(len(rows)))  # index into rows/budgets/policies for each active request
         for depth in range(1, max(budgets) + 1):
             hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len)
+            self.driver.faults.point("draft")  # fault injection: after a pass wrote draft KV (tests)
             logits, vocab, normed = self.prefix.head(hidden, residual)  # [B, V'], V' ids (None: all), [B, H]
             tokens = logits.argmax(dim=-1)  # [B]
             if vocab is not None:
@@ -254,6 +255,7 @@ class EarlyExitDrafter(Drafter):
                 block_rows[idx], torch.tensor(tokens, device=device),
                 torch.from_numpy(root[req] + depth - 1).to(device), max_seq_len,
                 slot_positions=torch.tensor(slot_pos, device=device), tree_mask=mask)
+            self.driver.faults.point("draft")
             logits, vocab, normed = self.prefix.head(hidden, residual)  # [F, V'], ..., [F, H]
             stats = entropy_topk(logits, 1.0, k=ts.top_k, top_n=top_n)  # top_ids, top_probs [F, k]
             top_ids = stats.top_ids if vocab is None else vocab[stats.top_ids]

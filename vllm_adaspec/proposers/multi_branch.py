@@ -90,7 +90,9 @@ class MultiBranchDrafter(Drafter):
         return PoolSet(make_pools(self.pools, vocab_size=self.vocab_size, corpus_table=self.corpus, medusa_heads=heads,
                                   num_branches=self.num_branches, branch_length=self.cfg.branch_length,
                                   branch_init=self.cfg.branch_init,
-                                  branch_seed=lambda r: request_seed(r, self.driver.base_seed)))
+                                  branch_seed=lambda r: request_seed(r, self.driver.base_seed),
+                                  suffix_cache_requests=self.cfg.suffix_cache_requests),
+                       failpoint=self.driver.faults.point)
 
     # --- the drafter interface ---
     def max_drafts(self) -> int:
@@ -167,6 +169,7 @@ class MultiBranchDrafter(Drafter):
             obs.medusa_top([req_ids[i] for i in rows], [int(view.num_tokens[i]) for i in rows], medusa.last_top_ids)
         for e, (i, budget) in enumerate(zip(rows, budgets)):
             st = self.requests[req_ids[i]]
+            self.driver.faults.point("trie")
             trie = merge(candidates[e], self.calibration, streak_state(st.accepted_last))
             order = ranked(trie)[:budget] if treeish[e] else best_path(trie, budget)
             tries.append(trie)

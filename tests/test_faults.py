@@ -1,0 +1,173 @@
+"""Fault containment without the engine (vllm_adaspec/faults.py): the driver turns any exception of its drafter into
+a step without drafts, counts it and stops drafting at the limit; tree planning writes no position before every tree
+of the step is planned; fault injection's spec is parsed strictly. The engine and server tests run the same through
+vLLM (test_engine_multibranch.py, test_server.py)."""
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_adaspec.config import ProbeSettings
+from vllm_adaspec.faults import INJECT_ENV, FaultGuard, InjectedFault, parse_injection
+from vllm_adaspec.proposers.drafter import Drafter
+from vllm_adaspec.proposers.driver import Driver
+from vllm_adaspec.step import BatchView, DraftPlan, Taps
+
+
+class FlakyDrafter(Drafter):
+    """Drafts [1, 2, 3] for every row; raises in `fail_in` on the calls listed in `fail_at` (1-based)."""
+    fail_in, fail_at = "draft", ()
+
+    def __init__(self, vllm_config, settings, driver):
+        super().__init__(vllm_config, settings, driver)
+        self.calls = {"observe": 0, "draft": 0, "on_step": 0}
+        self.finished = []
+
+    def _maybe_fail(self, where):
+        self.calls[where] += 1
+        if where == self.fail_in and self.calls[where] in self.fail_at:
+            raise ZeroDivisionError(f"{where} broke")
+
+    def observe(self, view, outcomes, taps):
+        self._maybe_fail("observe")
+
+    def draft(self, view, rows, budgets, policies, plans):
+        self._maybe_fail("draft")
+        for i in rows:
+            plans[i] = DraftPlan((1, 2, 3))
+        return 0.0
+
+    def on_step(self, scheduled, pure):
+        self._maybe_fail("on_step")
+
+    def finish(self, req_ids):
+        self.finished += list(req_ids)
+
+
+class FakePort:
+    observers = []
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.dropped = []
+
+    def view(self, sampled, num_tokens, token_ids):
+        b = len(sampled)
+        return BatchView(self.batch, sampled, num_tokens, token_ids, np.full(b, 2), np.zeros(b, np.float32))
+
+    def feedback(self):
+        return {}, 0, Taps(), None
+
+    def drop_trees(self, req_ids):
+        self.dropped += list(req_ids)
+
+    def held_copy_tokens(self):
+        return 0
+
+    def observer_stats(self):
+        return {}
+
+    def observer_live(self):
+        return {}
+
+
+def make_driver(fail_in="draft", fail_at=(), limit=3, batch=("a", "b")):
+    drafter = type("Flaky", (FlakyDrafter,), {"fail_in": fail_in, "fail_at": tuple(fail_at)})
+    cls = type("FlakyDriver", (Driver,), {"drafter_cls": drafter, "proposer": "probe"})
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(seed=0),
+                                  parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    settings = ProbeSettings(num_speculative_tokens=3, num_layers=2, cost_model="off", fault_limit=limit)
+    driver = cls(vllm_config, settings)
+    driver.attach(FakePort(list(batch)))
+    return driver
+
+
+def step(driver, n=2):
+    """One engine step for every request of the batch: schedule last step's drafts, then propose."""
+    batch = driver.port.batch
+    spec = {r: list(driver.plans[r].tokens) for r in batch if r in driver.plans}
+    driver.on_schedule({r: 1 + len(spec.get(r, ())) for r in batch}, spec, set())
+    sampled = [[7] for _ in batch]
+    return driver.propose(sampled, np.full(len(batch), n), np.zeros((len(batch), 16), np.int64))
+
+
+@pytest.mark.parametrize("fail_in", ["observe", "draft"])
+def test_a_drafter_fault_becomes_a_step_without_drafts_and_is_counted(fail_in, caplog):
+    driver = make_driver(fail_in, fail_at=[2])
+    with caplog.at_level(logging.ERROR, logger="vllm_adaspec"):
+        outs = [step(driver) for _ in range(4)]
+    assert outs[0] == [[1, 2, 3]] * 2 and outs[1] == [[], []] and outs[2] == outs[3] == [[1, 2, 3]] * 2, outs
+    assert driver.plans and driver.get_stats()["drafter_faults"] == 1 and not driver.get_stats()["drafting_off"]
+    faults = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(faults) == 1 and faults[0].exc_info and "broke" in faults[0].getMessage(), caplog.text
+
+
+def test_a_fault_while_scheduling_drops_the_steps_plans():
+    driver = make_driver("on_step", fail_at=[2])
+    step(driver)
+    assert driver.plans
+    batch = driver.port.batch
+    spec = {r: list(driver.plans[r].tokens) for r in batch}
+    driver.on_schedule({r: 4 for r in batch}, spec, set())  # the drafter's on_step raises
+    assert driver.plans == {} and driver.faults.count == 1  # the runtime plans no tree: drafts verify as chains
+
+
+def test_at_the_fault_limit_speculation_stops_for_good_and_state_is_released(caplog):
+    driver = make_driver("draft", fail_at=[2, 3, 4], limit=3)
+    with caplog.at_level(logging.ERROR, logger="vllm_adaspec"):
+        outs = [step(driver) for _ in range(8)]
+    assert outs[0] == [[1, 2, 3]] * 2 and all(o == [[], []] for o in outs[1:]), outs
+    st = driver.get_stats()
+    assert st["drafter_faults"] == 3 and st["drafting_off"] == 1, st
+    assert driver.drafter.calls["draft"] == 4  # never asked again after the third fault
+    assert len(driver.states) == 0 and sorted(driver.drafter.finished) == ["a", "b"] and driver.plans == {}
+    assert sum("speculation is off" in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
+def test_the_tree_paths_faults_count_on_the_same_guard_and_stop_drafting():
+    driver = make_driver(limit=2)
+    step(driver)
+    for _ in range(2):  # e.g. the tree sampler (engine/tree_sampler.py) records on the driver's guard
+        driver.faults.record("verifying a token tree", ValueError("bad tree"))
+    assert step(driver) == [[], []] and driver.get_stats()["drafting_off"] == 1
+    assert driver.snapshot()["drafter_faults"] == 2
+
+
+def test_tree_planning_writes_no_position_unless_every_tree_is_planned():
+    from vllm_adaspec.engine.tree_runtime import TreeRuntime, plan_step
+
+    positions = torch.arange(10)
+    query_start = np.array([0, 4, 8, 10])
+    good = DraftPlan((5, 6, 7), (-1, 0, 0))
+    bad = DraftPlan((5, 6, 7), (-1, 0, 9))  # a parent that does not exist
+    spec = {"a": [5, 6, 7], "b": [5, 6, 7]}
+    step = plan_step(["a", "b", "c"], query_start, positions.clone(), spec, {"a": good}, 10)
+    assert step is not None and len(step.requests) == 1
+    with pytest.raises(Exception):
+        plan_step(["a", "b", "c"], query_start, positions, spec, {"a": good, "b": bad}, 10)
+    assert positions.tolist() == list(range(10))  # request a's tree was planned first, yet nothing was written
+    runtime = TreeRuntime(faults=FaultGuard(5))
+    seq_lens = torch.full((3,), 100)
+    runtime.begin_step(["a", "b", "c"], query_start, positions, spec, {"a": good, "b": bad}, 10, seq_lens, set(),
+                       set())
+    assert runtime.step is None and runtime.faults.count == 1  # contained: the step verifies chains
+    assert positions.tolist() == list(range(10)) and seq_lens.tolist() == [100] * 3
+
+
+def test_fault_injection_raises_at_the_chosen_pass_and_its_spec_is_strict():
+    guard = FaultGuard(5, parse_injection("trie@2, trie@4,suffix@1"))
+    guard.point("trie")
+    with pytest.raises(InjectedFault, match="'trie', pass 2"):
+        guard.point("trie")
+    guard.point("trie")
+    with pytest.raises(InjectedFault):
+        guard.point("trie")
+    with pytest.raises(InjectedFault):
+        guard.point("suffix")
+    guard.point("medusa")  # not asked for
+    for bad in ("trie", "trie@0", "nowhere@3", "trie@x"):
+        with pytest.raises(ValueError, match=INJECT_ENV):
+            parse_injection(bad)

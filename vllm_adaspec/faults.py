@@ -1,0 +1,87 @@
+"""Fault containment: our code only saves time, so an exception in it never reaches vLLM's worker.
+
+The driver (proposers/driver.py) runs every drafter call, and the tree runtime / tree sampler (engine/) their
+planning and verification, inside `FaultGuard.contain`-style try blocks: on an exception the step goes on as plain
+decoding for the requests concerned (nothing proposed, or a planned tree verified as a chain or with no node
+accepted: each is lossless), the error is logged once with its traceback and counted (`drafter_faults`,
+/metrics `vllm:adaspec_drafter_faults_total`), and after `fault_limit` faults drafting is off for the rest of the
+engine's life (one log line says so).
+
+Fault injection, for tests (the engine runs in another process, so it is asked for by environment variable):
+
+    VLLM_ADASPEC_INJECT_FAULTS="trie@3,suffix@10,tree_verify@20"
+
+raises `InjectedFault` at the 3rd pass through the failpoint "trie", the 10th through "suffix", ... (`place@n`;
+repeat a place for several faults). Failpoints: one per pool ("context", "suffix", "recycled", "corpus", "medusa",
+"branches": in the pool set's propose), "trie" (MultiBranchProposer's merge), "draft" (early exit: after its first
+draft pass), "tree_plan" (planning a step's trees), "tree_verify" (verifying a tree request), "compaction" (after
+the paged KV of accepted nodes moved). Unset, `point` is one attribute test.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+
+logger = logging.getLogger("vllm_adaspec")
+
+INJECT_ENV = "VLLM_ADASPEC_INJECT_FAULTS"
+FAILPOINTS = ("context", "suffix", "recycled", "corpus", "medusa", "branches", "trie", "draft", "tree_plan",
+              "tree_verify", "compaction")
+
+
+class InjectedFault(RuntimeError):
+    """Raised at a failpoint by fault injection (tests)."""
+
+
+def parse_injection(spec: str) -> dict[str, set[int]]:
+    """"place@n,place@m" -> {place: {n, m}}; a clear error for anything else (a test's typo must not pass silently)."""
+    out: dict[str, set[int]] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        place, _, n = item.partition("@")
+        if place not in FAILPOINTS or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"{INJECT_ENV}: {item!r} is not PLACE@N with PLACE one of {', '.join(FAILPOINTS)} "
+                             "and N >= 1")
+        out.setdefault(place, set()).add(int(n))
+    return out
+
+
+class FaultGuard:
+    """One per engine worker, shared by the driver and the tree path: counts faults, says when drafting is off,
+    and runs the failpoints of fault injection."""
+
+    def __init__(self, limit: int, inject: dict[str, set[int]] | None = None):
+        self.limit = limit  # faults after which drafting is off for the engine's life
+        self.count = 0
+        self.by_place: Counter = Counter()
+        self.off = False
+        self.inject = inject or None  # place -> passes that raise
+        self.passes: Counter = Counter()
+
+    @classmethod
+    def from_env(cls, limit: int) -> FaultGuard:
+        spec = os.environ.get(INJECT_ENV, "")
+        return cls(limit, parse_injection(spec) if spec else None)
+
+    def point(self, place: str) -> None:
+        """A failpoint: raises InjectedFault when injection asked for this pass through `place`."""
+        if self.inject is None or place not in self.inject:
+            return
+        self.passes[place] += 1
+        if self.passes[place] in self.inject[place]:
+            raise InjectedFault(f"fault injected at {place!r}, pass {self.passes[place]} ({INJECT_ENV})")
+
+    def record(self, where: str, exc: BaseException) -> None:
+        """An exception was contained at `where`: log it with its traceback, count it, turn drafting off at the
+        limit."""
+        self.count += 1
+        self.by_place[where] += 1
+        logger.error("vllm_adaspec: %s failed (%s: %s); this step decodes without speculation for the requests "
+                     "concerned (fault %d; drafting stops after %d)", where, type(exc).__name__, exc, self.count,
+                     self.limit, exc_info=exc)
+        if self.count >= self.limit and not self.off:
+            self.off = True
+            logger.error("vllm_adaspec: %d faults in the drafter (fault_limit = %d): speculation is off for the rest "
+                         "of this engine's life; requests decode plainly, with the same output", self.count,
+                         self.limit)
