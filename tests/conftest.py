@@ -70,6 +70,32 @@ def smollm2() -> str:
     return str(fetch_model("smollm2-135m-instruct"))
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(smollm2, tmp_path_factory):
+    """A small random Llama with SmolLM2's tokenizer whose heads split over 2 ranks (4 heads, 2 KV heads; SmolLM2
+    has 9): tensor-parallel tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import shutil
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper logits than the default init: fewer float32 near-ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in os.listdir(smollm2):
+        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(smollm2, f), out)
+    return str(out)
+
+
 def _host():
     """An EngineHost; with ADASPEC_TEST_JOB_LOG=FILE each job's test, wall time and per-batch seconds are appended
     to FILE (where the suite's minutes go)."""
@@ -116,14 +142,37 @@ def tree_engines():
 SEEDED = [{"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i, "max_tokens": 48} for i in range(6)]
 # A greedy / sampled mix: rows 3.. are greedy and must equal plain decoding whatever the sampled rows do.
 SAMPLED_MIX = {"prompts": PROMPTS[:6], "params": SEEDED[:3] + [{"temperature": 0.0, "max_tokens": 48}] * 3}
-COUNT_PROMPT = "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
-# 64 seeded samples of a 4-token continuation at T = 1.0: a coarse two-sample check of the output distribution.
-COUNTS = {"prompts": [COUNT_PROMPT] * 64, "params": [{"temperature": 1.0, "max_tokens": 4, "seed": i} for i in range(64)]}
-# The same check where model-free drafts exist: the prompt repeats itself, so the context pool proposes its
-# continuation (likely, not certain, at T = 1).
-COPY_PROMPT = "The cat sat on the mat. " * 4 + "The cat"
-COPY_COUNTS = {"prompts": [COPY_PROMPT] * 64,
-               "params": [{"temperature": 1.0, "max_tokens": 4, "seed": i} for i in range(64)]}
+# Sampled output with power (tests/stats.py sampled_positions_pvalues): a prompt whose next tokens have real entropy
+# (first token: 13 tokens above 1%, the top one 7%) and whose answer copies from it (drafts get accepted), thousands
+# of 4-token continuations at T = 1 with top-k and top-p, half of them seeded (disjoint seeds, per request), compared
+# position by position with the target's exact conditional distribution (computed in plain torch). The same test
+# must reject a deliberately biased verifier (VLLM_ADASPEC_BIASED_VERIFIER_SEEDS: requests seeded from there accept
+# a rejected tree node now and then; vllm_adaspec/faults.py).
+FRUIT_PROMPT = ("<|im_start|>user\nWrite five random fruit names, one per line: apple, banana, cherry, ...<|im_end|>\n"
+                "<|im_start|>assistant\n")
+FRUIT_SAMPLING = {"temperature": 1.0, "top_k": 40, "top_p": 0.95, "max_tokens": 4, "ignore_eos": True}
+BIASED_SEEDS = 5_000_000
+
+
+def sampling_batch(n: int, seed0: int | None = 900_000, seeded_every: int = 2) -> dict:
+    """n samples of FRUIT_PROMPT; every `seeded_every`-th request seeded from seed0 (None: none seeded)."""
+    params = [{**FRUIT_SAMPLING, **({"seed": seed0 + i} if seed0 is not None and i % seeded_every == 0 else {})}
+              for i in range(n)]
+    return {"prompts": [FRUIT_PROMPT] * n, "params": params}
+
+
+def assert_keeps_the_target_distribution(model_dir: str, samples: list, what: str) -> list[float]:
+    """Every position of `samples` (FRUIT_PROMPT continuations) drawn from the target's distribution; the p-values."""
+    from stats import sampled_positions_pvalues, target_expectations
+
+    expected, var = target_expectations(model_dir, FRUIT_PROMPT, samples, FRUIT_SAMPLING["temperature"],
+                                        FRUIT_SAMPLING["top_k"], FRUIT_SAMPLING["top_p"])
+    pvalues = sampled_positions_pvalues(samples, expected, var)
+    print(f"{what}: p-values by position {['%.3g' % p for p in pvalues]}")
+    assert min(pvalues) > 1e-4, (what, pvalues)
+    return pvalues
+
+
 # Greedy rows, chain-only rows (a penalty: vLLM's sampler applies it, trees cannot) and sampled rows in one batch.
 TREE_MIX = {"prompts": PROMPTS[:6],
             "params": [{"temperature": 0.0, "max_tokens": 40}] * 2
@@ -166,10 +215,14 @@ def assert_features_match(run, plain):
         for key in ("request_logprobs", "prompt_logprobs"):
             got, want = run[key][i], plain[key][i]
             assert (got is None) == (want is None), (name, key)
-            for g, w in zip(got or [], want or []):
-                if w is not None:  # same tokens ranked, log-probs equal up to float32 batch-order noise
-                    assert [t for t, _ in g] == [t for t, _ in w], (name, key)
-                    assert max(abs(a - b) for (_, a), (_, b) in zip(g, w)) < 2e-3, (name, key, g, w)
+            # one entry per position (none missing: zip would drop them), each with the same tokens ranked and
+            # log-probs equal up to float32 batch-order noise
+            assert len(got or []) == len(want or []), (name, key, len(got or []), len(want or []))
+            for g, w in zip(got or [], want or [], strict=True):
+                assert (g is None) == (w is None), (name, key, g, w)
+                if w is not None:
+                    assert len(g) == len(w) and [t for t, _ in g] == [t for t, _ in w], (name, key, g, w)
+                    assert max(abs(a - b) for (_, a), (_, b) in zip(g, w, strict=True)) < 2e-3, (name, key, g, w)
     edge = FEATURE_NAMES.index("max_model_len")
     assert run["finish_reasons"][edge] == ["length"] and 0 < len(run["completions"][edge][0]) <= 27
 
@@ -201,10 +254,10 @@ COPYING = (0, 2)  # which of COPY_OR_NOT's requests copy
 def plain_greedy(smollm2, engines):
     """Reference: vLLM without speculation, same engine settings, every batch the engine tests compare with."""
     res = engines.run({"model": smollm2, "engine": ENGINE,
-                       "batches": [greedy_batch(), greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS), SAMPLED_MIX, COUNTS,
-                                   TREE_MIX, GUARD_BATCH, COPY_COUNTS, FEATURES_BATCH, COPY_OR_NOT]})
+                       "batches": [greedy_batch(), greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS), SAMPLED_MIX,
+                                   TREE_MIX, GUARD_BATCH, FEATURES_BATCH, COPY_OR_NOT]})
     runs = [b["runs"][0] for b in res["batches"]]
-    return dict(zip(["mixed", "grow", "sampled_mix", "counts", "tree_mix", "guard", "copy_counts", "features",
+    return dict(zip(["mixed", "grow", "sampled_mix", "tree_mix", "guard", "features",
                      "copy_or_not"], runs))
 
 

@@ -120,6 +120,8 @@ class Gen:
             "branches": lambda: self.choice([0, 1, 2], [-1, 33]),
             "branch_length": lambda: self.choice([1, 2, 4], [0, 17]),
             "branch_init": lambda: self.choice(["prompt", "random"], ["zeros"]),
+            "suffix_cache_requests": lambda: self.choice([1, 1000, 10**6], [0, -5, 10**7, 2.5]),
+            "fault_limit": lambda: self.choice([1, 10, 10**6], [0, -1, 10**7, "ten"]),
         }
         keys = [key for key in PROPOSER_KEYS[proposer] if rng.random() < 0.5]
         if "speed_guard" in keys and "cost_model" in keys and not self.odd():

@@ -6,9 +6,6 @@ MultiBranchProposer (step cost model on: its step times are rank-local, rank 0's
 branches on, so every step verifies a tree with branch rows), and per-rank drafting statistics, including a digest of every draft proposed, must be equal
 across the ranks."""
 
-import os
-import shutil
-
 import pytest
 
 from conftest import ENGINE, MAX_TOKENS, PROMPTS, assert_identical
@@ -20,28 +17,6 @@ BATCH = {"prompts": PROMPTS[:4], "params": [{"temperature": 0.0, "max_tokens": m
 RANK_EQUAL = ("propose_calls", "decode_rows", "draft_tokens", "chosen_nodes", "tree_nodes", "tree_verified",
               "accepted_drafts", "verified_drafts", "draft_digest", "round_lengths", "tree_accepted_depth",
               "draft_steps", "branch_rows", "cost_observations", "step_costs")
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(smollm2, tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharper logits than the default init: fewer float32 near-ties
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    model.save_pretrained(out, safe_serialization=True)
-    for f in os.listdir(smollm2):
-        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(os.path.join(smollm2, f), out)
-    return str(out)
 
 
 def run(model, engine):

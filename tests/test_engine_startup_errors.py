@@ -1,5 +1,6 @@
 """Bad settings fail when the engine is built, in the caller's process, with one message naming what is wrong (each
-case builds an engine in the test session's engine host, which must report the error and go on serving)."""
+case builds an engine in the test session's engine host, which must report the error and go on serving). Every case
+is its own test id; the engines are built once, by a module fixture, and each test reads its case's error."""
 
 import json
 import shutil
@@ -31,7 +32,11 @@ CASES = {
                           "vllm_adaspec.MultiBranchProposer"]),
     "tree budget over K": ({"model": EE, "num_speculative_tokens": 4}, {"adaspec": {"tree": {"budget": 8}}}, {},
                            ["['tree']['budget'] = 8 needs speculative_config['num_speculative_tokens'] >= 8", "got 4"]),
-    "K below 1": ({"model": EE, "num_speculative_tokens": 0}, {}, {}, ["num_speculative_tokens"]),
+    # K = 0 is vLLM's own refusal (its config validation runs before ours); K above what vLLM verifies is ours
+    "K below 1": ({"model": EE, "num_speculative_tokens": 0}, {}, {},
+                  ["num_speculative_tokens", "Input should be greater than 0"]),
+    "K above 128": ({"model": MB, "num_speculative_tokens": 129}, {}, {},
+                    ["speculative_config['num_speculative_tokens'] must be in 1..128", "got 129"]),
     "unknown pool": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"pools": ["context", "ngram"]}}, {},
                      ["['pools']: unknown pool(s) 'ngram'; known: context, suffix, recycled, corpus"]),
     "early-exit key for multibranch": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"exit_layer": 6}},
@@ -45,7 +50,18 @@ CASES = {
                        ["installs its own worker", "worker_cls='my.Worker'", "Remove --worker-cls"]),
     "unsupported model": ({"model": EE, "num_speculative_tokens": 3}, {}, {"gpt2": True},
                           ["['GPT2LMHeadModel'] is not supported by early-exit drafting", "LlamaForCausalLM"]),
+    # README's refusals: a scheduler of the user's own, pipeline parallelism, medusa under tensor parallelism
+    "foreign scheduler": ({"model": MB, "num_speculative_tokens": 8}, {}, {"scheduler_cls": "my.Scheduler"},
+                          ["installs its own scheduler", "scheduler_cls='my.Scheduler'"]),
+    "pipeline parallelism": ({"model": EE, "num_speculative_tokens": 3}, {}, {"pipeline_parallel_size": 2},
+                             ["parallel_config['pipeline_parallel_size']: must be 1 with vllm_adaspec", "got 2"]),
+    # (the tiny Llama: SmolLM2's 9 heads do not split over 2 ranks, which vLLM refuses first)
+    "medusa under TP 2": ({"model": MB, "num_speculative_tokens": 8}, {"adaspec": {"pools": ["context", "medusa"]}},
+                          {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "tiny_llama": True},
+                          ["['pools']: 'medusa' needs tensor_parallel_size 1", "got 2"]),
 }
+HEAD_CASES = ["exit head wrong N", "exit head other model", "exit head other weights", "corpus for another tokenizer",
+              "medusa for another model", "typical acceptance on chains", "cali without predictor"]
 
 
 @pytest.fixture(scope="module")
@@ -113,14 +129,24 @@ def head_cases(tmp_path_factory, smollm2):
     return out
 
 
-def test_bad_input_fails_at_startup_with_a_message_naming_it(smollm2, gpt2_folder, head_cases, engines):
-    all_cases = {**CASES, **head_cases}
-    for name, (spec, add, extra, words) in all_cases.items():
+@pytest.fixture(scope="module")
+def startup_errors(smollm2, gpt2_folder, tiny_llama, head_cases, engines) -> dict:
+    """case name -> what building its engine reported (one engine host, one engine per case)."""
+    assert sorted(head_cases) == sorted(HEAD_CASES)
+    out = {}
+    for name, (spec, add, extra, words) in {**CASES, **head_cases}.items():
         extra = dict(extra)
-        model = gpt2_folder if extra.pop("gpt2", False) else smollm2
-        got = engines.run({"model": model, "expect_error": True, "batches": [],
-                           "engine": {"dtype": "float32", "kv_cache_memory_bytes": 2**28, "speculative_config": spec,
-                                      "additional_config": add, **extra}})
-        assert "error" in got, f"{name}: the engine started"
-        for w in words:
-            assert w in got["error"], f"{name}: {w!r} not in {got['error']!r}"
+        model = gpt2_folder if extra.pop("gpt2", False) else tiny_llama if extra.pop("tiny_llama", False) else smollm2
+        out[name] = (engines.run({"model": model, "expect_error": True, "batches": [],
+                                  "engine": {"dtype": "float32", "kv_cache_memory_bytes": 2**28,
+                                             "speculative_config": spec, "additional_config": add, **extra}}),
+                     words)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES) + HEAD_CASES)
+def test_bad_input_fails_at_startup_with_a_message_naming_it(name, startup_errors):
+    got, words = startup_errors[name]
+    assert "error" in got, f"{name}: the engine started"
+    for w in words:
+        assert w in got["error"], f"{name}: {w!r} not in {got['error']!r}"

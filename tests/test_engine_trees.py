@@ -5,17 +5,16 @@
   target's hidden state at the row of the last accepted node, the tree path's per-request KV copies under their cap
   (requests past it draft chains), and the records `adaspec train c2t` learns from;
 - plain vLLM usage in a multiprocess engine finds the plugin by itself, and a batch mixing tree requests, chain-only
-  requests (a penalty) and seeded sampling keeps greedy rows identical and the sampled distribution (coarse
-  two-sample check; the exact statistical tests of sample-and-match are in tests/test_trees.py)."""
+  requests (a penalty) and seeded sampling keeps greedy rows identical (the sampled distribution through the tree
+  sampler: test_engine_multibranch.py; sample-and-match itself: tests/test_trees.py)."""
 
 import json
 import subprocess
 import sys
 
 import pytest
-from stats import two_sample_chi2_pvalue
 
-from conftest import (COUNTS, ENGINE, FEATURES_BATCH, SPEC, TREE_MIX, assert_features_match, assert_identical,
+from conftest import (ENGINE, FEATURES_BATCH, SPEC, TREE_MIX, assert_features_match, assert_identical,
                       greedy_batch)
 from vllm_adaspec.harness import default_env
 
@@ -56,11 +55,12 @@ def test_c2t_trees_with_thompson_cali_under_preemption_and_chunked_prefill(
     # node's row, not from root + depth. kv_copy_tokens 700: one ~420-token prompt's copy (~600 positions with
     # slack) fits, two do not, so the other long request drafts chains while the first holds its copy.
     # VLLM_ADASPEC_RECORD_TREES: what `adaspec train c2t` reads (features and labels of every verified tree).
-    # A small KV cache (30 MiB: ~650 positions in 32-token blocks) and 64 tokens per step: the long prompts are
+    # A small KV cache (32 MiB: ~700 positions in 32-token blocks) and 64 tokens per step: the long prompts are
     # prefilled in chunks and requests are preempted and resumed (their KV recomputed, their copies dropped).
     engine = tree_engine(policy="thompson-cali", tree={"kv_copy_tokens": 700, "builder": "c2t", "beta": 0.2,
                                                        "top_k": 3},
-                         engine={"kv_cache_memory_bytes": 30 * 2**20, "block_size": 32, "max_num_batched_tokens": 64})
+                         engine={"kv_cache_memory_bytes": 32 * 2**20, "block_size": 32, "max_num_batched_tokens": 64,
+                                 "max_model_len": 640})
     res = tree_engines.run({"model": smollm2, "engine": engine, "batches": [greedy_batch()],
                             "env": {"VLLM_ADASPEC_CHECK_TARGET_ROWS": "1", "VLLM_ADASPEC_RECORD_TREES": "1"}})
     run = res["batches"][0]["runs"][0]
@@ -107,7 +107,7 @@ if __name__ == "__main__":
 
 
 def test_multiprocess_engine_discovers_the_plugin_and_mixed_tree_batches_stay_exact(smollm2, plain_greedy, tmp_path):
-    job = {"model": smollm2, "engine": tree_engine(), "batches": [TREE_MIX, COUNTS]}  # (one multiprocess engine)
+    job = {"model": smollm2, "engine": tree_engine(), "batches": [TREE_MIX]}  # (one multiprocess engine)
     env = default_env(multiprocess=True, workdir=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", AUTODISCOVERY], input=json.dumps(job), capture_output=True,
                           text=True, env=env, timeout=900)
@@ -117,9 +117,8 @@ def test_multiprocess_engine_discovers_the_plugin_and_mixed_tree_batches_stay_ex
     assert got["imported_before"] is False
     assert got["worker_cls"] == "vllm_adaspec.engine.worker.AdaspecCPUWorker"
     assert got["scheduler_cls"] == "vllm_adaspec.engine.scheduler.AdaspecScheduler"
-    mix, counts = got["batches"]
-    # greedy tree rows and greedy chain-only rows (penalty applied by vLLM) equal plain decoding
+    (mix,) = got["batches"]
+    # greedy tree rows and greedy chain-only rows (penalty applied by vLLM) equal plain decoding; sampled rows
+    # verify trees too (their distribution: test_engine_multibranch.py's exact test of the same tree sampler)
     assert mix["token_ids"][:4] == plain_greedy["tree_mix"]["token_ids"][:4]
-    assert counts["tree_verified"] > 32, counts["tree_verified"]
-    p = two_sample_chi2_pvalue(counts["texts"], plain_greedy["counts"]["texts"])
-    assert p > 1e-3, (p, counts["texts"][:8], plain_greedy["counts"]["texts"][:8])
+    assert mix["tree_verified"] > 32, mix["tree_verified"]

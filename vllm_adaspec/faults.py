@@ -16,17 +16,27 @@ repeat a place for several faults). Failpoints: one per pool ("context", "suffix
 "branches": in the pool set's propose), "trie" (MultiBranchProposer's merge), "draft" (early exit: after its first
 draft pass), "tree_plan" (planning a step's trees), "tree_verify" (verifying a tree request), "compaction" (after
 the paged KV of accepted nodes moved). Unset, `point` is one attribute test.
+
+The negative control of the sampling tests (they must reject a verifier that is not lossless):
+
+    VLLM_ADASPEC_BIASED_VERIFIER_SEEDS=N
+
+makes tree verification of requests seeded with N or more accept, with probability 0.3, one child of the last
+accepted node that the exact rule rejected (`biased`). Unset, nothing changes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 from collections import Counter
 
 logger = logging.getLogger("vllm_adaspec")
 
 INJECT_ENV = "VLLM_ADASPEC_INJECT_FAULTS"
+BIAS_ENV = "VLLM_ADASPEC_BIASED_VERIFIER_SEEDS"
+BIAS = 0.3  # how often a biased verifier accepts a rejected node
 FAILPOINTS = ("context", "suffix", "recycled", "corpus", "medusa", "branches", "trie", "draft", "tree_plan",
               "tree_verify", "compaction")
 
@@ -51,18 +61,27 @@ class FaultGuard:
     """One per engine worker, shared by the driver and the tree path: counts faults, says when drafting is off,
     and runs the failpoints of fault injection."""
 
-    def __init__(self, limit: int, inject: dict[str, set[int]] | None = None):
+    def __init__(self, limit: int, inject: dict[str, set[int]] | None = None, biased_from_seed: int | None = None):
         self.limit = limit  # faults after which drafting is off for the engine's life
         self.count = 0
         self.by_place: Counter = Counter()
         self.off = False
         self.inject = inject or None  # place -> passes that raise
         self.passes: Counter = Counter()
+        self.biased_from_seed = biased_from_seed  # the sampling tests' negative control (module docstring)
+        self._coin = random.Random(0)
 
     @classmethod
     def from_env(cls, limit: int) -> FaultGuard:
-        spec = os.environ.get(INJECT_ENV, "")
-        return cls(limit, parse_injection(spec) if spec else None)
+        spec, bias = os.environ.get(INJECT_ENV, ""), os.environ.get(BIAS_ENV, "")
+        return cls(limit, parse_injection(spec) if spec else None, int(bias) if bias else None)
+
+    def biased(self, generator) -> bool:
+        """Negative control: should this request's verifier (its torch.Generator, or None) accept a rejected node
+        now? Never unless VLLM_ADASPEC_BIASED_VERIFIER_SEEDS is set."""
+        if self.biased_from_seed is None or generator is None or generator.initial_seed() < self.biased_from_seed:
+            return False
+        return self._coin.random() < BIAS
 
     def point(self, place: str) -> None:
         """A failpoint: raises InjectedFault when injection asked for this pass through `place`."""

@@ -44,6 +44,16 @@ def verify_tree_request(tree: DraftTree, logits: torch.Tensor, temperature: floa
     return verify_sample_match(tree, torch.softmax(x, dim=-1), generator)
 
 
+def accept_one_more(tree: DraftTree, path: list[int], bonus: int, logits: torch.Tensor) -> tuple[list[int], int]:
+    """NOT lossless, on purpose (the sampling tests' negative control): accept the first child of the last accepted
+    node that verification rejected, and take the argmax of its row as the bonus."""
+    last = path[-1] if path else -1
+    kids = [j for j, parent in enumerate(tree.parents.tolist()) if parent == last]
+    if not kids:
+        return path, bonus
+    return path + [kids[0]], int(logits[kids[0] + 1].argmax())
+
+
 class TreeRejectionSampler:
     """Stands in for the runner's rejection sampler: vLLM's for chain rows, tree verification for tree rows (the
     tree runtime's step), then KV compaction. `on_logits(logits, metadata)`: every verified row's logits, after
@@ -90,8 +100,10 @@ class TreeRejectionSampler:
                 p = None if sampling_metadata.top_p is None else float(sampling_metadata.top_p[i])
                 m = r.num_verified  # the verified nodes; rows past them are draft branches, only read
                 tree = r.tree if m == len(r.tree) else DraftTree(r.tree.tokens[:m], r.tree.parents[:m])
-                path, bonus = verify_tree_request(tree, logits[rows[:m + 1]], t, k, p,
-                                                  sampling_metadata.generators.get(i), self.acceptance)
+                generator = sampling_metadata.generators.get(i)
+                path, bonus = verify_tree_request(tree, logits[rows[:m + 1]], t, k, p, generator, self.acceptance)
+                if faults.biased(generator):  # the sampling tests' negative control only (faults.py)
+                    path, bonus = accept_one_more(tree, path, bonus, logits[rows[:m + 1]])
                 predicted = logits[rows[m + 1:]].argmax(dim=-1).tolist() if m < len(r.tree) else []
                 row = torch.tensor(r.tree.tokens[path].tolist() + [bonus], dtype=tokens.dtype)
             except Exception as e:  # vLLM's first token stands, nothing more
