@@ -154,23 +154,40 @@ FRUIT_SAMPLING = {"temperature": 1.0, "top_k": 40, "top_p": 0.95, "max_tokens": 
 BIASED_SEEDS = 5_000_000
 
 
-def sampling_batch(n: int, seed0: int | None = 900_000, seeded_every: int = 2) -> dict:
-    """n samples of FRUIT_PROMPT; every `seeded_every`-th request seeded from seed0 (None: none seeded)."""
-    params = [{**FRUIT_SAMPLING, **({"seed": seed0 + i} if seed0 is not None and i % seeded_every == 0 else {})}
-              for i in range(n)]
-    return {"prompts": [FRUIT_PROMPT] * n, "params": params}
+def sampling_batch(n: int, seed0: int | None = 900_000, seeded_every: int = 2, per_request: int = 256) -> dict:
+    """n samples of FRUIT_PROMPT as n / per_request requests with `n = per_request` (vLLM prefills the prompt once
+    per request and samples its children apart; a seeded request's children get seeds seed, seed + 1, ...); every
+    `seeded_every`-th request seeded from seed0 + 1000 * its index (None: none seeded). Samples: `samples(run)`."""
+    params = [{**FRUIT_SAMPLING, "n": per_request,
+               **({"seed": seed0 + 1000 * j} if seed0 is not None and j % seeded_every == 0 else {})}
+              for j in range(n // per_request)]
+    return {"prompts": [FRUIT_PROMPT] * len(params), "params": params}
 
 
-def assert_keeps_the_target_distribution(model_dir: str, samples: list, what: str) -> list[float]:
-    """Every position of `samples` (FRUIT_PROMPT continuations) drawn from the target's distribution; the p-values."""
-    from stats import sampled_positions_pvalues, target_expectations
+def samples(run, requests=slice(None)) -> list:
+    """Every completion of a sampling_batch run (of the requests selected), request by request."""
+    return [c for completions in run["completions"][requests] for c in completions]
 
-    expected, var = target_expectations(model_dir, FRUIT_PROMPT, samples, FRUIT_SAMPLING["temperature"],
-                                        FRUIT_SAMPLING["top_k"], FRUIT_SAMPLING["top_p"])
-    pvalues = sampled_positions_pvalues(samples, expected, var)
-    print(f"{what}: p-values by position {['%.3g' % p for p in pvalues]}")
-    assert min(pvalues) > 1e-4, (what, pvalues)
-    return pvalues
+
+def target_pvalues(model_dir: str, samples: list, subsets: dict) -> dict:
+    """{name: p-values by position} for each subset {name: sample indices} of `samples` (FRUIT_PROMPT
+    continuations), against the target's exact conditional distribution (computed once for all samples)."""
+    from stats import expectations, sampled_positions_pvalues, target_topk
+
+    ids, probs = target_topk(model_dir, FRUIT_PROMPT, samples, FRUIT_SAMPLING["temperature"],
+                             FRUIT_SAMPLING["top_k"], FRUIT_SAMPLING["top_p"])
+    vocab = int(max(max(map(max, samples)), int(ids.max()))) + 1
+    out = {}
+    for name, rows in subsets.items():
+        rows = list(rows)
+        out[name] = sampled_positions_pvalues([samples[i] for i in rows], *expectations(ids[rows], probs[rows], vocab))
+        print(f"{name}: p-values by position {['%.3g' % p for p in out[name]]}")
+    return out
+
+
+def assert_keeps_the_target_distribution(model_dir: str, samples: list, subsets: dict) -> None:
+    for name, pvalues in target_pvalues(model_dir, samples, subsets).items():
+        assert min(pvalues) > 1e-4, (name, pvalues)
 
 
 # Greedy rows, chain-only rows (a penalty: vLLM's sampler applies it, trees cannot) and sampled rows in one batch.

@@ -1,4 +1,6 @@
-"""Goodness-of-fit helper shared by the distribution tests (no scipy)."""
+"""Goodness-of-fit helpers shared by the distribution tests (no scipy)."""
+
+import copy
 
 import torch
 
@@ -33,44 +35,53 @@ def two_sample_chi2_pvalue(a: list, b: list, min_count: int = 5) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
 
 
-def target_expectations(model_dir: str, prompt: str, samples: list[list[int]], temperature: float = 1.0,
-                        top_k: int | None = None, top_p: float | None = None, chunk: int = 256):
-    """What the target model expects at each sampled position, given each sample's own prefix: (expected, var),
-    both [L, V] float64: expected[j, v] = sum over samples i of p(v | prompt, sample_i[:j]) and var the sum of
-    p (1 - p), under `temperature` / `top_k` / `top_p` as vLLM applies them. Computed in plain torch (transformers,
-    float32) from the samples themselves, so no second sampled run is needed as a reference and the test compares
-    with the exact distribution (one-sample: twice the power of comparing two sampled runs)."""
+def target_topk(model_dir: str, prompt: str, samples: list[list[int]], temperature: float, top_k: int,
+                top_p: float | None = None, chunk: int = 256):
+    """The target's distribution at every sampled position, given each sample's own prefix, under `temperature` /
+    `top_k` / `top_p` as vLLM applies them: (ids, probs), both [N, L, top_k] (probabilities outside the top-k are 0).
+    Plain torch (transformers, float32): the prompt's KV is computed once and each chunk of samples runs only its
+    own tokens on top of it; distinct samples only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompt_ids = tok(prompt).input_ids
+    prompt_ids = torch.tensor([tok(prompt).input_ids])
     length = len(samples[0])
     assert all(len(s) == length for s in samples), "every sample needs the same length (ignore_eos)"
-    expected = var = None
-    for at in range(0, len(samples), chunk):
-        part = torch.tensor([prompt_ids + s[:-1] for s in samples[at:at + chunk]])
-        with torch.no_grad():
-            logits = model(part).logits[:, len(prompt_ids) - 1:].double()  # [n, L, V]: position j predicts s[j]
-        p = torch.softmax(_top_k_top_p(logits / temperature, top_k, top_p), dim=-1)
-        e, v = p.sum(0), (p * (1 - p)).sum(0)
-        expected, var = (e, v) if expected is None else (expected + e, var + v)
+    distinct = sorted(set(map(tuple, samples)))
+    where = {s: i for i, s in enumerate(distinct)}
+    with torch.no_grad():
+        out = model(prompt_ids, use_cache=True)
+        first = out.logits[0, -1]  # [V]: the first sampled position, the same for every sample
+        ids, probs = [], []
+        for at in range(0, len(distinct), chunk):
+            part = torch.tensor([s[:-1] for s in distinct[at:at + chunk]])  # [n, L - 1]
+            cache = copy.deepcopy(out.past_key_values)
+            cache.batch_repeat_interleave(len(part))
+            later = model(part, past_key_values=cache, use_cache=True).logits  # [n, L - 1, V]
+            logits = torch.cat([first.expand(len(part), 1, -1), later], dim=1) / temperature  # [n, L, V]
+            top, idx = logits.topk(top_k, dim=-1)  # vLLM: top-k first, then top-p among what is left
+            p = torch.softmax(top.double(), dim=-1)
+            if top_p is not None:  # keep the most probable tokens until their mass reaches top_p
+                before = p.cumsum(dim=-1) - p  # mass of the more probable tokens
+                p = torch.where(before < top_p, p, 0.0)
+                p = p / p.sum(dim=-1, keepdim=True)
+            ids.append(idx)
+            probs.append(p)
+    ids, probs = torch.cat(ids), torch.cat(probs)
+    rows = torch.tensor([where[tuple(s)] for s in samples])
+    return ids[rows], probs[rows]
+
+
+def expectations(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expected, var) [L, V]: per position, the sum over samples of p(v | its prefix) and of p (1 - p)."""
+    n, length, _ = ids.shape
+    expected = torch.zeros(length, vocab, dtype=torch.float64)
+    var = torch.zeros(length, vocab, dtype=torch.float64)
+    for j in range(length):
+        expected[j].index_add_(0, ids[:, j].reshape(-1), probs[:, j].reshape(-1))
+        var[j].index_add_(0, ids[:, j].reshape(-1), (probs[:, j] * (1 - probs[:, j])).reshape(-1))
     return expected, var
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """vLLM's rule: the k largest logits stay; then the smallest set of the most probable tokens whose probability
-    reaches top_p (the most probable always stays)."""
-    if top_k is not None:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        srt, idx = logits.sort(dim=-1, descending=False)
-        cum = torch.softmax(srt, dim=-1).cumsum(dim=-1)
-        drop = cum <= 1 - top_p
-        drop[..., -1] = False
-        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-    return logits
 
 
 def sampled_positions_pvalues(samples: list[list[int]], expected: torch.Tensor, var: torch.Tensor,
@@ -82,9 +93,8 @@ def sampled_positions_pvalues(samples: list[list[int]], expected: torch.Tensor, 
     (outside top-k / top-p) must never be sampled: p = 0 if one is."""
     out = []
     counts = torch.zeros_like(expected)
-    for j in range(expected.shape[0]):
-        for s in samples:
-            counts[j, s[j]] += 1
+    for j, column in enumerate(torch.tensor(samples).T):
+        counts[j].index_add_(0, column, torch.ones(len(column), dtype=counts.dtype))
     for j in range(expected.shape[0]):
         o, e, v = counts[j], expected[j], var[j]
         if o[e <= 0].sum() > 0:

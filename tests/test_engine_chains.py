@@ -7,7 +7,7 @@ import pytest
 
 from conftest import (ENGINE, FEATURES_BATCH, GROW_MAX_TOKENS, GROW_PROMPTS, GUARD_BATCH, MAX_TOKENS, PROMPTS,
                       SAMPLED_MIX, SEEDED, SPEC, assert_features_match, assert_identical,
-                      assert_keeps_the_target_distribution, greedy_batch, sampling_batch)
+                      assert_keeps_the_target_distribution, greedy_batch, samples, sampling_batch)
 from vllm_adaspec.harness import run_engine
 
 pytestmark = pytest.mark.engine
@@ -23,6 +23,9 @@ def accept_rate(m):
     return m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_draft_tokens"]
 
 
+# vLLM's own rejection sampler verifies chains (the plugin fixes its CPU expand op; tests/test_cpu_sampling_fix.py
+# checks that op with 8000 samples): 1024 engine samples here, the trees' 2048 where our sampler decides.
+CHAIN_SAMPLES = 1024
 OTHER_SEEDS = [{**p, "seed": p["seed"] + 7} for p in SEEDED]
 
 
@@ -33,7 +36,7 @@ def head_runs(smollm2, engines):
     batches = {"mixed": greedy_batch(), "cached": greedy_batch(max_tokens=[min(m, 16) for m in MAX_TOKENS]),
                "sampled_mix": SAMPLED_MIX,
                "seeded": {"prompts": PROMPTS[:6], "params": SEEDED, "repeat": 2},
-               "other_seeds": {"prompts": PROMPTS[:6], "params": OTHER_SEEDS}, "sampled": sampling_batch(2048),
+               "other_seeds": {"prompts": PROMPTS[:6], "params": OTHER_SEEDS}, "sampled": sampling_batch(CHAIN_SAMPLES),
                "features": FEATURES_BATCH}
     res = engines.run({"model": smollm2, "engine": head_engine(), "batches": list(batches.values())})
     return {name: b["runs"] for name, b in zip(batches, res["batches"])}
@@ -80,15 +83,16 @@ def test_mixed_batches_draft_for_sampled_requests_and_keep_greedy_rows(head_runs
 
 def test_sampling_with_drafts_keeps_the_distribution(head_runs, smollm2):
     """Chains verified by vLLM's rejection sampler (with the plugin's CPU expand fix, engine/cpu_sampling_fix.py):
-    2048 samples of a 4-token continuation at T = 1 with top-k and top-p, half seeded, position by position against
+    1024 samples of a 4-token continuation at T = 1 with top-k and top-p, half seeded, position by position against
     the target's exact conditional distribution (the test's power is shown on a biased verifier in
     test_engine_multibranch.py). Before the fix plain continued one prompt " 13, 1" 45/48 times and adaspec 7/48."""
     run = head_runs["sampled"][0]
     m = run["metrics"]
-    assert m["vllm:spec_decode_num_accepted_tokens"] > 1000, m  # most samples went through verification
-    samples = run["token_ids"]
-    assert_keeps_the_target_distribution(smollm2, samples, "chains, all")
-    assert_keeps_the_target_distribution(smollm2, samples[0::2], "chains, seeded")
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 500, m  # most samples went through verification
+    got = samples(run)  # request by request: 256 each, even requests seeded
+    assert len(got) == CHAIN_SAMPLES
+    seeded = [i for i in range(len(got)) if (i // 256) % 2 == 0]
+    assert_keeps_the_target_distribution(smollm2, got, {"chains, all": range(len(got)), "chains, seeded": seeded})
 
 
 def test_seeded_sampling_repeats_itself(head_runs):
