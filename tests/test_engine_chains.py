@@ -7,7 +7,7 @@ import pytest
 
 from conftest import (ENGINE, FEATURES_BATCH, GROW_MAX_TOKENS, GROW_PROMPTS, GUARD_BATCH, MAX_TOKENS, PROMPTS,
                       SAMPLED_MIX, SEEDED, SPEC, assert_features_match, assert_identical,
-                      assert_keeps_the_target_distribution, greedy_batch, samples, sampling_batch)
+                      assert_keeps_the_target_distribution, greedy_batch, joined, samples, sampling_batch)
 from vllm_adaspec.harness import run_engine
 
 pytestmark = pytest.mark.engine
@@ -36,7 +36,7 @@ def head_runs(smollm2, engines):
     batches = {"mixed": greedy_batch(), "cached": greedy_batch(max_tokens=[min(m, 16) for m in MAX_TOKENS]),
                "sampled_mix": SAMPLED_MIX,
                "seeded": {"prompts": PROMPTS[:6], "params": SEEDED, "repeat": 2},
-               "other_seeds": {"prompts": PROMPTS[:6], "params": OTHER_SEEDS}, "sampled": sampling_batch(CHAIN_SAMPLES),
+               "other_seeds": {"prompts": PROMPTS[:6], "params": OTHER_SEEDS}, "sampled": joined(sampling_batch(CHAIN_SAMPLES // 2), sampling_batch(CHAIN_SAMPLES // 2, seed0=900_000)),
                "features": FEATURES_BATCH}
     res = engines.run({"model": smollm2, "engine": head_engine(), "batches": list(batches.values())})
     return {name: b["runs"] for name, b in zip(batches, res["batches"])}
@@ -89,10 +89,11 @@ def test_sampling_with_drafts_keeps_the_distribution(head_runs, smollm2):
     run = head_runs["sampled"][0]
     m = run["metrics"]
     assert m["vllm:spec_decode_num_accepted_tokens"] > 500, m  # most samples went through verification
-    got = samples(run)  # request by request: 256 each, even requests seeded
+    got = samples(run)  # the unseeded half (n = 256 per request), then the seeded half (one request each)
     assert len(got) == CHAIN_SAMPLES
-    seeded = [i for i in range(len(got)) if (i // 256) % 2 == 0]
-    assert_keeps_the_target_distribution(smollm2, got, {"chains, all": range(len(got)), "chains, seeded": seeded})
+    half = CHAIN_SAMPLES // 2
+    assert_keeps_the_target_distribution(smollm2, got, {"chains, all": range(CHAIN_SAMPLES),
+                                                        "chains, seeded": range(half, CHAIN_SAMPLES)})
 
 
 def test_seeded_sampling_repeats_itself(head_runs):

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import (BIASED_SEEDS, COPY_OR_NOT, COPYING, ENGINE, FEATURES_BATCH, GROW_MAX_TOKENS, GROW_PROMPTS,
                       GUARD_BATCH, TREE_MIX, assert_features_match, assert_identical,
-                      greedy_batch, samples, sampling_batch, target_pvalues)
+                      greedy_batch, joined, samples, sampling_batch, target_pvalues)
 
 pytestmark = pytest.mark.engine
 
@@ -129,7 +129,7 @@ def test_mixed_tree_chain_and_sampled_rows(mb_runs, plain_greedy):
     assert mix["adaspec"]["tree_verified"] > 5 and mix["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
-HONEST, BIASED = 2048, 512  # samples; 256 per request (n = 256)
+HONEST, BIASED = 2048, 512  # samples
 
 
 @pytest.fixture(scope="module")
@@ -137,15 +137,16 @@ def sampled_trees(smollm2, tree_engines):
     """2048 samples (half seeded) through tree verification with top-k and top-p, and in the same batch 512 whose
     verifier is deliberately biased (seeded from BIASED_SEEDS): one engine, no cost model (every candidate runs);
     p-values against the target's exact distribution, computed once for every subset."""
-    honest, biased = sampling_batch(HONEST), sampling_batch(BIASED, seed0=BIASED_SEEDS, seeded_every=1)
-    batch = {"prompts": honest["prompts"] + biased["prompts"], "params": honest["params"] + biased["params"]}
+    half = HONEST // 2
+    batch = joined(sampling_batch(half), sampling_batch(half, seed0=900_000),
+                   sampling_batch(BIASED, seed0=BIASED_SEEDS))
     engine = mb_engine(max_num_seqs=256, settings={"pools": ["context", "suffix"], "cost_model": "off"})
     run = tree_engines.run({"model": smollm2, "engine": engine, "batches": [batch],
                             "env": {"VLLM_ADASPEC_BIASED_VERIFIER_SEEDS": str(BIASED_SEEDS)}})["batches"][0]["runs"][0]
-    got = samples(run)  # request by request, 256 each: honest ones (even requests seeded), then the biased
-    seeded = [i for i in range(HONEST) if (i // 256) % 2 == 0]
-    pvalues = target_pvalues(smollm2, got, {"trees, all": range(HONEST), "trees, seeded": seeded,
-                                            "trees, unseeded": sorted(set(range(HONEST)) - set(seeded)),
+    got = samples(run)  # unseeded (n = 256 per request), seeded (one request each), biased (seeded)
+    assert len(got) == HONEST + BIASED
+    pvalues = target_pvalues(smollm2, got, {"trees, all": range(HONEST), "trees, seeded": range(half, HONEST),
+                                            "trees, unseeded": range(half),
                                             "biased verifier": range(HONEST, HONEST + BIASED)})
     return run, pvalues
 
