@@ -24,8 +24,8 @@ def accept_rate(m):
 
 
 # vLLM's own rejection sampler verifies chains (the plugin fixes its CPU expand op; tests/test_cpu_sampling_fix.py
-# checks that op with 8000 samples): 1024 engine samples here, the trees' 2048 where our sampler decides.
-CHAIN_SAMPLES = 1024
+# checks that op with 8000 samples): 512 engine samples here, the trees' 1536 where our sampler decides.
+CHAIN_SAMPLES = 512
 OTHER_SEEDS = [{**p, "seed": p["seed"] + 7} for p in SEEDED]
 
 
@@ -83,12 +83,12 @@ def test_mixed_batches_draft_for_sampled_requests_and_keep_greedy_rows(head_runs
 
 def test_sampling_with_drafts_keeps_the_distribution(head_runs, smollm2):
     """Chains verified by vLLM's rejection sampler (with the plugin's CPU expand fix, engine/cpu_sampling_fix.py):
-    1024 samples of a 4-token continuation at T = 1 with top-k and top-p, half seeded, position by position against
+    512 samples of a 4-token continuation at T = 1 with top-k and top-p, half seeded, position by position against
     the target's exact conditional distribution (the test's power is shown on a biased verifier in
     test_engine_multibranch.py). Before the fix plain continued one prompt " 13, 1" 45/48 times and adaspec 7/48."""
     run = head_runs["sampled"][0]
     m = run["metrics"]
-    assert m["vllm:spec_decode_num_accepted_tokens"] > 500, m  # most samples went through verification
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 250, m  # most samples went through verification
     got = samples(run)  # the unseeded half (n = 256 per request), then the seeded half (one request each)
     assert len(got) == CHAIN_SAMPLES
     half = CHAIN_SAMPLES // 2

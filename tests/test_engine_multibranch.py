@@ -129,18 +129,21 @@ def test_mixed_tree_chain_and_sampled_rows(mb_runs, plain_greedy):
     assert mix["adaspec"]["tree_verified"] > 5 and mix["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
-HONEST, BIASED = 2048, 512  # samples
+HONEST, BIASED = 1536, 512  # samples
 
 
 @pytest.fixture(scope="module")
 def sampled_trees(smollm2, tree_engines):
-    """2048 samples (half seeded) through tree verification with top-k and top-p, and in the same batch 512 whose
+    """1536 samples (half seeded) through tree verification with top-k and top-p, and in the same batch 512 whose
     verifier is deliberately biased (seeded from BIASED_SEEDS): one engine, no cost model (every candidate runs);
     p-values against the target's exact distribution, computed once for every subset."""
     half = HONEST // 2
     batch = joined(sampling_batch(half), sampling_batch(half, seed0=900_000),
                    sampling_batch(BIASED, seed0=BIASED_SEEDS))
-    engine = mb_engine(max_num_seqs=256, settings={"pools": ["context", "suffix"], "cost_model": "off"})
+    # the KV copies uncapped: every drafting request verifies a tree (the default cap, an eighth of the cache, sends
+    # most of 256 concurrent requests down the chain path)
+    engine = mb_engine(max_num_seqs=256, settings={"pools": ["context", "suffix"], "cost_model": "off",
+                                                   "tree": {"budget": 8, "kv_copy_tokens": 2**24}})
     run = tree_engines.run({"model": smollm2, "engine": engine, "batches": [batch],
                             "env": {"VLLM_ADASPEC_BIASED_VERIFIER_SEEDS": str(BIASED_SEEDS)}})["batches"][0]["runs"][0]
     got = samples(run)  # unseeded (n = 256 per request), seeded (one request each), biased (seeded)
@@ -156,9 +159,10 @@ def test_tree_verification_keeps_the_target_distribution(sampled_trees):
     against the target's exact conditional distribution; seeded and unseeded requests also apart."""
     run, pvalues = sampled_trees
     st = run["adaspec"]
-    # drafts went through (measured: 1333 trees verified, 4367 drafts accepted over 3072 samples) and were accepted
-    print("trees:", {k: st[k] for k in ("tree_verified", "accepted_drafts", "verified_drafts", "decode_rows")})
-    assert st["tree_verified"] > 500 and st["accepted_drafts"] > 1000, st
+    # drafts went through as trees and were accepted
+    print("trees:", {k: st[k] for k in ("tree_verified", "accepted_drafts", "verified_drafts", "decode_rows",
+                                        "tree_capped")})
+    assert st["tree_verified"] > 1500 and st["accepted_drafts"] > 1000, st
     for name in ("trees, all", "trees, seeded", "trees, unseeded"):
         assert min(pvalues[name]) > 1e-4, (name, pvalues[name])
 

@@ -21,7 +21,7 @@ The negative control of the sampling tests (they must reject a verifier that is 
 
     VLLM_ADASPEC_BIASED_VERIFIER_SEEDS=N
 
-makes tree verification of requests seeded with N or more accept, with probability 0.3, one child of the last
+makes tree verification of requests seeded with N or more accept, with probability 0.5, one child of the last
 accepted node that the exact rule rejected (`biased`). Unset, nothing changes.
 """
 
@@ -36,7 +36,7 @@ logger = logging.getLogger("vllm_adaspec")
 
 INJECT_ENV = "VLLM_ADASPEC_INJECT_FAULTS"
 BIAS_ENV = "VLLM_ADASPEC_BIASED_VERIFIER_SEEDS"
-BIAS = 0.3  # how often a biased verifier accepts a rejected node
+BIAS = 0.5  # how often a biased verifier accepts a rejected node
 FAILPOINTS = ("context", "suffix", "recycled", "corpus", "medusa", "branches", "trie", "draft", "tree_plan",
               "tree_verify", "compaction")
 
