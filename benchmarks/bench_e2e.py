@@ -69,6 +69,8 @@ def methods(args) -> dict[str, dict]:
             out[label] = {"speculative_config": {"model": "vllm_adaspec.MultiBranchProposer",
                                                  "num_speculative_tokens": budget + n * length},
                           "additional_config": {"adaspec": settings}}
+            if args.unpruned:  # the same, structured-output requests' candidates not checked against the grammar
+                out[label + " unpruned"] = {**out[label], "env": {"VLLM_ADASPEC_GRAMMAR_PRUNING": "0"}}
     if "adaspec" in args.methods:
         for n in args.exit_layers or [None]:
             head = args.exit_head.format(n=n) if "{n}" in args.exit_head else args.exit_head
@@ -121,15 +123,16 @@ def flop_share(cfg: dict, n: int, exit_layers: int, draft_vocab: int) -> float:
 
 
 def calls(prompts: dict[str, list[str]], batch_sizes: list[int], repeats: int, max_tokens: int,
-          temperature: float = 0.0) -> list[dict]:
+          temperature: float = 0.0, extra: dict[str, list[dict]] | None = None) -> list[dict]:
     """One entry per generate() call, tagged with (repeat, dataset, batch size). Sampled runs seed each prompt
-    (seed = its index), the same in every method."""
+    (seed = its index), the same in every method. extra: per dataset, per prompt, more sampling settings."""
     out = []
     for r in range(repeats):
         for ds, ps in prompts.items():
+            more = (extra or {}).get(ds) or [{}] * len(ps)
             for bs in batch_sizes:
                 for i in range(0, len(ps), bs):
-                    params = [{"temperature": temperature, "max_tokens": max_tokens,
+                    params = [{"temperature": temperature, "max_tokens": max_tokens, **more[i + j],
                                **({"seed": i + j} if temperature > 0 else {})} for j in range(len(ps[i:i + bs]))]
                     out.append({"prompts": ps[i:i + bs], "params": params, "tag": [r, ds, bs, i]})
     return out
@@ -303,6 +306,10 @@ def main(argv=None) -> int:
                    help='MultiBranchProposer rows (method "multibranch"), JSON each: \'{"pools": ["context", "suffix"], '
                         '"tree": {"budget": 8}}\' (K = budget; default settings: {})')
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seed = prompt index)")
+    p.add_argument("--structured", action="store_true",
+                   help="the agent loop's replies under their tool-call JSON schema (structured output)")
+    p.add_argument("--unpruned", action="store_true",
+                   help="with --structured: each multibranch row again with grammar pruning off")
     p.add_argument("--dtype", default="float32", help="float32: this CPU has no native bf16 (AVX2), where bf16 is several times slower")
     p.add_argument("--out", default="benchmarks/out/bench_e2e.json")
     args = p.parse_args(argv)
@@ -317,7 +324,13 @@ def main(argv=None) -> int:
         print("warning: --repeats > 1 runs every prompt again in the same engine, where vLLM's suffix cache and "
               "adaspec's suffix pool replay their earlier outputs: use --rounds (fresh engines)", file=sys.stderr)
     # one engine per (method, batch size): a batch size never meets prompts another one already ran
-    plans = {bs: calls(prompts, [bs], args.repeats, args.max_tokens, args.temperature) for bs in args.batch_sizes}
+    extra = {}
+    if args.structured and "agent" in prompts:
+        from vllm_adaspec.data.mix import agent_call_schemas
+
+        extra["agent"] = [{"structured_outputs": {"json": schema}} for schema in agent_call_schemas(args.num_prompts)]
+    plans = {bs: calls(prompts, [bs], args.repeats, args.max_tokens, args.temperature, extra)
+             for bs in args.batch_sizes}
     tags = {bs: [c.pop("tag") for c in plan] for bs, plan in plans.items()}
     engine = {"dtype": args.dtype, "max_model_len": 2048, "seed": 0, "enforce_eager": True}
     warmup = {"prompts": ["Hello"], "params": [{"temperature": 0.0, "max_tokens": 8}]}
@@ -336,7 +349,10 @@ def main(argv=None) -> int:
             rows = {}
             for bs, plan in plans.items():
                 t0 = time.perf_counter()
-                res = run_engine({"model": model, "engine": {**engine, **todo[name]}, "batches": [warmup] + plan})
+                spec = dict(todo[name])
+                env = spec.pop("env", {})
+                res = run_engine({"model": model, "engine": {**engine, **spec}, "batches": [warmup] + plan,
+                                  "env": env})
                 runs = [b["runs"][0] for b in res["batches"][1:]]
                 rows.update(summarize(runs, tags[bs], plain_ids))
                 annotate_exit(rows, runs, model)

@@ -195,7 +195,8 @@ def assert_keeps_the_target_distribution(model_dir: str, samples: list, subsets:
         assert min(pvalues) > 1e-4, (name, pvalues)
 
 
-# Greedy rows, chain-only rows (a penalty: vLLM's sampler applies it, trees cannot) and sampled rows in one batch.
+# Greedy rows, rows with a penalty (each tree row sees the penalty state of its own path) and sampled rows in one
+# batch.
 TREE_MIX = {"prompts": PROMPTS[:6],
             "params": [{"temperature": 0.0, "max_tokens": 40}] * 2
             + [{"temperature": 0.0, "max_tokens": 40, "repetition_penalty": 1.2}] * 2
@@ -222,8 +223,17 @@ FEATURES = [
      {"structured_outputs": {"json": JSON_SCHEMA}, "max_tokens": 40}),
     ("regex", "The year the first moon landing happened was",
      {"structured_outputs": {"regex": " [0-9]{4}\\."}, "max_tokens": 12}),
+    # vLLM refuses these two under speculation (its chain verification ignores them): the plugin accepts them and
+    # verifies such requests' drafts in the tree path only (logit_bias bans " list" here: the output differs)
+    ("logit_bias", PROMPTS[3], {"logit_bias": {1398: -50.0}, "max_tokens": 40}),
+    ("min_p", PROMPTS[4], {"min_p": 0.2, "max_tokens": 32}),
+    ("bad_words", PROMPTS[5], {"bad_words": ["values"], "max_tokens": 40}),
+    ("allowed_token_ids", PROMPTS[7], {"allowed_token_ids": [28, 198, 216, *range(32, 42)], "max_tokens": 40}),
     ("max_model_len", EDGE_PROMPT, {"max_tokens": None}),
 ]
+# Features that the tree sampler verifies (every one but n = 2's seeded sampling at top_k 1, which draws chains as
+# often as trees, and the request that runs into max_model_len): their requests must draft trees in tree engines.
+TREE_FEATURES = [name for name in [n for n, _, _ in FEATURES] if name not in ("n = 2", "max_model_len")]
 FEATURE_NAMES = [name for name, _, _ in FEATURES]
 FEATURES_BATCH = {"prompts": [p for _, p, _ in FEATURES],
                   "params": [{"temperature": 0.0, "ignore_eos": False, **params} for _, _, params in FEATURES]}

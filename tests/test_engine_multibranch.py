@@ -14,8 +14,8 @@ branches on and off both give plain decoding's tokens."""
 
 import pytest
 
-from conftest import (BIASED_SEEDS, COPY_OR_NOT, COPYING, ENGINE, FEATURES_BATCH, GROW_MAX_TOKENS, GROW_PROMPTS,
-                      GUARD_BATCH, TREE_MIX, assert_features_match, assert_identical,
+from conftest import (BIASED_SEEDS, COPY_OR_NOT, COPYING, ENGINE, FEATURE_NAMES, FEATURES_BATCH, GROW_MAX_TOKENS,
+                      GROW_PROMPTS, GUARD_BATCH, TREE_FEATURES, TREE_MIX, assert_features_match, assert_identical,
                       greedy_batch, joined, samples, sampling_batch, target_pvalues)
 
 pytestmark = pytest.mark.engine
@@ -52,7 +52,7 @@ def mb_runs(smollm2, tree_engines):
     # at most 8 requests at a time: with 64 at once this CPU is compute-bound and no draft pays for its row
     engine = mb_engine(max_num_seqs=8, settings={"pools": list(EVERY_POOL), **BRANCHES, "fault_limit": 50})
     res = tree_engines.run({"model": smollm2, "engine": engine, "batches": list(batches.values()),
-                            "env": {**CHECK_BRANCHES, **INJECT}})
+                            "env": {**CHECK_BRANCHES, **INJECT, "VLLM_ADASPEC_RECORD_DRAFTS": "1"}})
     return {name: b["runs"][0] for name, b in zip(batches, res["batches"])}
 
 
@@ -117,10 +117,20 @@ def test_at_the_fault_limit_speculation_stops_and_requests_finish_as_plain(smoll
 
 
 def test_request_features_work_as_without_speculation(mb_runs, plain_greedy):
-    """conftest.FEATURES through trees (with branches): those that need vLLM's sampler draft chains, the rest trees."""
+    """conftest.FEATURES through trees (with branches): penalties, logprobs, min_tokens, logit bias, min_p, bad and
+    allowed words and grammars (JSON schema, regex) on tree rows, each request verified as trees and giving plain
+    decoding's tokens and log-probs; the grammars' candidates were checked before they were chosen."""
     run = mb_runs["features"]
     assert_features_match(run, plain_greedy["features"])
-    assert run["adaspec"]["tree_verified"] > 5 and run["metrics"]["vllm:spec_decode_num_drafts"] > 20, run["adaspec"]
+    st = run["adaspec"]
+    assert st["tree_verified"] > 5 and run["metrics"]["vllm:spec_decode_num_drafts"] > 20, st
+    # the engine's ids are the request ids with "-" and 8 random characters appended
+    trees = [sum(n for r, n in st["tree_rounds_by_request"].items() if r.rsplit("-", 1)[0] == ext) for ext in run["request_ids"]]
+    assert all(trees[FEATURE_NAMES.index(name)] > 0 for name in TREE_FEATURES), dict(zip(FEATURE_NAMES, trees))
+    assert st["grammar_checked"] > 0 and st["grammar_pruned"] > 0, st
+    # the bias changed the output (the same prompt without it is the mixed batch's fourth request)
+    biased = run["completions"][FEATURE_NAMES.index("logit_bias")][0]
+    assert biased != plain_greedy["mixed"]["token_ids"][3][:len(biased)] and 1398 not in biased
 
 
 def test_mixed_tree_chain_and_sampled_rows(mb_runs, plain_greedy):

@@ -14,7 +14,7 @@ from vllm_adaspec.config import ProbeSettings
 from vllm_adaspec.faults import INJECT_ENV, FaultGuard, InjectedFault, parse_injection
 from vllm_adaspec.proposers.drafter import Drafter
 from vllm_adaspec.proposers.driver import Driver
-from vllm_adaspec.step import BatchView, DraftPlan, Taps
+from vllm_adaspec.step import BatchView, DraftPlan, RequestTraits, Taps
 
 
 class FlakyDrafter(Drafter):
@@ -63,6 +63,15 @@ class FakePort:
 
     def drop_trees(self, req_ids):
         self.dropped += list(req_ids)
+
+    def traits(self, req_id):
+        return RequestTraits()
+
+    def forget(self, req_ids):
+        pass
+
+    def live(self):
+        return {}
 
     def held_copy_tokens(self):
         return 0

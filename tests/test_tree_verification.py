@@ -10,7 +10,8 @@ import torch
 from vllm_adaspec.engine.cpu_kv import compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at, paged_index
 from vllm_adaspec.engine.tree_runtime import TreeRequest, TreeRuntime, TreeStep, masked_attention_batch, plan_step
 from vllm_adaspec.engine.tree_runtime import shrink_tree_seq_lens
-from vllm_adaspec.engine.tree_sampler import tree_compatible
+from vllm_adaspec.engine.tree_sampler import (RowSampling, needs_own_sampler, row_histories, row_logits,
+                                              tree_verifiable, verify_tree_request)
 from vllm_adaspec.step import DraftPlan
 from vllm_adaspec.trees import DraftTree, ancestor_mask, paths
 
@@ -184,17 +185,51 @@ def test_plan_step_writes_depth_positions_and_skips_chains_and_changed_drafts():
     assert plan_step(["b"], np.array([0, 3]), torch.arange(3), {"b": [1, 2]}, pending, 3) is None
 
 
-def test_only_plain_sampling_requests_draft_trees():
+def test_which_requests_the_tree_sampler_verifies():
     from vllm import SamplingParams
 
-    assert tree_compatible(SamplingParams(temperature=0.0))
-    assert tree_compatible(SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3))
-    for bad in ({"repetition_penalty": 1.1}, {"presence_penalty": 0.5}, {"logprobs": 2}, {"min_tokens": 4},
-                {"min_p": 0.1}, {"logit_bias": {3: 1.0}}, {"allowed_token_ids": [1, 2]}):
-        assert not tree_compatible(SamplingParams(**bad)), bad
-    assert not tree_compatible(None)
+    for ok in ({"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 3},
+               {"repetition_penalty": 1.1}, {"presence_penalty": 0.5}, {"logprobs": 2}, {"min_tokens": 4},
+               {"min_p": 0.1}, {"logit_bias": {3: 1.0}}, {"allowed_token_ids": [1, 2]}, {"bad_words": ["x"]}):
+        assert tree_verifiable(SamplingParams(**ok)), ok
+    assert not tree_verifiable(SamplingParams(thinking_token_budget=8)) and not tree_verifiable(None)
+    # vLLM's chain verification ignores these two: only the tree sampler may verify such requests' drafts
+    assert needs_own_sampler(SamplingParams(min_p=0.1)) and needs_own_sampler(SamplingParams(logit_bias={3: 1.0}))
+    assert not needs_own_sampler(SamplingParams(repetition_penalty=1.3)) and not needs_own_sampler(None)
 
 
+def test_each_tree_row_sees_the_settings_of_its_own_path():
+    """root -> A (5), B (6); A -> C (7); committed output [1, 2]: every row is processed with the output followed by
+    its own path (vLLM's chain processing would give B's row A's token, and C's row B's)."""
+    tree = DraftTree(torch.tensor([5, 6, 7]), torch.tensor([-1, -1, 0]))
+    assert row_histories(tree, [1, 2]) == [[1, 2], [1, 2, 5], [1, 2, 6], [1, 2, 5, 7]]
+    V = 12
+    s = RowSampling(0.0, output=[1, 2], prompt=torch.tensor([3, V]), penalties=(0.0, 0.0, 2.0),
+                    bad_words=[[5, 9]], logit_bias={8: 3.0}, min_tokens=4, stop_ids=(0,))
+    x = row_logits(torch.ones(4, V), tree, s)
+    seen = [{1, 2, 3}, {1, 2, 3, 5}, {1, 2, 3, 6}, {1, 2, 3, 5, 7}]  # prompt 3 and the path's output tokens
+    for r in range(4):
+        for t in range(1, V):
+            want = 4.0 if t == 8 else (0.5 if t in seen[r] else 1.0)
+            if t == 9 and r == 1:  # bad word [5, 9]: after 5 only (row A)
+                want = -math.inf
+            assert x[r, t] == want, (r, t, float(x[r, t]), want)
+        assert math.isinf(x[r, 0]) == (r < 3), r  # min_tokens 4: the stop token is masked while fewer are out
+
+
+def test_grammar_rows_mask_and_greedy_follows_the_masked_argmax():
+    from vllm_adaspec.engine.grammar import unpack_bitmask
+
+    bits = torch.tensor([[0b1010, 0], [-1, 1]], dtype=torch.int32)  # row 0: tokens 1, 3; row 1: 0..31 and 32
+    allowed = unpack_bitmask(bits, 40)
+    assert allowed[0].nonzero().flatten().tolist() == [1, 3]
+    assert allowed[1].nonzero().flatten().tolist() == list(range(33))
+    tree = DraftTree(torch.tensor([3]), torch.tensor([-1]))
+    logits = torch.zeros(2, 40)
+    logits[0, 7] = 5.0  # the unconstrained argmax is forbidden at the root: 3 is the best allowed token
+    logits[0, 3] = 1.0
+    path, bonus, _ = verify_tree_request(tree, logits, RowSampling(0.0, grammar=allowed))
+    assert path == [0] and bonus == 0
 
 
 def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():

@@ -6,8 +6,8 @@ import pytest
 
 from vllm_adaspec.pools import Candidates
 from vllm_adaspec.trees import DraftTree
-from vllm_adaspec.trees.trie import (PRIOR_SCALE, Calibration, best_prefix, cost_curve, feedback, merge, ranked,
-                                     subtree)
+from vllm_adaspec.trees.trie import (PRIOR_SCALE, Calibration, best_prefix, cost_curve, feedback, merge, prune,
+                                     ranked, subtree)
 
 
 def cands(*paths, key="a"):
@@ -56,6 +56,16 @@ def test_ranked_prefixes_are_closed_under_parents_and_subtree_is_breadth_first()
             tokens, parents, idx = subtree(t, order[:k])
             DraftTree(__import__("torch").tensor(tokens), __import__("torch").tensor(parents))  # validates BFS order
             assert [t.tokens[i] for i in idx] == tokens
+
+
+def test_pruning_drops_a_node_with_its_subtree_and_keeps_the_rest_as_they_were():
+    t = merge([cands(((5,), 0.5), ((5, 6), 0.8), ((5, 6, 2), 0.9), ((7,), 0.2), ((7, 3), 0.6))], Calibration())
+    keep = [t.tokens[i] != 6 for i in range(len(t))]  # the grammar forbids "5 6": "5 6 2" goes with it
+    p = prune(t, keep)
+    assert sorted(tuple(p.tokens[j] for j in path(p, i)) for i in range(len(p))) == [(5,), (7,), (7, 3)]
+    for i in range(len(p)):
+        old = next(j for j in range(len(t)) if t.tokens[j] == p.tokens[i] and t.depth[j] == p.depth[i])
+        assert (p.path[i], p.cond[i], p.keys[i]) == (t.path[old], t.cond[old], t.keys[old])
 
 
 def test_calibration_moves_a_pool_from_its_own_estimate_to_measured_acceptance():

@@ -307,10 +307,13 @@ def _child(job: dict) -> dict:
 
 
 def sampling_params(p: dict):
-    """SamplingParams from JSON: `structured_outputs` as a dict of StructuredOutputsParams fields."""
+    """SamplingParams from JSON: `structured_outputs` as a dict of StructuredOutputsParams fields, `logit_bias`
+    keys as strings."""
     from vllm import SamplingParams
 
     p = dict(p)
+    if p.get("logit_bias"):  # JSON object keys are strings
+        p["logit_bias"] = {int(k): v for k, v in p["logit_bias"].items()}
     if isinstance(p.get("structured_outputs"), dict):
         from vllm.sampling_params import StructuredOutputsParams
 

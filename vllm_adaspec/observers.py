@@ -43,6 +43,7 @@ class DraftRecorder(Observer):
         self.per_request: dict[str, list[int]] = {}  # [decode steps, rounds with drafts, drafts, accepted]
         self.first_drafts: dict[str, dict] = {}  # req -> {"tokens": committed, "drafts": [[length, draft 0], ...]}
         self.medusa_top1: dict[str, list] = {}  # req -> [[committed tokens, head 1's top token], ...]
+        self.tree_rounds: dict[str, int] = {}  # req -> plans verified in the tree path
 
     def after_propose(self, view, plans, states) -> None:
         for i, sampled in enumerate(view.sampled):
@@ -51,6 +52,8 @@ class DraftRecorder(Observer):
             rs = states.get(view.req_ids[i])
             self.per_request[view.req_ids[i]] = [rs.steps, rs.rounds, rs.drafted, rs.accepted]
         for i, plan in plans.items():
+            if plan.is_tree:
+                self.tree_rounds[view.req_ids[i]] = self.tree_rounds.get(view.req_ids[i], 0) + 1
             if plan.tokens:
                 r = self.first_drafts.setdefault(view.req_ids[i], {"tokens": [], "drafts": []})
                 r["tokens"] = view.tokens(i).tolist()
@@ -61,7 +64,7 @@ class DraftRecorder(Observer):
             self.medusa_top1.setdefault(req_id, []).append([n, int(top_ids[e][0][0])])
 
     def stats(self) -> dict:
-        return {"per_request": self.per_request, "first_drafts": self.first_drafts,
+        return {"per_request": self.per_request, "first_drafts": self.first_drafts, "tree_rounds_by_request": self.tree_rounds,
                 **({"medusa_top1": self.medusa_top1} if self.medusa_top1 else {})}
 
 

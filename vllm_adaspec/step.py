@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_adaspec.controls import DEFAULT as DEFAULT_CONTROLS
+from vllm_adaspec.controls import RequestControls
 from vllm_adaspec.trees.tree import is_chain
 
 
@@ -30,10 +32,12 @@ class DraftPlan:
     tokens: drafts in the order vLLM schedules them (trees: breadth-first, a parent before its children);
     parents: None for a chain, else each node's parent (-1 = the root, the last committed token);
     verified: how many of the first nodes are verified; the rows after them are read-only draft-branch rows
-    (pools/branches.py), None = all."""
+    (pools/branches.py), None = all; tree_path: verify it in the tree path even where it is a chain (requests whose
+    sampling settings only the tree sampler applies, RequestTraits.own_sampler)."""
     tokens: tuple[int, ...]
     parents: tuple[int, ...] | None = None
     verified: int | None = None
+    tree_path: bool = False
 
     @property
     def num_verified(self) -> int:
@@ -41,8 +45,9 @@ class DraftPlan:
 
     @property
     def is_tree(self) -> bool:
-        """Verified as a tree: the nodes branch, or read-only rows ride along."""
-        return self.parents is not None and (self.num_verified < len(self.tokens) or not is_chain(self.parents))
+        """Verified in the tree path: the nodes branch, read-only rows ride along, or the request asks for it."""
+        return self.parents is not None and (self.tree_path or self.num_verified < len(self.tokens)
+                                             or not is_chain(self.parents))
 
     def scheduled(self, n: int) -> "DraftPlan":
         """The plan as verified when the scheduler kept only its first n drafts: breadth-first order keeps a
@@ -50,7 +55,23 @@ class DraftPlan:
         if n >= len(self.tokens):
             return self
         verified = None if self.verified is None else min(self.verified, n)
-        return DraftPlan(self.tokens[:n], None if self.parents is None else self.parents[:n], verified)
+        return DraftPlan(self.tokens[:n], None if self.parents is None else self.parents[:n], verified,
+                         self.tree_path)
+
+
+@dataclass(frozen=True)
+class RequestTraits:
+    """What one request allows and needs of speculation, read once when the drafter first sees it.
+
+    controls: its per-request settings (controls.py); tree: the tree sampler can verify it exactly (every sampling
+    setting it carries is applied per tree row: engine/tree_sampler.py); own_sampler: some of its settings (min_p,
+    logit_bias) are applied by the tree sampler only (vLLM's chain verification ignores them), so its drafts go
+    through the tree path or not at all; grammar: structured output (candidates are checked against a copy of its
+    grammar before they are chosen, and only a request whose copy is ready drafts trees)."""
+    controls: RequestControls = DEFAULT_CONTROLS
+    tree: bool = True
+    own_sampler: bool = False
+    grammar: bool = False
 
 
 @dataclass(frozen=True)

@@ -290,9 +290,9 @@ def _gold_call(answer: dict) -> str:
     return json.dumps({"name": name, "arguments": chosen})
 
 
-def load_agent(n: int | None = None) -> list[list[dict]]:
-    """Agent loops over four consecutive BFCL items: the tools of all four, three requests answered with their
-    gold tool calls and a result each, then the fourth request."""
+def _agent_loops() -> list[tuple[list[dict], list[str]]]:
+    """(conversation, tool names) of every agent loop: four consecutive BFCL items, the tools of all four, three
+    requests answered with their gold tool calls and a result each, then the fourth request."""
     items = _bfcl()
     out = []
     for g in range(0, len(items) - AGENT_STEPS + 1, AGENT_STEPS):
@@ -305,8 +305,22 @@ def load_agent(n: int | None = None) -> list[list[dict]]:
             if k < AGENT_STEPS - 1:
                 msgs.append({"role": "assistant", "content": _gold_call(a)})
         if sum(len(m["content"]) for m in msgs) <= MAX_AGENT_CHARS:
-            out.append(msgs)
-    return _first(out, n)
+            out.append((msgs, [f["name"] for f in tools]))
+    return out
+
+
+def load_agent(n: int | None = None) -> list[list[dict]]:
+    """Agent loops over four consecutive BFCL items (`_agent_loops`)."""
+    return _first([msgs for msgs, _ in _agent_loops()], n)
+
+
+def agent_call_schemas(n: int | None = None) -> list[dict]:
+    """For each of `load_agent(n)`'s conversations, the JSON schema of its reply as the system prompt asks for it
+    (structured output): {"name": one of the loop's tools, "arguments": an object}."""
+    return _first([{"type": "object", "properties": {"name": {"type": "string", "enum": names},
+                                                      "arguments": {"type": "object"}},
+                    "required": ["name", "arguments"], "additionalProperties": False}
+                   for _, names in _agent_loops()], n)
 
 
 def _first(items: list, n: int | None) -> list:

@@ -33,6 +33,7 @@ def register() -> None:
     from vllm_adaspec.engine import cpu_sampling_fix
 
     cpu_sampling_fix.install()  # vLLM-CPU's rejection sampler is wrong at temperature > 0 without it
+    install_request_checks()
 
     if getattr(VllmConfig.__post_init__, "_adaspec_hook", False):
         return
@@ -44,6 +45,40 @@ def register() -> None:
 
     __post_init__._adaspec_hook = True  # type: ignore[attr-defined]
     VllmConfig.__post_init__ = __post_init__
+
+
+def install_request_checks() -> None:
+    """Requests are checked where vLLM checks them (SamplingParams.verify, in the front end: a ValueError there is
+    the client's 400). For adaspec engines, vLLM's speculation check is replaced: per-request controls in
+    `extra_args` (controls.py) are checked, with the field named; min_p and logit_bias, which vLLM refuses under
+    speculation (its chain verification ignores them), are accepted: the plugin verifies such requests' drafts
+    with its tree sampler, which applies them, or drafts none for them (proposers/driver.py). Other speculative
+    configs keep vLLM's check."""
+    from vllm.sampling_params import SamplingParams
+
+    original = SamplingParams._validate_spec_decode
+    if getattr(original, "_adaspec_hook", False):
+        return
+
+    def _validate_spec_decode(self, speculative_config):
+        if not _is_adaspec(speculative_config):
+            return original(self, speculative_config)
+        from vllm.exceptions import VLLMValidationError
+
+        from vllm_adaspec.controls import ControlError, parse_controls
+
+        try:
+            parse_controls(self.extra_args)
+        except ControlError as e:
+            raise VLLMValidationError(str(e), parameter=e.key, value=(self.extra_args or {}).get(e.key)) from None
+
+    _validate_spec_decode._adaspec_hook = True  # type: ignore[attr-defined]
+    SamplingParams._validate_spec_decode = _validate_spec_decode
+
+
+def _is_adaspec(speculative_config) -> bool:
+    return (speculative_config is not None and getattr(speculative_config, "method", None) == "custom_class"
+            and str(speculative_config.model or "").startswith("vllm_adaspec."))
 
 
 def configure(vllm_config) -> None:

@@ -10,8 +10,11 @@ import copy
 import numpy as np
 import torch
 
-from vllm_adaspec.engine.tree_sampler import tree_compatible
-from vllm_adaspec.step import BatchView, Taps
+from vllm_adaspec.controls import DEFAULT as DEFAULT_CONTROLS
+from vllm_adaspec.controls import ControlError, parse_controls
+from vllm_adaspec.engine.grammar import GrammarCopies
+from vllm_adaspec.engine.tree_sampler import needs_own_sampler, tree_verifiable
+from vllm_adaspec.step import BatchView, RequestTraits, Taps
 
 
 class EnginePort:
@@ -21,16 +24,63 @@ class EnginePort:
         self.observers = list(observers)  # vllm_adaspec/observers.py (tests, C2T training data)
         self.taps = Taps()
         self.verified_rows: list[int] | None = None  # drafts each batch row took in the last verification
+        self._traits: dict[str, RequestTraits] = {}  # per request, read once (step.RequestTraits)
+        # structured-output requests' grammars, copied for token trees (engine/grammar.py)
+        self.grammars = GrammarCopies(runner.vllm_config) if runtime is not None else None
 
     # --- the batch ---
     def view(self, sampled: list, num_tokens: np.ndarray, token_ids: np.ndarray) -> BatchView:
         b = self.runner.input_batch
         return BatchView(b.req_ids, sampled, num_tokens, token_ids, b.num_prompt_tokens, b.temperature_cpu)
 
-    def tree_compatible(self, req_ids: list[str]) -> list[bool]:
-        """Per request: may it be verified as a tree (its sampling settings, engine/tree_sampler.py)."""
-        states = self.runner.requests
-        return [tree_compatible(getattr(states.get(r), "sampling_params", None)) for r in req_ids]
+    # --- the requests ---
+    def traits(self, req_id: str) -> RequestTraits:
+        """What the request allows (its per-request controls, controls.py) and needs (engine/tree_sampler.py:
+        whether trees can verify it, whether only the tree sampler applies its settings; a structured-output
+        request gets a copy of its grammar when trees can be verified), read once."""
+        traits = self._traits.get(req_id)
+        if traits is None:
+            sp = getattr(self.runner.requests.get(req_id), "sampling_params", None)
+            try:
+                controls = parse_controls(getattr(sp, "extra_args", None))
+            except ControlError:  # checked when the request arrived (engine/plugin.py); defaults otherwise
+                controls = DEFAULT_CONTROLS
+            grammar = getattr(sp, "structured_outputs", None) is not None
+            tree = tree_verifiable(sp) and self.grammars is not None
+            if tree and grammar:
+                tree = self.grammars.start(req_id, sp)
+            traits = self._traits[req_id] = RequestTraits(controls, tree, needs_own_sampler(sp), grammar)
+        return traits
+
+    def forget(self, req_ids) -> None:
+        """Finished requests: their traits and grammar copies go."""
+        for r in req_ids:
+            self._traits.pop(r, None)
+        if self.grammars is not None:
+            self.grammars.finish(req_ids)
+
+    def request(self, req_id: str, row: int) -> tuple[object, list[int]]:
+        """(SamplingParams, committed output tokens) of the request at batch row `row` (the tree sampler)."""
+        b = self.runner.input_batch
+        sp = getattr(self.runner.requests.get(req_id), "sampling_params", None)
+        return sp, b.token_ids_cpu[row, b.num_prompt_tokens[row]:b.num_tokens_no_spec[row]].tolist()
+
+    def grammar_valid(self, req_id: str, output, tokens: list[int], parents: list[int]) -> list[bool] | None:
+        """Per candidate node (parents before children): does the request's grammar accept its path, after the
+        committed `output` tokens (fed to its copy first). None: no usable copy (the request drafts chains)."""
+        if self.grammars is None or not self.grammars.advance(req_id, output):
+            return None
+        return self.grammars.valid_nodes(req_id, tokens, parents)
+
+    def grammar_rows(self, req_id: str, output, tree) -> "torch.Tensor | None":
+        """[n + 1, V] bool: the grammar's next-token mask at each verification row of the request's tree, after the
+        committed `output` tokens. None: no usable copy."""
+        if self.grammars is None or not self.grammars.advance(req_id, output):
+            return None
+        return self.grammars.row_masks(req_id, tree.tokens.tolist(), tree.parents.tolist())
+
+    def live(self) -> dict:
+        return {"request_traits": len(self._traits), "grammar_copies": len(self.grammars or ())}
 
     def kv_positions(self) -> int:
         """Token positions the engine's KV cache holds."""

@@ -38,9 +38,24 @@ def install(runner, drafter, port) -> None:
         # vLLM verifies drafts as chains only and offers no hook after verification: tree requests are verified
         # here (vLLM's result stands for chains), then their KV is compacted; verified rows' logits are tapped.
         runner.rejection_sampler = TreeRejectionSampler(runner.rejection_sampler, runtime, drafter.cfg.acceptance,
-                                                        logits_tap)
+                                                        logits_tap, port=port)
+    # vLLM builds only the min_tokens logits processor when speculation is on (it refuses min_p and logit_bias):
+    # the plugin accepts them (engine/plugin.py) and verifies such requests' drafts itself, so the sampler of steps
+    # without drafts (and of rows without drafts) needs vLLM's own min_p and logit_bias processors back.
+    install_builtin_logits_processors(runner)
     if runtime is None:
         return
+    # The scheduler checks and masks drafts as a chain unless it knows they are a tree (engine/scheduler.py): each
+    # step's draft ids carry the structured-output requests whose drafts are trees.
+    take = runner.take_draft_token_ids
+
+    def take_draft_token_ids():
+        out = take()
+        if out is not None and drafter.grammar_trees:
+            out.adaspec_trees = frozenset(drafter.grammar_trees)
+        return out
+
+    runner.take_draft_token_ids = take_draft_token_ids
     # No hook sits between the runner's input preparation and the forward: tree rows need depth positions and
     # their own seq_lens before attention metadata is built.
     prepare = runner._prepare_inputs
@@ -55,6 +70,19 @@ def install(runner, drafter, port) -> None:
         return result
 
     runner._prepare_inputs = prepare_inputs
+
+
+def install_builtin_logits_processors(runner) -> None:
+    from vllm.utils.torch_utils import PIN_MEMORY
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+
+    batch = runner.input_batch
+    have = {type(p) for p in batch.logitsprocs.all}
+    if all(cls in have for cls in BUILTIN_LOGITS_PROCESSORS) or runner.is_pooling_model:
+        return
+    made = [cls(runner.vllm_config, runner.device, PIN_MEMORY) for cls in BUILTIN_LOGITS_PROCESSORS
+            if cls not in have]
+    batch.logitsprocs = LogitsProcessors([*batch.logitsprocs.all, *made])
 
 
 class LogitsTap:

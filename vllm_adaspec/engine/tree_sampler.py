@@ -3,45 +3,134 @@ that tree requests are verified node by node (trees/verify.py) while chain reque
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+
 import torch
 
 from vllm_adaspec.trees import DraftTree, verify_greedy, verify_sample_match, verify_typical
 
 
-def tree_compatible(sp) -> bool:
-    """Trees are verified from raw logits with temperature / top-k / top-p only. Anything vLLM's sampler applies
-    on top (penalties, logits processors, grammars, logprobs) is chain-only: such requests draft chains."""
-    if sp is None:
-        return False
-    return (sp.presence_penalty == 0 and sp.frequency_penalty == 0 and sp.repetition_penalty == 1
-            and sp.min_p == 0 and sp.min_tokens == 0 and sp.logprobs is None and sp.prompt_logprobs is None
-            and not sp.logit_bias and not sp.allowed_token_ids and not sp.bad_words
-            and sp.structured_outputs is None and not getattr(sp, "watermarking", None)
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
+
+
+def tree_verifiable(sp) -> bool:
+    """Which requests the tree sampler verifies exactly: every sampling setting they carry is applied per tree row
+    (`row_logits`). Thinking budgets, watermarking and logprob_token_ids need vLLM's own per-request sampler state:
+    such requests draft chains."""
+    return (sp is not None and not getattr(sp, "watermarking", None)
             and getattr(sp, "thinking_token_budget", None) is None and not getattr(sp, "logprob_token_ids", None))
 
 
-def verify_tree_request(tree: DraftTree, logits: torch.Tensor, temperature: float, top_k: int | None,
-                        top_p: float | None, generator: torch.Generator | None,
-                        acceptance=None) -> tuple[list[int], int]:
-    """logits [n + 1, V] at the request's verification rows -> (accepted nodes, bonus token).
+def needs_own_sampler(sp) -> bool:
+    """min_p and logit_bias: vLLM's chain verification ignores them (it refuses them with speculation), the tree
+    sampler applies them; such requests draft trees or nothing."""
+    return sp is not None and (sp.min_p > SAMPLING_EPS or bool(sp.logit_bias))
+
+
+@dataclass
+class RowSampling:
+    """One tree request's sampling, from vLLM's sampling metadata (its batch row) and its SamplingParams."""
+    temperature: float  # < SAMPLING_EPS: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float = 0.0
+    generator: torch.Generator | None = None
+    output: list[int] = field(default_factory=list)  # committed output tokens (the root last)
+    prompt: torch.Tensor | None = None  # [P] (penalties only)
+    penalties: tuple[float, float, float] | None = None  # presence, frequency, repetition
+    banned: torch.Tensor | None = None  # [V] bool: outside allowed_token_ids
+    bad_words: list[list[int]] = field(default_factory=list)
+    logit_bias: dict | None = None
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
+    structured: bool = False
+    grammar: torch.Tensor | None = None  # [n + 1, V] bool allowed, per row (engine/grammar.py)
+
+    @property
+    def plain(self) -> bool:
+        """Only temperature / top-k / top-p: the rows need no per-path processing."""
+        return (self.penalties is None and self.banned is None and not self.bad_words and not self.logit_bias
+                and len(self.output) >= self.min_tokens and self.grammar is None)
+
+
+def row_histories(tree: DraftTree, output: list[int]) -> list[list[int]]:
+    """The output tokens each verification row follows: the root row the committed output, node i's row the output
+    and the tokens from the root to node i (breadth-first: a parent before its children)."""
+    rows = [list(output)]
+    for tok, parent in zip(tree.tokens.tolist(), tree.parents.tolist()):
+        rows.append(rows[parent + 1] + [tok])
+    return rows
+
+
+def row_logits(logits: torch.Tensor, tree: DraftTree, s: RowSampling) -> torch.Tensor:
+    """logits [n + 1, V] (the tree's verification rows, float32, modified in place) -> what vLLM's sampler argmaxes
+    or samples from at each row (v1/sample/sampler.py, in its order: allowed tokens, bad words, logit bias and
+    min_tokens, penalties), each row with the output tokens of its own path, as plain decoding would have them.
+    The grammar's mask comes first (vLLM applies it before its sampler)."""
+    if s.grammar is not None:
+        logits.masked_fill_(~s.grammar[:logits.shape[0]], -math.inf)
+    if s.plain:
+        return logits
+    from vllm.v1.sample.ops.bad_words import apply_bad_words
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    hist = row_histories(tree, s.output)
+    rows = logits.shape[0]
+    if s.banned is not None:
+        logits.masked_fill_(s.banned, -math.inf)
+    if s.bad_words:
+        apply_bad_words(logits, {r: s.bad_words for r in range(rows)}, hist)
+    if s.logit_bias:
+        ids = torch.tensor(list(s.logit_bias), dtype=torch.long)
+        logits[:, ids] += torch.tensor(list(s.logit_bias.values()), dtype=torch.float32)
+    short = [r for r in range(rows) if len(hist[r]) < s.min_tokens]
+    if short and s.stop_ids:
+        stop = torch.tensor(s.stop_ids, dtype=torch.long)
+        for r in short:
+            kept = logits[r, stop].clone()
+            logits[r, stop] = -math.inf
+            if s.structured and torch.isneginf(logits[r]).all():  # as vLLM: a grammar that must stop may stop
+                logits[r, stop] = kept
+    if s.penalties is not None:
+        presence, frequency, repetition = (torch.full((rows,), v, dtype=torch.float32) for v in s.penalties)
+        logits = apply_all_penalties(logits, s.prompt.expand(rows, -1), presence, frequency, repetition, hist)
+    return logits
+
+
+def sampling_probs(x: torch.Tensor, s: RowSampling) -> torch.Tensor:
+    """Processed logits [rows, V] of a sampled request -> the distribution vLLM samples from: temperature, min_p,
+    top-k / top-p (modified in place)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    x = x.div_(s.temperature)
+    if s.min_p > SAMPLING_EPS:  # MinPLogitsProcessor
+        probs = torch.softmax(x, dim=-1)
+        x.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * s.min_p, -math.inf)
+    rows = x.shape[0]
+    k = None if s.top_k is None else torch.full((rows,), s.top_k, dtype=torch.int32)
+    p = None if s.top_p is None else torch.full((rows,), s.top_p, dtype=torch.float32)
+    if k is not None or p is not None:
+        x = apply_top_k_top_p(x, k, p)
+    return torch.softmax(x, dim=-1)
+
+
+def verify_tree_request(tree: DraftTree, logits: torch.Tensor, s: RowSampling,
+                        acceptance=None) -> tuple[list[int], int, torch.Tensor]:
+    """logits [n + 1, V] at the request's verification rows -> (accepted nodes, bonus token, the processed logits
+    [n + 1, V]: what the rows were argmaxed or sampled from).
 
     Sampling uses sample-and-match, not recursive rejection sampling: the drafters pick a node's children
     deterministically (top-k), and for a fixed set S of distinct children no lossless rule can move on with
     probability above p(S), which sample-and-match reaches. RRS (trees.verify_rrs) pays only for children drawn
     i.i.d. from the draft distribution."""
-    if temperature <= 0:  # vLLM's greedy marker
-        return verify_greedy(tree, logits.argmax(dim=-1))
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-
-    x = logits.float() / temperature
-    rows = x.shape[0]
-    k = None if top_k is None else torch.full((rows,), top_k, dtype=torch.int32)
-    p = None if top_p is None else torch.full((rows,), top_p, dtype=torch.float32)
-    if k is not None or p is not None:
-        x = apply_top_k_top_p(x, k, p)
+    x = row_logits(logits.float().clone(), tree, s)
+    if s.temperature < SAMPLING_EPS:
+        return (*verify_greedy(tree, x.argmax(dim=-1)), x)
+    probs = sampling_probs(x, s)
     if acceptance is not None and acceptance.name == "typical":
-        return verify_typical(tree, torch.softmax(x, dim=-1), acceptance.epsilon, acceptance.delta, generator)
-    return verify_sample_match(tree, torch.softmax(x, dim=-1), generator)
+        return (*verify_typical(tree, probs, acceptance.epsilon, acceptance.delta, s.generator), x)
+    return (*verify_sample_match(tree, probs, s.generator), x)
 
 
 def accept_one_more(tree: DraftTree, path: list[int], bonus: int, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -56,20 +145,23 @@ def accept_one_more(tree: DraftTree, path: list[int], bonus: int, logits: torch.
 
 class TreeRejectionSampler:
     """Stands in for the runner's rejection sampler: vLLM's for chain rows, tree verification for tree rows (the
-    tree runtime's step), then KV compaction. `on_logits(logits, metadata)`: every verified row's logits, after
-    verification (for drafters that read them)."""
+    tree runtime's step), then KV compaction; the log-probs of tree requests' committed tokens are rewritten from
+    their path's rows. `on_logits(logits, metadata)`: every verified row's logits, after verification (for drafters
+    that read them). `port`: the engine port (engine/port.py): each request's sampling params, committed output and
+    grammar copy."""
 
-    def __init__(self, stock, runtime, acceptance=None, on_logits=None):
+    def __init__(self, stock, runtime, acceptance=None, on_logits=None, port=None):
         self.stock = stock
         self.runtime = runtime  # engine/tree_runtime.TreeRuntime, or None (chains only)
         self.acceptance = acceptance  # config.Acceptance: "exact" (lossless) or "typical" (lossy, opt-in)
         self.on_logits = on_logits
+        self.port = port
 
     def __call__(self, metadata, draft_probs, logits, sampling_metadata):
         out = self.stock(metadata, draft_probs, logits, sampling_metadata)
         step = self.runtime.take_step() if self.runtime is not None else None
         if step is not None:
-            self._verify_trees(step, out.sampled_token_ids, metadata, logits, sampling_metadata)
+            self._verify_trees(step, out, metadata, logits, sampling_metadata)
         if self.on_logits is not None:
             self.on_logits(logits, metadata)
         return out
@@ -77,41 +169,74 @@ class TreeRejectionSampler:
     def __getattr__(self, name):  # everything else (warm-up hooks, logprobs helpers) is vLLM's
         return getattr(self.stock, name)
 
-    def _verify_trees(self, step, tokens, metadata, logits, sampling_metadata) -> None:
-        """tokens [B, max_spec_len + 1] int32, -1 padded: vLLM's result, rewritten for the tree rows.
+    def row_sampling(self, r, sm, tree: DraftTree) -> RowSampling:
+        """The tree request `r` (batch row r.row) as its sampling needs it: vLLM's sampling metadata for what it
+        holds per batch row, the request's SamplingParams for the rest."""
+        i = r.row
+        t = 0.0 if sm.all_greedy or sm.temperature is None else float(sm.temperature[i])
+        s = RowSampling(t, None if sm.top_k is None else int(sm.top_k[i]),
+                        None if sm.top_p is None else float(sm.top_p[i]), generator=sm.generators.get(i))
+        sp, output = self.port.request(r.req_id, i) if self.port is not None else (None, [])
+        s.output = output
+        if not sm.no_penalties and sm.prompt_token_ids is not None:
+            pen = (float(sm.presence_penalties[i]), float(sm.frequency_penalties[i]),
+                   float(sm.repetition_penalties[i]))
+            if pen != (0.0, 0.0, 1.0):
+                s.penalties, s.prompt = pen, sm.prompt_token_ids[i]
+        if sm.allowed_token_ids_mask is not None and bool(sm.allowed_token_ids_mask[i].any()):
+            s.banned = sm.allowed_token_ids_mask[i]
+        s.bad_words = (sm.bad_words_token_ids or {}).get(i, [])
+        if sp is not None:
+            s.min_p, s.logit_bias = float(sp.min_p), (sp.logit_bias or None)
+            s.min_tokens, s.stop_ids = int(sp.min_tokens), tuple(sp.all_stop_token_ids)
+            s.structured = sp.structured_outputs is not None
+            if s.structured:
+                s.grammar = self.port.grammar_rows(r.req_id, output, tree)
+                if s.grammar is None:  # a structured request without its grammar copy must not be verified here
+                    raise RuntimeError(f"request {r.req_id}: no grammar copy for its tree")
+        return s
+
+    def _verify_trees(self, step, out, metadata, logits, sampling_metadata) -> None:
+        """out.sampled_token_ids [B, max_spec_len + 1] int32, -1 padded: vLLM's result, rewritten for the tree
+        rows (and their log-probs, when the batch asks for them).
 
         Faults are contained (faults.py). A request whose verification fails keeps only vLLM's first token: its root
         row attends to the prefix and itself alone, so that token is the one plain decoding samples there (the chain
-        verdict on its other rows is not: they were computed under the tree mask). A fault in compaction turns every
+        verdict on its other rows is not: they were computed under the tree mask; vLLM's chain path does not apply
+        min_p and logit_bias, so for such a request that first token ignores them). A fault in compaction turns every
         tree request of the step into that: positions past root + 1 are then scratch, whatever was moved there."""
+        tokens = out.sampled_token_ids
         cu = metadata.cu_num_draft_tokens.tolist()
         target_idx, bonus_idx = metadata.target_logits_indices, metadata.bonus_logits_indices
-        temps = sampling_metadata.temperature
         faults = self.runtime.faults
-        results = {}
+        want_logprobs = out.logprobs_tensors is not None and sampling_metadata.max_num_logprobs is not None
+        results, logprob_rows = {}, []
         for r in step.requests:
             i = r.row
             try:
                 faults.point("tree_verify")
                 first = cu[i - 1] if i else 0
                 rows = torch.cat([target_idx[first:cu[i]], bonus_idx[i:i + 1]])
-                t = 0.0 if sampling_metadata.all_greedy or temps is None else float(temps[i])
-                k = None if sampling_metadata.top_k is None else int(sampling_metadata.top_k[i])
-                p = None if sampling_metadata.top_p is None else float(sampling_metadata.top_p[i])
                 m = r.num_verified  # the verified nodes; rows past them are draft branches, only read
                 tree = r.tree if m == len(r.tree) else DraftTree(r.tree.tokens[:m], r.tree.parents[:m])
-                generator = sampling_metadata.generators.get(i)
-                path, bonus = verify_tree_request(tree, logits[rows[:m + 1]], t, k, p, generator, self.acceptance)
-                if faults.biased(generator):  # the sampling tests' negative control only (faults.py)
+                s = self.row_sampling(r, sampling_metadata, tree)
+                path, bonus, processed = verify_tree_request(tree, logits[rows[:m + 1]], s, self.acceptance)
+                if faults.biased(s.generator):  # the sampling tests' negative control only (faults.py)
                     path, bonus = accept_one_more(tree, path, bonus, logits[rows[:m + 1]])
                 predicted = logits[rows[m + 1:]].argmax(dim=-1).tolist() if m < len(r.tree) else []
                 row = torch.tensor(r.tree.tokens[path].tolist() + [bonus], dtype=tokens.dtype)
+                if want_logprobs:  # committed token j was sampled at the root's row (j = 0) or node path[j-1]'s
+                    at = [0] + [1 + node for node in path]
+                    logprob_rows.append((i, logits[rows[at]], processed[at], row))
             except Exception as e:  # vLLM's first token stands, nothing more
                 faults.record(f"verifying request {r.req_id}'s token tree", e)
                 path, row, predicted = [], tokens[i, :1].clone(), []
             tokens[i].fill_(-1)
             tokens[i, :len(row)] = row
             results[i] = (path, int(row[-1]), predicted)
+        if logprob_rows:
+            self._rewrite_logprobs(out.logprobs_tensors, sampling_metadata.max_num_logprobs, tokens.shape[1],
+                                   logprob_rows)
         try:
             self.runtime.finish_step(step, results)
         except Exception as e:
@@ -121,3 +246,17 @@ class TreeRejectionSampler:
             self.runtime.drop([r.req_id for r in step.requests])  # their copies are rebuilt from the paged cache
             self.runtime.results = {r.row: ([], int(tokens[r.row, 0]), []) for r in step.requests}
             self.runtime.kv_moves = 0
+
+    def _rewrite_logprobs(self, lp, k: int, width: int, requests: list) -> None:
+        """vLLM computed each request's log-probs at its chain rows (flattened [B * width, k + 1]); a tree request's
+        committed tokens come from its path's rows. Raw modes (vLLM's default) read the logits as the model gave them
+        (after the grammar's mask, as vLLM's do), processed modes what the tokens were sampled from."""
+        stock = self.stock
+        for i, raw, processed, committed in requests:
+            x = (processed if stock.is_processed_logprobs_mode else raw).float()
+            x = x if stock.is_logits_logprobs_mode else stock.sampler.compute_logprobs(x)
+            got = stock.sampler.gather_logprobs(x, k, committed.to(torch.int64))
+            at = slice(i * width, i * width + len(committed))
+            lp.logprob_token_ids[at] = got.logprob_token_ids.to(lp.logprob_token_ids.dtype)
+            lp.logprobs[at] = got.logprobs.to(lp.logprobs.dtype)
+            lp.selected_token_ranks[at] = got.selected_token_ranks.to(lp.selected_token_ranks.dtype)

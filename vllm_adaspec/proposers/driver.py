@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import time
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from vllm_adaspec.metrics import observe
 from vllm_adaspec.policies import make_policy
 from vllm_adaspec.policies.cost_model import VERIFY_COST, DraftCost, StepCostModel, attention_load
 from vllm_adaspec.requests import RequestStates, bonus_rows
-from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, Taps
+from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, RequestTraits, Taps
 from vllm_adaspec.proposers.drafter import Drafter
 from vllm_adaspec.trees import admit_within, copy_capacity
 
@@ -60,6 +61,7 @@ class Driver:
         self.tree = self.cfg.tree
         self.plans: dict[str, DraftPlan] = {}  # the last propose call's plans, by request (trees and chains)
         self.tree_holders: set[str] = set()  # requests admitted to tree mode last step (they keep KV copies)
+        self.grammar_trees: set[str] = set()  # structured-output requests whose last plan is a tree (the scheduler)
         self._tp = vllm_config.parallel_config.tensor_parallel_size > 1
         # What a step costs by its rows (policies/cost_model.py): fitted online from the engine's own step times
         # ("online"), the shipped curve only ("prior"), or none ("off": drafts are not sized by cost).
@@ -123,6 +125,7 @@ class Driver:
                 observe(self.stats.request_drafts_per_round, st.drafted / st.rounds)
         if finished:
             self.drafter.finish(finished)
+            self.port.forget(finished)
         pure = bool(scheduled)
         rows = tree_requests = tree_rows = 0
         attention = 0.0
@@ -161,21 +164,41 @@ class Driver:
             self._release_all()
         return [[] for _ in sampled_token_ids]
 
+    def _route(self, req_ids: list, plans: dict[int, DraftPlan]) -> None:
+        """Requests whose settings only the tree sampler applies (min_p, logit_bias) verify every plan in the tree
+        path, a chain included, or draft nothing; the scheduler is told which structured-output requests' drafts
+        are trees (it must not check or mask them as a chain: engine/scheduler.py)."""
+        self.grammar_trees = set()
+        for i in list(plans):
+            plan, traits = plans[i], self.traits_of(req_ids[i])
+            if traits.own_sampler and not plan.tree_path:
+                if plan.parents is None:
+                    del plans[i]
+                    continue
+                plans[i] = plan = replace(plan, tree_path=True)
+            if traits.grammar and plan.is_tree:
+                self.grammar_trees.add(req_ids[i])
+
+    def traits_of(self, req_id: str) -> RequestTraits:
+        """What the request allows and needs (step.RequestTraits), read once through the port."""
+        return self.port.traits(req_id)
+
     def contain(self, where: str, exc: Exception) -> None:
         """After a contained fault: nothing this step's drafter planned is used; the step cost model skips it."""
         self.faults.record(where, exc)
-        self.plans, self._last_end, self._step_shape = {}, None, None
+        self.plans, self._last_end, self._step_shape, self.grammar_trees = {}, None, None, set()
 
     def _release_all(self) -> None:
         """Speculation is off for good: drop what every request holds (each part guarded: something is broken)."""
         held = list(self.states.states)
         for release in (lambda: self.port.drop_trees(held), lambda: self.drafter.finish(held),
+                        lambda: self.port.forget(held),
                         lambda: self.states.finish(held)):
             try:
                 release()
             except Exception:  # noqa: BLE001 (best effort: the engine runs on without us either way)
                 pass
-        self.plans, self.tree_holders, self._context = {}, set(), {}
+        self.plans, self.tree_holders, self._context, self.grammar_trees = {}, set(), {}, set()
         for obs in self.observers:
             obs.forget(held)
 
@@ -207,8 +230,13 @@ class Driver:
                 self.chain_counts[1] += accepted < drafted
             if not self.drafter.eligible(req_id):
                 continue
+            traits = self.traits_of(req_id)
+            if traits.controls.off or (traits.own_sampler and not self.tree_mode):
+                continue  # the request asked for none, or only the tree sampler applies its settings
             policy = self.states.get(req_id).policy
             budget = min(policy.begin_round(), self.drafter.max_drafts())
+            if traits.controls.max_drafts is not None:
+                budget = min(budget, traits.controls.max_drafts)
             if budget > 0:
                 rows.append(i)
                 budgets.append(budget)
@@ -220,6 +248,7 @@ class Driver:
             kept = [e for e, b in enumerate(budgets) if b > 0]
             rows, budgets, policies = [rows[e] for e in kept], [budgets[e] for e in kept], [policies[e] for e in kept]
         policy_s += self.drafter.draft(view, rows, budgets, policies, plans)
+        self._route(req_ids, plans)
         self.plans = {req_ids[i]: plan for i, plan in plans.items()}
         drafts = [list(plans[i].tokens) if i in plans else [] for i in range(len(sampled_token_ids))]
         st = self.stats
@@ -297,13 +326,16 @@ class Driver:
 
     # --- for drafters ---
     def tree_rows(self, view: BatchView, rows: list[int], extra_rows: int = 0) -> list[bool]:
-        """Which drafting rows may draft a tree: requests whose sampling needs only temperature / top-k / top-p,
-        and whose KV copies fit the tree path's cap (trees.admit_within); the others draft chains. extra_rows: rows
-        a tree carries besides its nodes (draft branches)."""
+        """Which drafting rows may draft a tree: requests the tree sampler can verify exactly and that did not ask
+        for chains (step.RequestTraits), and whose KV copies fit the tree path's cap (trees.admit_within); the others
+        draft chains. extra_rows: rows a tree carries besides its nodes (draft branches)."""
         if self.tree is None:
             return [False] * len(rows)
         req_ids = view.req_ids
-        ok = self.port.tree_compatible([req_ids[i] for i in rows])
+        ok = []
+        for i in rows:
+            traits = self.traits_of(req_ids[i])
+            ok.append(traits.tree and traits.controls.speculation != "chain")
         cand = [e for e, good in enumerate(ok) if good]
         lengths = [copy_capacity(int(view.num_tokens[rows[e]]) + self.tree.budget + extra_rows) for e in cand]
         holding = [req_ids[rows[e]] in self.tree_holders for e in cand]
@@ -330,7 +362,8 @@ class Driver:
         stepped after it: /metrics `vllm:adaspec_live_state`, the soak test's check that nothing leaks)."""
         held = self.port.held_copy_tokens() if self.port is not None else 0
         return {"policies": len(self.states), "contexts": len(self._context), "tree_kv_copy_tokens": held,
-                "tree_holders": len(self.tree_holders), **self.drafter.live(),
+                "tree_holders": len(self.tree_holders), **(self.port.live() if self.port is not None else {}),
+                **self.drafter.live(),
                 **(self.port.observer_live() if self.port is not None else {})}
 
     def snapshot(self) -> dict:

@@ -17,6 +17,7 @@ target, so output is exactly plain decoding's (greedy), and sampled output keeps
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,8 @@ from vllm_adaspec.pools.branches import append_branches
 from vllm_adaspec.proposers.drafter import Drafter, Stats
 from vllm_adaspec.proposers.driver import request_seed
 from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, Taps
-from vllm_adaspec.trees.trie import Calibration, Trie, best_prefix, feedback, merge, ranked, streak_state, subtree
+from vllm_adaspec.trees.trie import (Calibration, Trie, best_prefix, feedback, merge, prune, ranked, streak_state,
+                                     subtree)
 
 logger = logging.getLogger("vllm_adaspec")
 
@@ -55,6 +57,8 @@ class MultiBranchStats(Stats):
     branch_rows: int = 0  # Self-Draft branch rows sent, read back, and the grams they wrote
     branch_rows_read: int = 0
     branch_grams: int = 0
+    grammar_checked: int = 0  # candidate nodes of structured-output requests checked against their grammar
+    grammar_pruned: int = 0  # of which the grammar forbade (never verified)
 
 
 class MultiBranchDrafter(Drafter):
@@ -73,6 +77,10 @@ class MultiBranchDrafter(Drafter):
         self.medusa = None  # engine/medusa_heads.MedusaHeads, once load_model has the target
         self.medusa_folder = self.cfg.medusa if "medusa" in pools else None
         self.calibration = Calibration()
+        # Structured-output requests' candidates are checked against their grammar before any is chosen. Off only
+        # to measure what that saves (benchmarks/bench_e2e.py --unpruned): forbidden nodes are then verified, and
+        # never accepted (the grammar masks their parents' rows).
+        self.prune_grammar = os.environ.get("VLLM_ADASPEC_GRAMMAR_PRUNING", "1") != "0"
         self.requests: dict[str, RequestPools] = {}
         # Self-Draft: N branches of L tokens per tree-verified request (0: off; tree mode only: a chain forward
         # cannot mask them apart)
@@ -171,6 +179,8 @@ class MultiBranchDrafter(Drafter):
             st = self.requests[req_ids[i]]
             self.driver.faults.point("trie")
             trie = merge(candidates[e], self.calibration, streak_state(st.accepted_last))
+            if treeish[e] and self.prune_grammar and self.driver.traits_of(req_ids[i]).grammar:
+                trie, treeish[e] = self._grammar_pruned(view, i, trie)
             order = ranked(trie)[:budget] if treeish[e] else best_path(trie, budget)
             tries.append(trie)
             cands.append(order)
@@ -200,7 +210,10 @@ class MultiBranchDrafter(Drafter):
             count[e] = max(count[e], j + 1)  # a prefix of a request's ranked nodes is closed under parents
         chosen_of = [cands[e][:count[e]] for e in range(len(rows))]
         if self.driver.costs is not None:  # trees cost more than chains of their rows: keep each only where it pays
-            chains_where_cheaper(tries, chosen_of, [treeish[e] and not branching[e] for e in range(len(rows))],
+            may_switch = [treeish[e] and not branching[e]
+                          and self.driver.traits_of(req_ids[i]).controls.speculation != "tree"
+                          for e, i in enumerate(rows)]
+            chains_where_cheaper(tries, chosen_of, may_switch,
                                  decoding + sum(p for p, _, _ in flat[:keep]), base_rows + keep, extra[keep],
                                  per_row, sum(branching), self._extra_rows * sum(branching), step_cost, tree_extra)
         for e, i in enumerate(rows):
@@ -219,6 +232,18 @@ class MultiBranchDrafter(Drafter):
                                  len(tokens) if len(rows_out) > len(tokens) else None)
             self.stats.chosen_nodes += len(tokens)
         return 0.0
+
+    def _grammar_pruned(self, view: BatchView, i: int, trie: Trie) -> tuple[Trie, bool]:
+        """A structured-output request's candidates, checked against its grammar before any is chosen: nodes the
+        grammar forbids (and their subtrees) are dropped. (trie, still a tree?): a request without a usable grammar
+        copy drafts its best path as a chain, which vLLM's scheduler checks."""
+        output = view.token_ids[i, int(view.num_prompt[i]):int(view.num_tokens[i])].tolist()
+        keep = self.driver.port.grammar_valid(view.req_ids[i], output, trie.tokens, trie.parents)
+        if keep is None:
+            return trie, False
+        self.stats.grammar_checked += len(keep)
+        self.stats.grammar_pruned += len(keep) - sum(keep)
+        return prune(trie, keep), True
 
     def _pool_taps(self, view: BatchView, rows: list[int]) -> PoolTaps:
         """What the pools read of the target for the drafting rows: the final hidden state of the row that

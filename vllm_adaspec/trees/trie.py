@@ -94,6 +94,23 @@ def merge(pools: Sequence[Candidates], calibrate: Calibration, state: tuple = ()
 PRIOR_SCALE = 0.5  # until evidence accumulates a node is trusted half its pools' own probability (they overstate)
 
 
+def prune(t: Trie, keep: Sequence[bool]) -> Trie:
+    """The trie without the nodes not kept (keep [len(t)], closed under parents: a dropped node's subtree is
+    dropped too), in the same order with parents renumbered. Scores stay: a node's chance is its own."""
+    new: dict[int, int] = {}
+    out = Trie()
+    for i, parent in enumerate(t.parents):
+        if keep[i] and (parent < 0 or parent in new):
+            new[i] = len(out.tokens)
+            out.tokens.append(t.tokens[i])
+            out.parents.append(new[parent] if parent >= 0 else -1)
+            out.cond.append(t.cond[i])
+            out.path.append(t.path[i])
+            out.keys.append(t.keys[i])
+            out.depth.append(t.depth[i])
+    return out
+
+
 def ranked(t: Trie) -> list[int]:
     """Nodes by path probability, best first; a child never outranks its parent (ties: shallower first), so every
     prefix of this order is closed under parents."""
