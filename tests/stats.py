@@ -1,6 +1,7 @@
 """Goodness-of-fit helpers shared by the distribution tests (no scipy)."""
 
 import copy
+import math
 
 import torch
 
@@ -36,11 +37,12 @@ def two_sample_chi2_pvalue(a: list, b: list, min_count: int = 5) -> float:
 
 
 def target_topk(model_dir: str, prompt: str, samples: list[list[int]], temperature: float, top_k: int,
-                top_p: float | None = None, chunk: int = 256):
+                top_p: float | None = None, chunk: int = 256, min_p: float = 0.0, allowed=None):
     """The target's distribution at every sampled position, given each sample's own prefix, under `temperature` /
-    `top_k` / `top_p` as vLLM applies them: (ids, probs), both [N, L, top_k] (probabilities outside the top-k are 0).
-    Plain torch (transformers, float32): the prompt's KV is computed once and each chunk of samples runs only its
-    own tokens on top of it; distinct samples only."""
+    `min_p` / `top_k` / `top_p` as vLLM applies them, after a grammar's mask when `allowed` is given (sample ->
+    [L, V] bool, the tokens its grammar allows at each position): (ids, probs), both [N, L, top_k] (probabilities
+    outside the top-k are 0). Plain torch (transformers, float32): the prompt's KV is computed once and each chunk
+    of samples runs only its own tokens on top of it; distinct samples only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -59,7 +61,14 @@ def target_topk(model_dir: str, prompt: str, samples: list[list[int]], temperatu
             cache = copy.deepcopy(out.past_key_values)
             cache.batch_repeat_interleave(len(part))
             later = model(part, past_key_values=cache, use_cache=True).logits  # [n, L - 1, V]
-            logits = torch.cat([first.expand(len(part), 1, -1), later], dim=1) / temperature  # [n, L, V]
+            logits = torch.cat([first.expand(len(part), 1, -1), later], dim=1)  # [n, L, V]
+            if allowed is not None:  # vLLM applies the grammar's bitmask before its sampler
+                mask = torch.stack([allowed(list(s)) for s in distinct[at:at + chunk]])
+                logits = logits.masked_fill(~mask[..., :logits.shape[-1]], -math.inf)
+            logits = logits / temperature
+            if min_p:  # after temperature, before top-k (vLLM's MinPLogitsProcessor)
+                p = torch.softmax(logits, dim=-1)
+                logits = logits.masked_fill(p < p.amax(dim=-1, keepdim=True) * min_p, -math.inf)
             top, idx = logits.topk(top_k, dim=-1)  # vLLM: top-k first, then top-p among what is left
             p = torch.softmax(top.double(), dim=-1)
             if top_p is not None:  # keep the most probable tokens until their mass reaches top_p
@@ -113,3 +122,24 @@ def sampled_positions_pvalues(samples: list[list[int]], expected: torch.Tensor, 
         p_z = min(1.0, len(cells_e) * float(torch.special.erfc(z / 2 ** 0.5)))
         out.append(min(1.0, 2 * min(p_chi, p_z)))
     return out
+
+
+def regex_masks(model_dir: str, regex: str, vocab: int):
+    """sample -> [L, vocab] bool: what the regex (xgrammar, vLLM's default structured-output backend) allows at
+    each position of the sample, given the tokens before it."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab)
+    compiled = xgr.GrammarCompiler(info).compile_regex(regex)
+
+    def allowed(sample: list[int]) -> torch.Tensor:
+        matcher = xgr.GrammarMatcher(compiled)
+        bits = xgr.allocate_token_bitmask(len(sample), vocab)
+        for j, tok in enumerate(sample):
+            matcher.fill_next_token_bitmask(bits, j)
+            assert matcher.accept_token(tok), (sample, j)  # every sample follows its grammar
+        shifts = torch.arange(32, dtype=torch.int32)
+        return ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(sample), -1)[:, :vocab]
+
+    return allowed

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import (BIASED_SEEDS, COPY_OR_NOT, COPYING, ENGINE, FEATURE_NAMES, FEATURES_BATCH, GROW_MAX_TOKENS,
                       GROW_PROMPTS, GUARD_BATCH, TREE_FEATURES, TREE_MIX, assert_features_match, assert_identical,
-                      greedy_batch, joined, samples, sampling_batch, target_pvalues)
+                      FRUIT_MIN_P, FRUIT_REGEX, greedy_batch, joined, samples, sampling_batch, target_pvalues)
 
 pytestmark = pytest.mark.engine
 
@@ -139,42 +139,53 @@ def test_mixed_tree_chain_and_sampled_rows(mb_runs, plain_greedy):
     assert mix["adaspec"]["tree_verified"] > 5 and mix["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
-HONEST, BIASED = 1536, 512  # samples
+HONEST, BIASED, CONSTRAINED = 1536, 512, 256  # samples
 
 
 @pytest.fixture(scope="module")
 def sampled_trees(smollm2, tree_engines):
-    """1536 samples (half seeded) through tree verification with top-k and top-p, and in the same batch 512 whose
-    verifier is deliberately biased (seeded from BIASED_SEEDS): one engine, no cost model (every candidate runs);
-    p-values against the target's exact distribution, computed once for every subset."""
+    """1536 samples (half seeded) through tree verification with top-k and top-p, in the same batch 256 under a
+    grammar (FRUIT_REGEX) and 256 with min_p, and 512 whose verifier is deliberately biased (seeded from
+    BIASED_SEEDS): one engine, no cost model (every candidate runs); p-values against the target's exact
+    distribution under each subset's settings."""
     half = HONEST // 2
     batch = joined(sampling_batch(half), sampling_batch(half, seed0=900_000),
+                   sampling_batch(CONSTRAINED, structured_outputs={"regex": FRUIT_REGEX}),
+                   sampling_batch(CONSTRAINED, min_p=FRUIT_MIN_P),
                    sampling_batch(BIASED, seed0=BIASED_SEEDS))
     # the KV copies uncapped: every drafting request verifies a tree (the default cap, an eighth of the cache, sends
     # most of 256 concurrent requests down the chain path)
-    engine = mb_engine(max_num_seqs=256, settings={"pools": ["context", "suffix"], "cost_model": "off",
-                                                   "tree": {"budget": 8, "kv_copy_tokens": 2**24}})
+    engine = mb_engine(budget=4, max_num_seqs=256, settings={"pools": ["context", "suffix"], "cost_model": "off",
+                                                             "tree": {"budget": 4, "kv_copy_tokens": 2**24}})
     run = tree_engines.run({"model": smollm2, "engine": engine, "batches": [batch],
                             "env": {"VLLM_ADASPEC_BIASED_VERIFIER_SEEDS": str(BIASED_SEEDS)}})["batches"][0]["runs"][0]
-    got = samples(run)  # unseeded (n = 256 per request), seeded (one request each), biased (seeded)
-    assert len(got) == HONEST + BIASED
+    got = samples(run)  # unseeded (n = 256 per request), seeded (one request each), grammar, min_p, biased
+    assert len(got) == HONEST + 2 * CONSTRAINED + BIASED
+    grammar = range(HONEST, HONEST + CONSTRAINED)
+    min_p = range(HONEST + CONSTRAINED, HONEST + 2 * CONSTRAINED)
     pvalues = target_pvalues(smollm2, got, {"trees, all": range(HONEST), "trees, seeded": range(half, HONEST),
-                                            "trees, unseeded": range(half),
-                                            "biased verifier": range(HONEST, HONEST + BIASED)})
+                                            "trees, unseeded": range(half), "trees, grammar": grammar,
+                                            "trees, min_p": min_p,
+                                            "biased verifier": range(HONEST + 2 * CONSTRAINED, len(got))},
+                             constrained={"trees, grammar": {"regex": FRUIT_REGEX},
+                                          "trees, min_p": {"min_p": FRUIT_MIN_P}})
     return run, pvalues
 
 
 def test_tree_verification_keeps_the_target_distribution(sampled_trees):
     """Sample-and-match over trees, after the glue's top-k / top-p and per-request generators, position by position
-    against the target's exact conditional distribution; seeded and unseeded requests also apart."""
+    against the target's exact conditional distribution; seeded and unseeded requests also apart; under a grammar
+    (candidates pruned, every tree row masked by its path's grammar state) and with min_p (applied by the tree
+    sampler only), against the distribution those settings give."""
     run, pvalues = sampled_trees
     st = run["adaspec"]
     # drafts went through as trees and were accepted
     print("trees:", {k: st[k] for k in ("tree_verified", "accepted_drafts", "verified_drafts", "decode_rows",
                                         "tree_capped")})
     assert st["tree_verified"] > 1500 and st["accepted_drafts"] > 1000, st
-    for name in ("trees, all", "trees, seeded", "trees, unseeded"):
+    for name in ("trees, all", "trees, seeded", "trees, unseeded", "trees, grammar", "trees, min_p"):
         assert min(pvalues[name]) > 1e-4, (name, pvalues[name])
+    assert st["grammar_checked"] > 0, st  # the grammar's requests drafted trees whose candidates it checked
 
 
 def test_the_same_test_rejects_a_biased_verifier(sampled_trees):

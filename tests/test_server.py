@@ -166,8 +166,9 @@ MALFORMED = [
     ({"prompt": "Hi", "max_tokens": -1}, "negative max_tokens"),
     ({"prompt": "Hi", "temperature": -1.0}, "negative temperature"),
     ({"prompt": "Hi", "max_tokens": "ten"}, "max_tokens not an integer"),
-    ({"prompt": "Hi", "logit_bias": {"100": 5}}, "logit_bias (vLLM: not with speculative decoding)"),
-    ({"prompt": "Hi", "min_p": 0.2}, "min_p (vLLM: not with speculative decoding)"),
+    # per-request speculation controls (vllm_adaspec/controls.py): a bad value is a 400 naming the field
+    ({"prompt": "Hi", "vllm_xargs": {"adaspec_speculation": "sometimes"}}, "adaspec_speculation"),
+    ({"prompt": "Hi", "vllm_xargs": {"adaspec_max_drafts": 500}}, "adaspec_max_drafts"),
     ({"prompt": "one two " * 1100, "max_tokens": 4}, "prompt longer than max_model_len"),
     ({"model": "no-such-model", "prompt": "Hi"}, "unknown model"),
 ]
@@ -175,7 +176,7 @@ MALFORMED = [
 
 def soak_jobs(model):
     """(jobs, what each is) for one soak round."""
-    from conftest import EDGE_PROMPT
+    from conftest import EDGE_PROMPT, FEATURE_NAMES, FEATURES
 
     jobs, kinds = [], []
     for i in list(range(len(PROMPTS))) + [3, 4, 5, 6, 3, 4]:  # the repeats hit the prefix cache (3/4 share a prefix)
@@ -197,6 +198,16 @@ def soak_jobs(model):
     for body, what in MALFORMED:
         jobs.append({"body": body if isinstance(body, bytes) else {"model": model, **body}})
         kinds.append(("malformed", what))
+    # what vLLM refuses under speculation (min_p, logit_bias) and per-request controls, served exactly
+    for name in ("logit_bias", "min_p"):
+        _, prompt, params = FEATURES[FEATURE_NAMES.index(name)]
+        jobs.append({"body": {"model": model, "prompt": prompt, "temperature": 0.0, **params}})
+        kinds.append(("feature", name))
+    for i, xargs in ((3, {"adaspec_speculation": "off"}), (5, {"adaspec_speculation": "tree", "adaspec_max_drafts": 2}),
+                     (0, {"adaspec_speculation": "chain"})):
+        jobs.append({"body": {"model": model, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS[i], "temperature": 0.0,
+                              "vllm_xargs": xargs}})
+        kinds.append(("greedy", i))
     return jobs, kinds
 
 
@@ -216,6 +227,11 @@ def soak_round(base, model, plain_greedy) -> dict:
             assert res["status"] == 200 and res["finish_reason"] == "length" and res["text"] == edge_text, res
         elif kind == "malformed":
             assert res["status"] is not None and 400 <= res["status"] < 500, (what, res)
+            if what.startswith("adaspec_"):
+                assert res["status"] == 400 and what in json.dumps(res["error"]), (what, res)
+        elif kind == "feature":
+            want = plain_greedy["features"]["texts"][FEATURE_NAMES.index(what)]
+            assert res["status"] == 200 and res["text"] == want, (what, res)
         elif kind == "dropped":
             assert res["status"] == 200 and res["dropped"], res
         else:

@@ -281,3 +281,33 @@ def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():
                                     ((1, 0), list(range(r2 + 2)), (k2, v2))]:
         f = int(mask.rows[tr, i])
         torch.testing.assert_close(got[tr, i], _causal(q[f], kx[keys], vx[keys], 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_requests_only_the_tree_sampler_may_verify_keep_one_token_from_their_root_row():
+    """A request with logit_bias (vLLM's chain verification ignores it) whose tree was not verified in the tree path
+    (a fault in planning it): vLLM's chain verdict is dropped, one token is sampled from the root's row with the
+    bias applied. The other request keeps vLLM's verdict."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_adaspec.engine.tree_runtime import TreeRuntime
+    from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler
+
+    V = 16
+    logits = torch.zeros(6, V)
+    logits[0, 3] = 5.0  # request a's root row: argmax 3, but its bias bans 3; the next best is 9
+    logits[0, 9] = 4.0
+    verdict = torch.tensor([[3, 4, 5], [7, 8, -1]], dtype=torch.int32)  # vLLM's chain verdicts
+    stock = lambda *a: SimpleNamespace(sampled_token_ids=verdict.clone(), logprobs_tensors=None)  # noqa: E731
+    params = {"a": SamplingParams(temperature=0.0, logit_bias={3: -100.0}), "b": SamplingParams(temperature=0.0)}
+    port = SimpleNamespace(runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"])),
+                           request=lambda req_id, row: (params[req_id], [1, 2]))
+    sampler = TreeRejectionSampler(stock, TreeRuntime(), port=port, tree_only=lambda r: r == "a")
+    metadata = SimpleNamespace(num_draft_tokens=[2, 1], cu_num_draft_tokens=torch.tensor([2, 3]),
+                               target_logits_indices=torch.tensor([0, 1, 3]), bonus_logits_indices=torch.tensor([2, 4]))
+    sm = SimpleNamespace(all_greedy=True, temperature=None, top_k=None, top_p=None, generators={}, no_penalties=True,
+                         prompt_token_ids=None, allowed_token_ids_mask=None, bad_words_token_ids={},
+                         max_num_logprobs=None)
+    out = sampler(metadata, None, logits, sm)
+    assert out.sampled_token_ids.tolist() == [[9, -1, -1], [7, 8, -1]]

@@ -38,7 +38,9 @@ def install(runner, drafter, port) -> None:
         # vLLM verifies drafts as chains only and offers no hook after verification: tree requests are verified
         # here (vLLM's result stands for chains), then their KV is compacted; verified rows' logits are tapped.
         runner.rejection_sampler = TreeRejectionSampler(runner.rejection_sampler, runtime, drafter.cfg.acceptance,
-                                                        logits_tap, port=port)
+                                                        logits_tap, port=port,
+                                                        tree_only=lambda r: (r in drafter.grammar_trees
+                                                                             or port.traits(r).own_sampler))
     # vLLM builds only the min_tokens logits processor when speculation is on (it refuses min_p and logit_bias):
     # the plugin accepts them (engine/plugin.py) and verifies such requests' drafts itself, so the sampler of steps
     # without drafts (and of rows without drafts) needs vLLM's own min_p and logit_bias processors back.

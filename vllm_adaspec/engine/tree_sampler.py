@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -150,18 +151,21 @@ class TreeRejectionSampler:
     that read them). `port`: the engine port (engine/port.py): each request's sampling params, committed output and
     grammar copy."""
 
-    def __init__(self, stock, runtime, acceptance=None, on_logits=None, port=None):
+    def __init__(self, stock, runtime, acceptance=None, on_logits=None, port=None, tree_only=None):
         self.stock = stock
         self.runtime = runtime  # engine/tree_runtime.TreeRuntime, or None (chains only)
         self.acceptance = acceptance  # config.Acceptance: "exact" (lossless) or "typical" (lossy, opt-in)
         self.on_logits = on_logits
         self.port = port
+        # req_id -> True when vLLM's chain verdict would be wrong for it (_root_only)
+        self.tree_only = tree_only or (lambda req_id: False)
 
     def __call__(self, metadata, draft_probs, logits, sampling_metadata):
         out = self.stock(metadata, draft_probs, logits, sampling_metadata)
         step = self.runtime.take_step() if self.runtime is not None else None
-        if step is not None:
-            self._verify_trees(step, out, metadata, logits, sampling_metadata)
+        verified = self._verify_trees(step, out, metadata, logits, sampling_metadata) if step is not None else set()
+        if self.runtime is not None and self.port is not None:
+            self._root_only(verified, out, metadata, logits, sampling_metadata)
         if self.on_logits is not None:
             self.on_logits(logits, metadata)
         return out
@@ -196,21 +200,48 @@ class TreeRejectionSampler:
                     raise RuntimeError(f"request {r.req_id}: no grammar copy for its tree")
         return s
 
-    def _verify_trees(self, step, out, metadata, logits, sampling_metadata) -> None:
+    def _root_only(self, verified: set[int], out, metadata, logits, sampling_metadata) -> None:
+        """Requests whose drafts only this sampler may verify (`tree_only`: settings vLLM's chain verification
+        ignores, min_p and logit_bias; a structured-output tree, whose node rows the scheduler left unmasked) and
+        that it did not verify (a fault in planning or verifying their tree): they keep one token, sampled here
+        from the root's row (which saw the committed prefix only), and accept no draft."""
+        num_drafts = metadata.num_draft_tokens
+        cu = metadata.cu_num_draft_tokens.tolist()
+        req_ids = self.port.runner.input_batch.req_ids
+        tokens = out.sampled_token_ids
+        for i, n in enumerate(num_drafts):
+            if not n or i in verified or not self.tree_only(req_ids[i]):
+                continue
+            root = metadata.target_logits_indices[cu[i - 1] if i else 0]
+            r = SimpleNamespace(row=i, req_id=req_ids[i])
+            empty = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+            try:
+                s = self.row_sampling(r, sampling_metadata, empty)
+                _, bonus, processed = verify_tree_request(empty, logits[root:root + 1], s)
+            except Exception as e:  # vLLM's first token stands
+                self.runtime.faults.record(f"sampling request {req_ids[i]}'s first token", e)
+                continue
+            tokens[i].fill_(-1)
+            tokens[i, 0] = bonus
+            if out.logprobs_tensors is not None and sampling_metadata.max_num_logprobs is not None:
+                self._rewrite_logprobs(out.logprobs_tensors, sampling_metadata.max_num_logprobs, tokens.shape[1],
+                                       [(i, logits[root:root + 1], processed, tokens[i, :1])])
+
+    def _verify_trees(self, step, out, metadata, logits, sampling_metadata) -> set[int]:
         """out.sampled_token_ids [B, max_spec_len + 1] int32, -1 padded: vLLM's result, rewritten for the tree
-        rows (and their log-probs, when the batch asks for them).
+        rows (and their log-probs, when the batch asks for them). Returns the batch rows it verified.
 
         Faults are contained (faults.py). A request whose verification fails keeps only vLLM's first token: its root
         row attends to the prefix and itself alone, so that token is the one plain decoding samples there (the chain
-        verdict on its other rows is not: they were computed under the tree mask; vLLM's chain path does not apply
-        min_p and logit_bias, so for such a request that first token ignores them). A fault in compaction turns every
+        verdict on its other rows is not: they were computed under the tree mask; a request with min_p or logit_bias,
+        which vLLM's chain path ignores, gets its first token from `_root_only`). A fault in compaction turns every
         tree request of the step into that: positions past root + 1 are then scratch, whatever was moved there."""
         tokens = out.sampled_token_ids
         cu = metadata.cu_num_draft_tokens.tolist()
         target_idx, bonus_idx = metadata.target_logits_indices, metadata.bonus_logits_indices
         faults = self.runtime.faults
         want_logprobs = out.logprobs_tensors is not None and sampling_metadata.max_num_logprobs is not None
-        results, logprob_rows = {}, []
+        results, logprob_rows, verified = {}, [], set()
         for r in step.requests:
             i = r.row
             try:
@@ -225,6 +256,7 @@ class TreeRejectionSampler:
                     path, bonus = accept_one_more(tree, path, bonus, logits[rows[:m + 1]])
                 predicted = logits[rows[m + 1:]].argmax(dim=-1).tolist() if m < len(r.tree) else []
                 row = torch.tensor(r.tree.tokens[path].tolist() + [bonus], dtype=tokens.dtype)
+                verified.add(i)
                 if want_logprobs:  # committed token j was sampled at the root's row (j = 0) or node path[j-1]'s
                     at = [0] + [1 + node for node in path]
                     logprob_rows.append((i, logits[rows[at]], processed[at], row))
@@ -246,6 +278,7 @@ class TreeRejectionSampler:
             self.runtime.drop([r.req_id for r in step.requests])  # their copies are rebuilt from the paged cache
             self.runtime.results = {r.row: ([], int(tokens[r.row, 0]), []) for r in step.requests}
             self.runtime.kv_moves = 0
+        return verified
 
     def _rewrite_logprobs(self, lp, k: int, width: int, requests: list) -> None:
         """vLLM computed each request's log-probs at its chain rows (flattened [B * width, k + 1]); a tree request's

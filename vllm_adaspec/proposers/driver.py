@@ -186,7 +186,8 @@ class Driver:
     def contain(self, where: str, exc: Exception) -> None:
         """After a contained fault: nothing this step's drafter planned is used; the step cost model skips it."""
         self.faults.record(where, exc)
-        self.plans, self._last_end, self._step_shape, self.grammar_trees = {}, None, None, set()
+        # (grammar_trees stays: the scheduler masked this step's rows by it, and the tree sampler reads it)
+        self.plans, self._last_end, self._step_shape = {}, None, None
 
     def _release_all(self) -> None:
         """Speculation is off for good: drop what every request holds (each part guarded: something is broken)."""
@@ -203,6 +204,7 @@ class Driver:
             obs.forget(held)
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
+        self.grammar_trees = set()
         now = time.perf_counter()
         self._observe_step(now)
         passes_before = self.stats.draft_passes
