@@ -159,6 +159,7 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
         rep["policy_seconds"] += run.get("adaspec", {}).get("policy_seconds", 0.0)
         rep["c2t_seconds"] += run.get("adaspec", {}).get("c2t_seconds", 0.0)
         rep["branch_rows"] += run.get("adaspec", {}).get("branch_rows", 0)  # Self-Draft rows: drafts to vLLM
+        rep["grammar_pruned"] = rep.get("grammar_pruned", 0) + run.get("adaspec", {}).get("grammar_pruned", 0)
         rep["decode_rows"] += run.get("adaspec", {}).get("decode_rows", 0)  # target forwards over requests
         rep["forwards"] = rep.get("forwards", 0) + m.get("adaspec:forwards", 0)  # the same, counted by the scheduler
         lengths = run.get("adaspec", {}).get("round_lengths")
@@ -191,6 +192,8 @@ def summarize(runs: list[dict], tags: list[list], plain_ids: dict | None) -> dic
             "classifier_share": rep["c2t_seconds"] / rep["seconds"],
             # verified drafts (tree nodes) per drafting step: C2T's gamma
             "gamma": verified / rep["drafts"] if rep["drafts"] else 0.0,
+            # candidate nodes a structured-output request's grammar forbade before choosing, per drafting step
+            "grammar_pruned": rep.get("grammar_pruned", 0) / rep["drafts"] if rep["drafts"] else 0.0,
             # Self-Draft: branch rows per target forward (rows the forward runs besides the root and the nodes)
             "extra_rows": rep["branch_rows"] / forwards,
             "draft_cost_c": c_cost,
@@ -231,6 +234,8 @@ def markdown(results: dict, args) -> str:
             if row.get("classifier_share"):
                 pshare += f" (classifier {row['classifier_share']:.1%})"
             gamma = f"{row['gamma']:.2f}" if row.get("gamma") else "-"
+            if row.get("grammar_pruned"):
+                gamma += f" ({row['grammar_pruned']:.1f} pruned)"
             c_cost = f"{row['draft_cost_c']:.2f}" if row["draft_cost_c"] else "-"
             if row.get("flop_share") and row["draft_cost_c"]:
                 c_cost += f" ({row['draft_cost_c'] / row['flop_share']:.1f}x FLOP share {row['flop_share']:.2f})"

@@ -139,17 +139,19 @@ def test_mixed_tree_chain_and_sampled_rows(mb_runs, plain_greedy):
     assert mix["adaspec"]["tree_verified"] > 5 and mix["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
-HONEST, BIASED, CONSTRAINED = 1536, 512, 256  # samples
+# samples: honest trees (UNSEEDED of them unseeded, n = 256 per request; the rest seeded, one request each), under
+# a grammar, with min_p, and through a biased verifier (seeded). Seeded requests each prefill the prompt (it is
+# shorter than a KV block, so the prefix cache cannot share it): most of the engine's work, so most samples are not.
+HONEST, UNSEEDED, CONSTRAINED, BIASED = 1536, 1024, 256, 256
 
 
 @pytest.fixture(scope="module")
 def sampled_trees(smollm2, tree_engines):
-    """1536 samples (half seeded) through tree verification with top-k and top-p, in the same batch 256 under a
-    grammar (FRUIT_REGEX) and 256 with min_p, and 512 whose verifier is deliberately biased (seeded from
+    """1536 samples (a third seeded) through tree verification with top-k and top-p, in the same batch 256 under a
+    grammar (FRUIT_REGEX), 256 with min_p, and 256 whose verifier is deliberately biased (seeded from
     BIASED_SEEDS): one engine, no cost model (every candidate runs); p-values against the target's exact
     distribution under each subset's settings."""
-    half = HONEST // 2
-    batch = joined(sampling_batch(half), sampling_batch(half, seed0=900_000),
+    batch = joined(sampling_batch(UNSEEDED), sampling_batch(HONEST - UNSEEDED, seed0=900_000),
                    sampling_batch(CONSTRAINED, structured_outputs={"regex": FRUIT_REGEX}),
                    sampling_batch(CONSTRAINED, min_p=FRUIT_MIN_P),
                    sampling_batch(BIASED, seed0=BIASED_SEEDS))
@@ -163,8 +165,8 @@ def sampled_trees(smollm2, tree_engines):
     assert len(got) == HONEST + 2 * CONSTRAINED + BIASED
     grammar = range(HONEST, HONEST + CONSTRAINED)
     min_p = range(HONEST + CONSTRAINED, HONEST + 2 * CONSTRAINED)
-    pvalues = target_pvalues(smollm2, got, {"trees, all": range(HONEST), "trees, seeded": range(half, HONEST),
-                                            "trees, unseeded": range(half), "trees, grammar": grammar,
+    pvalues = target_pvalues(smollm2, got, {"trees, all": range(HONEST), "trees, seeded": range(UNSEEDED, HONEST),
+                                            "trees, unseeded": range(UNSEEDED), "trees, grammar": grammar,
                                             "trees, min_p": min_p,
                                             "biased verifier": range(HONEST + 2 * CONSTRAINED, len(got))},
                              constrained={"trees, grammar": {"regex": FRUIT_REGEX},

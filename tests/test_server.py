@@ -158,8 +158,8 @@ SOAK_CONFIGS = {
     # early-exit chains: the module's server above (shipped head, K = 3; no cost model, so that every step drafts:
     # on this CPU it would draft little), and early-exit trees
     "early exit chains": None,
-    "early exit tree": ({"model": SPEC, "num_speculative_tokens": 8},
-                        {"adaspec": {"cost_model": "off", "tree": {"budget": 8}}}),
+    "early exit tree": ({"model": SPEC, "num_speculative_tokens": 4},
+                        {"adaspec": {"cost_model": "off", "tree": {"budget": 4}}}),
 }
 MALFORMED = [
     (b"{not json", "bad JSON"),

@@ -311,3 +311,21 @@ def test_requests_only_the_tree_sampler_may_verify_keep_one_token_from_their_roo
                          max_num_logprobs=None)
     out = sampler(metadata, None, logits, sm)
     assert out.sampled_token_ids.tolist() == [[9, -1, -1], [7, 8, -1]]
+
+
+@pytest.mark.parametrize("k, p", [(40, 0.95), (None, 0.9), (5, None), (None, 0.999999), (1, 0.5), (0, None)])
+def test_top_k_top_p_keeps_what_vllms_sort_keeps(k, p):
+    """The tree sampler's top-k / top-p (topk instead of a sort of the vocabulary) keeps exactly vLLM's set, flat
+    and peaked rows alike (a flat row makes top-p alone fall back to the sort)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from vllm_adaspec.engine.tree_sampler import top_k_top_p
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(3, 5000, generator=g) * 4, torch.randn(2, 5000, generator=g) * 0.01])
+    kk = None if k is None else torch.full((5,), k, dtype=torch.int32)
+    pp = None if p is None else torch.full((5,), p, dtype=torch.float32)
+    want = apply_top_k_top_p(x.clone(), kk, pp) if (k or p) else x.clone()
+    got = top_k_top_p(x.clone(), k, p)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], x[~torch.isinf(want)])

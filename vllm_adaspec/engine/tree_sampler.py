@@ -4,9 +4,10 @@ that tree requests are verified node by node (trees/verify.py) while chain reque
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from vllm_adaspec.trees import DraftTree, verify_greedy, verify_sample_match, verify_typical
@@ -102,18 +103,42 @@ def row_logits(logits: torch.Tensor, tree: DraftTree, s: RowSampling) -> torch.T
 def sampling_probs(x: torch.Tensor, s: RowSampling) -> torch.Tensor:
     """Processed logits [rows, V] of a sampled request -> the distribution vLLM samples from: temperature, min_p,
     top-k / top-p (modified in place)."""
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-
     x = x.div_(s.temperature)
     if s.min_p > SAMPLING_EPS:  # MinPLogitsProcessor
         probs = torch.softmax(x, dim=-1)
         x.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * s.min_p, -math.inf)
-    rows = x.shape[0]
-    k = None if s.top_k is None else torch.full((rows,), s.top_k, dtype=torch.int32)
-    p = None if s.top_p is None else torch.full((rows,), s.top_p, dtype=torch.float32)
-    if k is not None or p is not None:
-        x = apply_top_k_top_p(x, k, p)
-    return torch.softmax(x, dim=-1)
+    return torch.softmax(top_k_top_p(x, s.top_k, s.top_p), dim=-1)
+
+
+TOP_P_CANDIDATES = 1024  # top-p without top-k looks among this many first (a full sort only if they fall short)
+
+
+def top_k_top_p(x: torch.Tensor, k: int | None, p: float | None) -> torch.Tensor:
+    """vLLM's top-k / top-p mask (apply_top_k_top_p: tokens below the k-th largest value out, ties kept; then, in
+    what is left, a token out when the more probable tokens already hold p of the mass), on x [rows, V] in place,
+    without sorting the vocabulary: the kept set lies in the top k (or the top TOP_P_CANDIDATES), which topk finds.
+    vLLM sorts every row, about 12 ms per tree request of 5 rows here, the dominant cost of sampled tree verification
+    on CPU."""
+    V = x.shape[-1]
+    k = None if k is None or k <= 0 or k >= V else int(k)
+    p = None if p is None or p >= 1.0 else float(p)
+    if k is None and p is None:
+        return x
+    vals, _ = x.topk(k or min(V, TOP_P_CANDIDATES), dim=-1)  # [rows, c], descending
+    if k is not None:
+        x.masked_fill_(x < vals[:, -1:], -math.inf)
+    if p is None:
+        return x
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    probs = torch.exp(vals - lse)  # [rows, c]: the candidates' share of the (top-k masked) row
+    before = probs.cumsum(dim=-1) - probs  # mass of the more probable candidates
+    if k is None and bool((before[:, -1] + probs[:, -1] < p).any()):  # the candidates hold less than p: sort
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+        return apply_top_k_top_p(x, None, torch.full((x.shape[0],), p, dtype=torch.float32))
+    kept = (before < p).sum(dim=-1, keepdim=True)  # [rows, 1] >= 1: the most probable always stays
+    cut = vals.gather(-1, kept - 1)  # the smallest kept value
+    return x.masked_fill_(x < cut, -math.inf)
 
 
 def verify_tree_request(tree: DraftTree, logits: torch.Tensor, s: RowSampling,
@@ -144,6 +169,33 @@ def accept_one_more(tree: DraftTree, path: list[int], bonus: int, logits: torch.
     return path + [kids[0]], int(logits[kids[0] + 1].argmax())
 
 
+def chains_only(metadata, sampling_metadata, tree_rows: set[int]) -> tuple:
+    """(SpecDecodeMetadata, draft_probs, SamplingMetadata) for vLLM's rejection sampler with the drafts of the
+    batch rows `tree_rows` taken out: such a row keeps one output row, its root's (the first row it scheduled), as
+    vLLM's bonus row. The output keeps the original width (max_spec_len), where the tree rows' tokens go."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    num = list(metadata.num_draft_tokens)
+    ends = metadata.cu_num_draft_tokens.tolist()
+    starts = [0] + ends[:-1]
+    keep = [j for i, n in enumerate(num) if i not in tree_rows for j in range(starts[i], ends[i])]
+    device = metadata.target_logits_indices.device
+    keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+    bonus = metadata.bonus_logits_indices.clone()
+    for i in tree_rows:
+        bonus[i] = metadata.target_logits_indices[starts[i]]
+        num[i] = 0
+    cu = metadata.cu_num_draft_tokens.new_tensor(np.cumsum(num))
+    reduced = SpecDecodeMetadata(metadata.draft_token_ids[keep_t], num, cu,
+                                 metadata.cu_num_sampled_tokens.new_tensor(np.cumsum([n + 1 for n in num])),
+                                 metadata.target_logits_indices[keep_t], bonus, metadata.logits_indices)
+    reduced.max_spec_len = metadata.max_spec_len
+    sm = sampling_metadata
+    if sm.spec_token_ids is not None:  # penalties and bad words read each row's drafts
+        sm = replace(sm, spec_token_ids=[[] if i in tree_rows else d for i, d in enumerate(sm.spec_token_ids)])
+    return reduced, None, sm
+
+
 class TreeRejectionSampler:
     """Stands in for the runner's rejection sampler: vLLM's for chain rows, tree verification for tree rows (the
     tree runtime's step), then KV compaction; the log-probs of tree requests' committed tokens are rewritten from
@@ -161,8 +213,15 @@ class TreeRejectionSampler:
         self.tree_only = tree_only or (lambda req_id: False)
 
     def __call__(self, metadata, draft_probs, logits, sampling_metadata):
-        out = self.stock(metadata, draft_probs, logits, sampling_metadata)
         step = self.runtime.take_step() if self.runtime is not None else None
+        if step is not None and draft_probs is None:
+            # vLLM verifies the chains; each tree request is, to vLLM, a request without drafts sampled at its root
+            # row (its first token, should its tree's verification fail), so vLLM's sampler never processes the
+            # node rows, whose verdict this sampler gives
+            chains, _, sm = chains_only(metadata, sampling_metadata, {r.row for r in step.requests})
+            out = self.stock(chains, None, logits, sm)
+        else:
+            out = self.stock(metadata, draft_probs, logits, sampling_metadata)
         verified = self._verify_trees(step, out, metadata, logits, sampling_metadata) if step is not None else set()
         if self.runtime is not None and self.port is not None:
             self._root_only(verified, out, metadata, logits, sampling_metadata)
@@ -202,9 +261,9 @@ class TreeRejectionSampler:
 
     def _root_only(self, verified: set[int], out, metadata, logits, sampling_metadata) -> None:
         """Requests whose drafts only this sampler may verify (`tree_only`: settings vLLM's chain verification
-        ignores, min_p and logit_bias; a structured-output tree, whose node rows the scheduler left unmasked) and
-        that it did not verify (a fault in planning or verifying their tree): they keep one token, sampled here
-        from the root's row (which saw the committed prefix only), and accept no draft."""
+        ignores, min_p and logit_bias; a structured-output tree, whose node rows the scheduler left unmasked) but
+        that reached vLLM as chains (a fault in planning the step's trees): they keep one token, sampled here from
+        the root's row (which saw the committed prefix only), and accept no draft."""
         num_drafts = metadata.num_draft_tokens
         cu = metadata.cu_num_draft_tokens.tolist()
         req_ids = self.port.runner.input_batch.req_ids
@@ -229,19 +288,19 @@ class TreeRejectionSampler:
 
     def _verify_trees(self, step, out, metadata, logits, sampling_metadata) -> set[int]:
         """out.sampled_token_ids [B, max_spec_len + 1] int32, -1 padded: vLLM's result, rewritten for the tree
-        rows (and their log-probs, when the batch asks for them). Returns the batch rows it verified.
+        rows (and their log-probs, when the batch asks for them). Returns the step's batch rows (each has either
+        its tree's verdict or vLLM's root-row token).
 
-        Faults are contained (faults.py). A request whose verification fails keeps only vLLM's first token: its root
-        row attends to the prefix and itself alone, so that token is the one plain decoding samples there (the chain
-        verdict on its other rows is not: they were computed under the tree mask; a request with min_p or logit_bias,
-        which vLLM's chain path ignores, gets its first token from `_root_only`). A fault in compaction turns every
+        Faults are contained (faults.py). A request whose verification fails keeps only vLLM's first token, which
+        vLLM's sampler drew at its root row (`chains_only`: the row attends to the prefix and itself alone, so that
+        token is the one plain decoding samples there, every sampling setting applied). A fault in compaction turns every
         tree request of the step into that: positions past root + 1 are then scratch, whatever was moved there."""
         tokens = out.sampled_token_ids
         cu = metadata.cu_num_draft_tokens.tolist()
         target_idx, bonus_idx = metadata.target_logits_indices, metadata.bonus_logits_indices
         faults = self.runtime.faults
         want_logprobs = out.logprobs_tensors is not None and sampling_metadata.max_num_logprobs is not None
-        results, logprob_rows, verified = {}, [], set()
+        results, logprob_rows = {}, []
         for r in step.requests:
             i = r.row
             try:
@@ -256,7 +315,6 @@ class TreeRejectionSampler:
                     path, bonus = accept_one_more(tree, path, bonus, logits[rows[:m + 1]])
                 predicted = logits[rows[m + 1:]].argmax(dim=-1).tolist() if m < len(r.tree) else []
                 row = torch.tensor(r.tree.tokens[path].tolist() + [bonus], dtype=tokens.dtype)
-                verified.add(i)
                 if want_logprobs:  # committed token j was sampled at the root's row (j = 0) or node path[j-1]'s
                     at = [0] + [1 + node for node in path]
                     logprob_rows.append((i, logits[rows[at]], processed[at], row))
@@ -278,7 +336,7 @@ class TreeRejectionSampler:
             self.runtime.drop([r.req_id for r in step.requests])  # their copies are rebuilt from the paged cache
             self.runtime.results = {r.row: ([], int(tokens[r.row, 0]), []) for r in step.requests}
             self.runtime.kv_moves = 0
-        return verified
+        return {r.row for r in step.requests}
 
     def _rewrite_logprobs(self, lp, k: int, width: int, requests: list) -> None:
         """vLLM computed each request's log-probs at its chain rows (flattened [B * width, k + 1]); a tree request's
