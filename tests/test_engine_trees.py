@@ -107,7 +107,7 @@ if __name__ == "__main__":
 
 
 def test_multiprocess_engine_discovers_the_plugin_and_mixed_tree_batches_stay_exact(smollm2, plain_greedy, tmp_path):
-    job = {"model": smollm2, "engine": tree_engine(), "batches": [TREE_MIX]}  # (one multiprocess engine)
+    job = {"model": smollm2, "engine": tree_engine(budget=4, k=4), "batches": [TREE_MIX]}  # one multiprocess engine
     env = default_env(multiprocess=True, workdir=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", AUTODISCOVERY], input=json.dumps(job), capture_output=True,
                           text=True, env=env, timeout=900)
@@ -115,7 +115,7 @@ def test_multiprocess_engine_discovers_the_plugin_and_mixed_tree_batches_stay_ex
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(line[2:])
     assert got["imported_before"] is False
-    assert got["worker_cls"] == "vllm_adaspec.engine.worker.AdaspecCPUWorker"
+    assert got["worker_cls"] == "vllm_adaspec.engine.cpu_worker.AdaspecCPUWorker"
     assert got["scheduler_cls"] == "vllm_adaspec.engine.scheduler.AdaspecScheduler"
     (mix,) = got["batches"]
     # greedy tree rows and greedy chain-only rows (penalty applied by vLLM) equal plain decoding; sampled rows

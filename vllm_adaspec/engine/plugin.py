@@ -21,9 +21,11 @@ STOCK_WORKERS = {
     "gpu": "vllm.v1.worker.gpu_worker.Worker",
 }
 OUR_WORKERS = {
-    "cpu": "vllm_adaspec.engine.worker.AdaspecCPUWorker",
-    "gpu": "vllm_adaspec.engine.worker.AdaspecGPUWorker",
+    "cpu": "vllm_adaspec.engine.cpu_worker.AdaspecCPUWorker",
+    "gpu": "vllm_adaspec.engine.gpu_worker.AdaspecGPUWorker",
 }
+# where they lived before (both in engine/worker.py): a config that names them there still means ours
+OLD_WORKERS = {"cpu": "vllm_adaspec.engine.worker.AdaspecCPUWorker", "gpu": "vllm_adaspec.engine.worker.AdaspecGPUWorker"}
 OUR_SCHEDULER = "vllm_adaspec.engine.scheduler.AdaspecScheduler"
 
 
@@ -95,7 +97,7 @@ def _install(vllm_config) -> None:
 
     kind = "cpu" if current_platform.is_cpu() else "gpu"
     parallel = vllm_config.parallel_config
-    if parallel.worker_cls in (STOCK_WORKERS[kind], "auto"):
+    if parallel.worker_cls in (STOCK_WORKERS[kind], "auto", OLD_WORKERS[kind]):
         parallel.worker_cls = OUR_WORKERS[kind]
     elif parallel.worker_cls != OUR_WORKERS[kind]:
         raise AdaspecConfigError(

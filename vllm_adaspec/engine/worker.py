@@ -1,20 +1,19 @@
-"""Worker subclasses: give the drafter its engine port, install the runner hooks it declares it needs, and report
-each step's schedule to it.
+"""What our workers add to vLLM's: give the drafter its engine port, install the runner hooks it declares it needs,
+and report each step's schedule to it.
 
 A custom proposer gets no request ids, block tables, KV caches or verification results through vLLM's interface;
-the port (engine/port.py) and the hooks (engine/runner_hooks.py) supply them. Selected automatically by
-`engine.plugin` for adaspec configs.
+the port (engine/port.py) and the hooks (engine/runner_hooks.py) supply them. The worker classes live one per
+platform, each importing only its own vLLM worker (engine/cpu_worker.py, engine/gpu_worker.py: vLLM's CPU worker
+module replaces process-wide torch functions such as torch.cuda.Event when imported, which a CUDA worker must never
+see). `engine.plugin` selects them for adaspec configs.
 """
 
 from __future__ import annotations
 
-from vllm.v1.worker.cpu_worker import CPUWorker
-from vllm.v1.worker.gpu_worker import Worker
-
 from vllm_adaspec.metrics import SnapshotWriter
 
 
-class _AdaspecWorkerMixin:
+class AdaspecWorkerMixin:
     _adaspec_snapshots = None
 
     def init_device(self):
@@ -64,11 +63,3 @@ class _AdaspecWorkerMixin:
     def adaspec_stats(self) -> dict:
         """Drafter counters (drafting time, passes, tokens); `LLM.collective_rpc("adaspec_stats")` reads them."""
         return self.model_runner.drafter.get_stats()
-
-
-class AdaspecCPUWorker(_AdaspecWorkerMixin, CPUWorker):
-    pass
-
-
-class AdaspecGPUWorker(_AdaspecWorkerMixin, Worker):
-    pass
