@@ -84,7 +84,8 @@ def test_injected_faults_are_contained_counted_and_drafting_goes_on(mb_runs, pla
     faults are counted where /metrics reads them (vllm:adaspec_drafter_faults_total, from the same statistics)."""
     first, last = mb_runs["mixed"], mb_runs["features"]
     assert first["adaspec"]["drafter_faults"] == len(INJECTED), first["adaspec"]["faults_by_place"]
-    assert sum(run["adaspec"]["drafter_faults"] for run in mb_runs.values()) == len(INJECTED)
+    assert sum(run["adaspec"]["drafter_faults"] for run in mb_runs.values()) == len(INJECTED), {
+        name: run["adaspec"]["faults_by_place"] for name, run in mb_runs.items()}
     places = last["adaspec"]["faults_by_place"]  # cumulative, by where the fault was contained
     assert places == {"drafting": 7, "planning the step's token trees": 1,
                       "compacting the accepted tree nodes' KV": 1,

@@ -103,7 +103,7 @@ class GrammarCopies:
 
         def walk(node: int) -> None:  # the matcher stands at `node`'s state
             for c in kids.get(node, ()):
-                if grammar.is_terminated() or not grammar.accept_tokens(req_id, [tokens[c]]):
+                if not accepts(grammar, req_id, tokens[c]):
                     continue
                 ok[c] = True
                 walk(c)
@@ -135,7 +135,7 @@ class GrammarCopies:
 
         def walk(node: int) -> None:
             for c in kids.get(node, ()):
-                if not grammar.is_terminated() and grammar.accept_tokens(req_id, [tokens[c]]):
+                if accepts(grammar, req_id, tokens[c]):
                     fill(c + 1)
                     walk(c)
                     grammar.rollback(1)
@@ -159,6 +159,14 @@ class GrammarCopies:
 
     def __len__(self) -> int:
         return sum(c is not None for c in self.copies.values())
+
+
+def accepts(grammar, req_id: str, token: int) -> bool:
+    """Advance the matcher by `token` if the grammar allows it (checked first: vLLM's accept_tokens logs an error
+    for a token its grammar refuses, which for candidate nodes is the expected answer)."""
+    if grammar.is_terminated() or not grammar.validate_tokens([token]):
+        return False
+    return grammar.accept_tokens(req_id, [token])
 
 
 def _descendants(kids: dict[int, list[int]], node: int) -> list[int]:
