@@ -56,7 +56,7 @@ def default_env(multiprocess: bool = False, workdir: str | None = None) -> dict:
 def run_engine(job: dict, env: dict | None = None, timeout: float = 1800, python: str = sys.executable) -> dict:
     """Run `job` in a child Python; raise EngineRunError with the child's log tail on failure."""
     with tempfile.TemporaryDirectory(prefix="adaspec-run-") as work:
-        env = env or default_env(workdir=work)
+        env = {**(env or default_env(workdir=work)), **job.get("env", {})}  # the job's own variables, as a host sets them
         proc = subprocess.run(
             [python, "-m", "vllm_adaspec.harness"],
             input=json.dumps(job),
