@@ -302,7 +302,7 @@ def test_requests_only_the_tree_sampler_may_verify_keep_one_token_from_their_roo
     stock = lambda *a: SimpleNamespace(sampled_token_ids=verdict.clone(), logprobs_tensors=None)  # noqa: E731
     params = {"a": SamplingParams(temperature=0.0, logit_bias={3: -100.0}), "b": SamplingParams(temperature=0.0)}
     port = SimpleNamespace(runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"])),
-                           request=lambda req_id, row: (params[req_id], [1, 2]))
+                           sampling_params=params.get, output=lambda row: [1, 2])
     sampler = TreeRejectionSampler(stock, TreeRuntime(), port=port, tree_only=lambda r: r == "a")
     metadata = SimpleNamespace(num_draft_tokens=[2, 1], cu_num_draft_tokens=torch.tensor([2, 3]),
                                target_logits_indices=torch.tensor([0, 1, 3]), bonus_logits_indices=torch.tensor([2, 4]))

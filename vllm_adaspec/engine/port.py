@@ -40,7 +40,7 @@ class EnginePort:
         request gets a copy of its grammar when trees can be verified), read once."""
         traits = self._traits.get(req_id)
         if traits is None:
-            sp = getattr(self.runner.requests.get(req_id), "sampling_params", None)
+            sp = self.sampling_params(req_id)
             try:
                 controls = parse_controls(getattr(sp, "extra_args", None))
             except ControlError:  # checked when the request arrived (engine/plugin.py); defaults otherwise
@@ -59,11 +59,13 @@ class EnginePort:
         if self.grammars is not None:
             self.grammars.finish(req_ids)
 
-    def request(self, req_id: str, row: int) -> tuple[object, list[int]]:
-        """(SamplingParams, committed output tokens) of the request at batch row `row` (the tree sampler)."""
+    def sampling_params(self, req_id: str):
+        return getattr(self.runner.requests.get(req_id), "sampling_params", None)
+
+    def output(self, row: int) -> list[int]:
+        """The committed output tokens of the request at batch row `row` (the tree sampler)."""
         b = self.runner.input_batch
-        sp = getattr(self.runner.requests.get(req_id), "sampling_params", None)
-        return sp, b.token_ids_cpu[row, b.num_prompt_tokens[row]:b.num_tokens_no_spec[row]].tolist()
+        return b.token_ids_cpu[row, b.num_prompt_tokens[row]:b.num_tokens_no_spec[row]].tolist()
 
     def grammar_valid(self, req_id: str, output, tokens: list[int], parents: list[int]) -> list[bool] | None:
         """Per candidate node (parents before children): does the request's grammar accept its path, after the

@@ -239,8 +239,7 @@ class TreeRejectionSampler:
         t = 0.0 if sm.all_greedy or sm.temperature is None else float(sm.temperature[i])
         s = RowSampling(t, None if sm.top_k is None else int(sm.top_k[i]),
                         None if sm.top_p is None else float(sm.top_p[i]), generator=sm.generators.get(i))
-        sp, output = self.port.request(r.req_id, i) if self.port is not None else (None, [])
-        s.output = output
+        sp = self.port.sampling_params(r.req_id) if self.port is not None else None
         if not sm.no_penalties and sm.prompt_token_ids is not None:
             pen = (float(sm.presence_penalties[i]), float(sm.frequency_penalties[i]),
                    float(sm.repetition_penalties[i]))
@@ -253,8 +252,10 @@ class TreeRejectionSampler:
             s.min_p, s.logit_bias = float(sp.min_p), (sp.logit_bias or None)
             s.min_tokens, s.stop_ids = int(sp.min_tokens), tuple(sp.all_stop_token_ids)
             s.structured = sp.structured_outputs is not None
+        if s.penalties is not None or s.bad_words or s.min_tokens or s.structured:  # they read the output
+            s.output = self.port.output(i)
             if s.structured:
-                s.grammar = self.port.grammar_rows(r.req_id, output, tree)
+                s.grammar = self.port.grammar_rows(r.req_id, s.output, tree)
                 if s.grammar is None:  # a structured request without its grammar copy must not be verified here
                     raise RuntimeError(f"request {r.req_id}: no grammar copy for its tree")
         return s
