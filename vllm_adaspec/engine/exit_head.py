@@ -119,12 +119,14 @@ class TrainedExit:
                     len(self.layers), len(self.vocab))
 
     def _feed(self, module, args, kwargs, output):
-        """After target layer N-1: write the exit layers' KV for every token of this target forward."""
-        from vllm.forward_context import get_forward_context, is_forward_context_available
+        """After target layer N-1: write the exit layers' KV for every token of this target forward.
 
-        if not self.feeding or not is_forward_context_available():
-            return None
-        if get_forward_context().attn_metadata is None:  # profiling / dummy runs
+        Under torch.compile this hook is traced into the target's graph (once: vLLM compiles without guards), so it
+        holds no branch on what changes per step: a dummy or profiling forward (no attention metadata) runs the exit
+        layers too, and their attention, like every vLLM attention layer, writes nothing without metadata. The one
+        branch, `feeding`, is a setting the trace reads once: early exit pauses the feed only in eager mode
+        (proposers/early_exit.py), and draft passes, which clear it, run the layers eagerly."""
+        if not self.feeding:
             return None
         positions = args[0] if args else kwargs["positions"]
         hidden, residual = output
