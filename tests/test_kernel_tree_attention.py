@@ -1,4 +1,5 @@
-"""Tree-mask attention kernel under the Triton interpreter against the float64 torch reference."""
+"""Tree-mask attention kernel (flash-decoding split over the keys, ancestor bits, GQA) under the Triton interpreter,
+against the float64 torch reference and against the CPU tree path's attention for the same trees."""
 
 import math
 
@@ -24,13 +25,14 @@ def random_tree(n: int, g: torch.Generator) -> DraftTree:
 
 
 def make_case(prefix_lens, tree_sizes, hq, hkv, d, block_size, dtype, seed=0):
+    """(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, tree_mask) with pages scattered over the cache."""
     g = torch.Generator().manual_seed(seed)
     rows = [n + 1 for n in tree_sizes]  # root + nodes
     cu = torch.tensor([0] + list(torch.tensor(rows).cumsum(0)), dtype=torch.int32)
     max_rows = max(rows)
     need = [math.ceil((p + r) / block_size) for p, r in zip(prefix_lens, rows)]
     num_blocks = sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=g)  # pages scattered over the cache
+    perm = torch.randperm(num_blocks, generator=g)
     table = torch.zeros(len(rows), max(need), dtype=torch.int32)
     at = 0
     for b, k in enumerate(need):
@@ -46,37 +48,78 @@ def make_case(prefix_lens, tree_sizes, hq, hkv, d, block_size, dtype, seed=0):
     return q, k_cache, v_cache, table, torch.tensor(prefix_lens, dtype=torch.int32), cu, mask
 
 
-@pytest.mark.parametrize("prefix_lens,tree_sizes,hq,hkv,d,block_size,dtype", [
-    ([0], [1], 4, 4, 16, 16, torch.float32),  # no prefix, one node
-    ([5, 17, 0], [3, 8, 0], 9, 3, 64, 16, torch.float32),  # SmolLM2 heads (GQA 3), a request with no drafts
-    ([33, 300], [16, 33], 14, 2, 64, 32, torch.float16),  # Qwen2.5-0.5B heads (GQA 7)
-    ([2048], [64], 8, 2, 64, 16, torch.bfloat16),  # long prefix, 64 nodes
+def with_bits(case):
+    *head, mask = case
+    return (*head, ta.ancestor_bits(mask))
+
+
+def test_ancestor_bits_hold_the_mask_past_32_rows():
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(7, 70, generator=g) < 0.5
+    bits = ta.ancestor_bits(mask)
+    assert bits.dtype == torch.int32 and bits.shape == (7, 3)
+    unpacked = ((bits.long().unsqueeze(-1) >> torch.arange(32)) & 1).bool().reshape(7, -1)[:, :70]
+    assert torch.equal(unpacked, mask)
+
+
+@pytest.mark.parametrize("prefix_lens,tree_sizes,hq,hkv,d,block_size,dtype,splits", [
+    ([0], [1], 4, 4, 16, 16, torch.float32, None),  # no prefix, one node
+    ([5, 17, 0], [3, 8, 0], 9, 3, 64, 16, torch.float32, 1),  # SmolLM2 heads (GQA 3), a request with no drafts
+    ([5, 170, 0], [3, 8, 0], 9, 3, 64, 16, torch.float32, 3),  # the same split in three: the reduction
+    ([33, 300], [16, 33], 14, 2, 64, 32, torch.float16, 4),  # Qwen2.5-0.5B heads (GQA 7), 34 rows: 2 words
+    ([700], [64], 8, 2, 64, 16, torch.bfloat16, 5),  # 64 nodes (65 rows over 3 words), long prefix
 ])
-def test_matches_float64_reference(triton_interpret, prefix_lens, tree_sizes, hq, hkv, d, block_size, dtype):
-    case = make_case(prefix_lens, tree_sizes, hq, hkv, d, block_size, dtype)
+def test_matches_float64_reference(triton_interpret, prefix_lens, tree_sizes, hq, hkv, d, block_size, dtype, splits):
+    case = with_bits(make_case(prefix_lens, tree_sizes, hq, hkv, d, block_size, dtype))
     scale = d ** -0.5
-    got = ta.tree_attention_triton(*case, scale)
+    got = ta.tree_attention_triton(*case, scale, splits=splits, block_n=32)
     want = ta.tree_attention_reference(*case, scale)
+    # fp32: exact (IEEE) products, summed in another order; half precision: the P tile is cast for the PV product
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+def test_matches_the_cpu_tree_paths_attention(triton_interpret):
+    """The CPU engine's tree attention (engine/tree_runtime.masked_attention_batch: the prefix visible, among the
+    tree rows ancestors-or-self) on the same tree, keys and values: the two paths compute the same rows."""
+    from vllm_adaspec.engine.tree_runtime import masked_attention_batch
+
+    q, k_cache, v_cache, table, plen, cu, mask = make_case([45], [9], 9, 3, 64, 16, torch.float32, seed=2)
+    scale = 0.125
+    got = ta.tree_attention_triton(q, k_cache, v_cache, table, plen, cu, ta.ancestor_bits(mask), scale, splits=2,
+                                   block_n=16)
+    p, n = 45, 10
+    pos = torch.arange(p + n)
+    slots = table[0, pos // 16].long() * 16 + pos % 16
+    k = k_cache.reshape(-1, 3, 64)[slots][None]  # [1, p + n, Hkv, D]
+    v = v_cache.reshape(-1, 3, 64)[slots][None]
+    visible = torch.cat([torch.ones(n, p, dtype=torch.bool), mask[:, :n]], 1)[None]
+    want = masked_attention_batch(q[None], k, v, visible, scale)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_the_mask_matters(triton_interpret):
-    """Same inputs with every tree row visible to every other: the output must change (the kernel reads the mask)."""
-    case = list(make_case([10], [6], 4, 2, 16, 16, torch.float32, seed=1))
+    """Same inputs with every tree row visible to every other: the output must change (the kernel reads the bits)."""
+    case = list(with_bits(make_case([10], [6], 4, 2, 16, 16, torch.float32, seed=1)))
     scale = 0.25
     tree = ta.tree_attention_triton(*case, scale)
-    case[6] = torch.ones_like(case[6])
+    case[6] = ta.ancestor_bits(torch.ones(7, 7, dtype=torch.bool))
     full = ta.tree_attention_triton(*case, scale)
     assert not torch.allclose(tree, full, atol=1e-3)
     torch.testing.assert_close(full.double(), ta.tree_attention_reference(*case, scale), atol=1e-4, rtol=1e-4)
 
 
+def test_splits_are_chosen_for_the_device():
+    assert ta.choose_splits(1, 8, 1, 32768, 64, 264) == 33  # one request, a long prefix: many splits
+    assert ta.choose_splits(64, 8, 1, 32768, 64, 264) == 1  # a full batch fills the device alone
+    assert ta.choose_splits(1, 8, 1, 300, 64, 264) == 1  # a short prefix: no chunk under 4 key tiles
+
+
 def test_bad_arguments_are_named():
     q, k, v, table, plen, cu, mask = make_case([4], [2], 6, 4, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="not a multiple"):
-        ta.tree_attention_triton(q, k, v, table, plen, cu, mask, 1.0)
+        ta.tree_attention_triton(q, k, v, table, plen, cu, ta.ancestor_bits(mask), 1.0)
     q, k, v, table, plen, cu, mask = make_case([4], [2], 4, 2, 16, 16, torch.float32)
-    with pytest.raises(ValueError, match="tree_mask has"):
-        ta.tree_attention_triton(q, k, v, table, plen, cu, mask[:-1], 1.0)
+    with pytest.raises(ValueError, match="ancestor_bits must be"):
+        ta.tree_attention_triton(q, k, v, table, plen, cu, mask, 1.0)

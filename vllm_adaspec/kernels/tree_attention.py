@@ -1,23 +1,31 @@
-"""Tree-mask attention over a paged KV cache: the attention of a verification pass over a tree of drafts.
+"""Tree-mask attention over a paged KV cache, for the decode shape: the attention of a verification pass over a
+tree of drafts, split over the prefix keys (flash-decoding) and reduced.
 
 Each request verifies `rows` query rows: row 0 is its root (the last committed token), rows 1.. its draft nodes.
 Their keys/values were written to the paged cache in this pass at positions P .. P + rows - 1 (P = the request's
-cached prefix length). Row i sees every prefix position (< P) and tree row j iff j is i or an ancestor of i:
-`tree_mask[row0 + i, j]`. GQA: query head h reads kv head h // (Hq / Hkv). fp16 / bf16 / fp32 in, fp32 math.
+cached prefix length). Row i sees every prefix position (< P) and tree row j iff j is i or an ancestor of i: bit j
+of `ancestor_bits[row0 + i]` (int32 words, bit j % 32 of word j // 32). GQA: query head h reads kv head
+h // (Hq / Hkv). fp16 / bf16 / fp32 in, fp32 math; fp32 products are exact IEEE (`input_precision="ieee"`), never
+TF32.
 
-Layouts (vLLM's GPU layout): q [T, Hq, D] (requests' rows packed, offsets `cu_rows` [B + 1]); k_cache, v_cache
-[num_blocks, block_size, Hkv, D]; block_table [B, max_blocks]; prefix_lens [B]; tree_mask [T, max_rows] bool.
+Layouts (vLLM's GPU layout, FlashAttention / Triton backends: a layer's cache is [2, num_blocks, block_size, Hkv, D],
+K = cache[0], V = cache[1]): q [T, Hq, D] (requests' rows packed, offsets `cu_rows` [B + 1]); k_cache, v_cache
+[num_blocks, block_size, Hkv, D]; block_table [B, max_blocks]; prefix_lens [B]; ancestor_bits [T, W] int32.
 
-One program per (request, kv head, block of up to 128 / group query rows): its query rows x the kv head's query
-heads form the M side of each tile, so a key tile loaded once serves all of them (the prefix is read once per
-program, not once per query row and head). Online softmax as in flash attention.
+Work split: one program per (request, kv head, block of query rows, split of the keys). The request's query rows x
+the kv head's query heads form the M side of each tile (GQA: a key tile loaded once serves every query head that
+reads it, and every row of the tree), so each key is read once per split. The keys 0 .. P + rows - 1 are cut into
+`splits` contiguous chunks (more programs than requests x kv heads when the batch is small and the prefix long:
+flash-decoding); each program keeps flash attention's online softmax and writes its unnormalised partial output,
+running max and sum; `_tree_attention_reduce_kernel` combines the splits per (row, head).
 
-Contents: `_tree_attention_kernel`, `tree_attention_triton` (launcher), `tree_attention_reference` (torch, any
-dtype; float64 in the tests).
+Contents: `_tree_attention_split_kernel`, `_tree_attention_reduce_kernel`, `tree_attention_triton` (launcher),
+`ancestor_bits` (bool mask -> bits), `tree_attention_reference` (torch, any dtype; float64 in the tests).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -28,16 +36,29 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["tree_attention_reference", "tree_attention_triton"]
+__all__ = ["ancestor_bits", "tree_attention_reference", "tree_attention_triton"]
 
 
-def tree_attention_reference(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, tree_mask, scale,
+def ancestor_bits(tree_mask: torch.Tensor) -> torch.Tensor:
+    """tree_mask [T, max_rows] bool (row i sees tree row j) -> [T, ceil(max_rows / 32)] int32 words."""
+    t, n = tree_mask.shape
+    words = max(1, math.ceil(n / 32))
+    padded = torch.zeros(t, words * 32, dtype=torch.int64, device=tree_mask.device)
+    padded[:, :n] = tree_mask.to(torch.int64)
+    weights = torch.ones(32, dtype=torch.int64, device=tree_mask.device) << torch.arange(32, device=tree_mask.device)
+    packed = (padded.view(t, words, 32) * weights).sum(-1)  # [T, W] in 0 .. 2^32 - 1
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def tree_attention_reference(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, bits, scale,
                              dtype=torch.float64) -> torch.Tensor:
-    """Plain torch, request by request: gather the request's keys, build its mask, softmax(QK^T) V."""
+    """Plain torch, request by request: gather the request's keys, unpack its rows' ancestor bits,
+    softmax(QK^T) V."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     bs = k_cache.shape[1]
     out = torch.zeros(t, hq, d, dtype=dtype, device=q.device)
+    shifts = torch.arange(32, device=q.device)
     for b in range(len(prefix_lens)):
         r0, r1 = int(cu_rows[b]), int(cu_rows[b + 1])
         n, p = r1 - r0, int(prefix_lens[b])
@@ -47,7 +68,8 @@ def tree_attention_reference(q, k_cache, v_cache, block_table, prefix_lens, cu_r
         v = v_cache.reshape(-1, hkv, d)[slots].to(dtype)
         rep = hq // hkv
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [p + n, Hq, D]
-        visible = torch.cat([torch.ones(n, p, dtype=torch.bool, device=q.device), tree_mask[r0:r1, :n].bool()], 1)
+        tree = ((bits[r0:r1].long().unsqueeze(-1) >> shifts) & 1).bool().reshape(n, -1)[:, :n]
+        visible = torch.cat([torch.ones(n, p, dtype=torch.bool, device=q.device), tree], 1)
         s = torch.einsum("ihd,jhd->hij", q[r0:r1].to(dtype), k) * scale  # [Hq, n, p + n]
         s = s.masked_fill(~visible[None], float("-inf"))
         out[r0:r1] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v)
@@ -57,19 +79,24 @@ def tree_attention_reference(q, k_cache, v_cache, block_table, prefix_lens, cu_r
 if triton is not None:
 
     @triton.jit
-    def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, plen_ptr, cu_ptr, mask_ptr, scale,
-                               stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                               stride_vh, stride_ot, stride_oh, stride_bt, stride_mt,
-                               BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                               BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                               DOT_F32: tl.constexpr):
+    def _tree_attention_split_kernel(
+            q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr, bt_ptr, plen_ptr, cu_ptr, bits_ptr, scale, chunk,
+            stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_bt, stride_bits,
+            QB: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+            BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+            DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
         b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        qb = tl.program_id(2)
+        kvh = tl.program_id(1) // QB
+        qb = tl.program_id(1) % QB
+        split = tl.program_id(2)
         row0 = tl.load(cu_ptr + b)
         n_rows = tl.load(cu_ptr + b + 1) - row0
         if qb * BLOCK_Q < n_rows:
             p_len = tl.load(plen_ptr + b)
+            total = p_len + n_rows
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, total)
             offs_m = tl.arange(0, BLOCK_Q * GROUP_P)
             qi = qb * BLOCK_Q + offs_m // GROUP_P  # query row within the request
             g = offs_m % GROUP_P
@@ -77,47 +104,83 @@ if triton is not None:
             m_valid = (qi < n_rows) & (g < GROUP)
             offs_d = tl.arange(0, BLOCK_D)
             d_valid = offs_d < D
-            q = tl.load(q_ptr + (row0 + qi)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                        mask=m_valid[:, None] & d_valid[None, :], other=0.0)
-            if DOT_F32:
-                q = q.to(tl.float32)
             m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
             acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
-            total = p_len + n_rows
-            for start in range(0, total, BLOCK_N):
-                pos = start + tl.arange(0, BLOCK_N)
-                valid = pos < total
-                page = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-                k_off = page * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-                v_off = page * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kvh * stride_vh
-                kv_mask = valid[:, None] & d_valid[None, :]
-                k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if lo < total:
+                q = tl.load(q_ptr + (row0 + qi)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                            mask=m_valid[:, None] & d_valid[None, :], other=0.0)
                 if DOT_F32:
-                    k, v = k.to(tl.float32), v.to(tl.float32)
-                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [M, N]
-                j = pos - p_len  # tree row of a key position (>= 0 inside the tree)
-                in_tree = j >= 0
-                anc = tl.load(mask_ptr + (row0 + qi)[:, None] * stride_mt + j[None, :],
-                              mask=m_valid[:, None] & (in_tree & valid)[None, :], other=0)
-                visible = valid[None, :] & ((j < 0)[None, :] | (anc != 0))
-                s = tl.where(visible, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp(s - m_safe[:, None])
-                alpha = tl.exp(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-                m_i = m_new
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(o_ptr + (row0 + qi)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                     out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+                    q = q.to(tl.float32)
+                for start in range(lo, hi, BLOCK_N):
+                    pos = start + tl.arange(0, BLOCK_N)
+                    valid = pos < hi
+                    page = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+                    k_off = page * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+                    v_off = page * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kvh * stride_vh
+                    kv_mask = valid[:, None] & d_valid[None, :]
+                    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+                    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+                    if DOT_F32:
+                        k, v = k.to(tl.float32), v.to(tl.float32)
+                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [M, N]
+                    j = pos - p_len  # tree row of a key position (>= 0 inside the tree)
+                    in_tree = (j >= 0) & valid
+                    word = tl.load(bits_ptr + (row0 + qi)[:, None] * stride_bits + (j // 32)[None, :],
+                                   mask=m_valid[:, None] & in_tree[None, :], other=0)
+                    anc = (word >> (j % 32)[None, :]) & 1
+                    visible = valid[None, :] & ((j < 0)[None, :] | (anc != 0))
+                    s = tl.where(visible, s, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    p = tl.exp(s - m_safe[:, None])
+                    alpha = tl.exp(m_i - m_safe)
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+                    m_i = m_new
+            rows_at = row0 + qi
+            tl.store(acc_ptr + split * stride_as + rows_at[:, None] * stride_at + head[:, None] * stride_ah
+                     + offs_d[None, :], acc, mask=m_valid[:, None] & d_valid[None, :])
+            tl.store(m_ptr + split * stride_ms + rows_at * stride_mt + head, m_i, mask=m_valid)
+            tl.store(l_ptr + split * stride_ms + rows_at * stride_mt + head, l_i, mask=m_valid)
+
+    @triton.jit
+    def _tree_attention_reduce_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, splits, stride_as, stride_at, stride_ah,
+                                      stride_ms, stride_mt, stride_ot, stride_oh,
+                                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        """One program per (row, query head): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        s_valid = offs_s < splits
+        m = tl.load(m_ptr + offs_s * stride_ms + t * stride_mt + h, mask=s_valid, other=float("-inf"))
+        l_s = tl.load(l_ptr + offs_s * stride_ms + t * stride_mt + h, mask=s_valid, other=0.0)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.where(s_valid & (m > float("-inf")), tl.exp(m - m_max), 0.0)  # [S]
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < D
+        acc = tl.load(acc_ptr + offs_s[:, None] * stride_as + t * stride_at + h * stride_ah + offs_d[None, :],
+                      mask=s_valid[:, None] & d_valid[None, :], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(l_s * w, 0), 1e-30)
+        tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_valid)
 
 
-def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, tree_mask, scale,
-                          max_rows: int | None = None, block_n: int = 32) -> torch.Tensor:
-    """Launch the kernel; returns o [T, Hq, D] in q's dtype. max_rows: the most rows of one request (host int)."""
+def choose_splits(batch: int, kv_heads: int, q_blocks: int, longest: int, block_n: int, programs: int) -> int:
+    """How many chunks to cut the keys into: enough programs to fill `programs` slots (about two per SM), never a
+    chunk shorter than 4 key tiles, at most 64."""
+    base = batch * kv_heads * q_blocks
+    want = max(1, math.ceil(programs / base))
+    most = max(1, longest // (4 * block_n))
+    return int(min(want, most, 64))
+
+
+def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, bits, scale,
+                          max_rows: int | None = None, longest: int | None = None, block_n: int = 64,
+                          splits: int | None = None) -> torch.Tensor:
+    """Launch the split and reduce kernels; returns o [T, Hq, D] in q's dtype. max_rows: the most rows of one request,
+    longest: the most keys of one (prefix + rows), both host ints (computed from the tensors when not given: a device
+    sync); splits: key chunks (default: `choose_splits` for the device's SM count)."""
     if triton is None:
         raise RuntimeError("tree_attention_triton needs Triton")
     t, hq, d = q.shape
@@ -126,27 +189,46 @@ def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows
         raise ValueError(f"q head size {d} and caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit")
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
-    if tree_mask.shape[0] != t:
-        raise ValueError(f"tree_mask has {tree_mask.shape[0]} rows for {t} query rows")
+    if bits.shape[0] != t or bits.dtype != torch.int32:
+        raise ValueError(f"ancestor_bits must be int32 [{t}, words]; got {bits.dtype} {tuple(bits.shape)}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last dimension")
+    rows = cu_rows[1:] - cu_rows[:-1]
     if max_rows is None:
-        max_rows = int((cu_rows[1:] - cu_rows[:-1]).max())
+        max_rows = int(rows.max())
+    if longest is None:
+        longest = int((prefix_lens + rows).max())
+    if bits.shape[1] * 32 < max_rows:
+        raise ValueError(f"ancestor_bits has {bits.shape[1]} words for trees of {max_rows} rows")
     group = hq // hkv
     group_p = triton.next_power_of_2(group)
-    # M = block_q * group_p rows per program: >= 16 for tl.dot, and up to 128 so that a whole tree's rows share each
-    # key tile (the prefix is read once per program).
-    block_q = max(1, max(16, min(128, triton.next_power_of_2(max_rows * group_p))) // group_p)
-    mask = tree_mask.to(torch.uint8).contiguous()
-    o = torch.empty_like(q)
-    grid = (len(prefix_lens), hkv, triton.cdiv(max_rows, block_q))
-    _tree_attention_kernel[grid](
-        q, k_cache, v_cache, o, block_table, prefix_lens, cu_rows, mask, scale,
+    # M = block_q * group_p rows per program: >= 16 for tl.dot, up to 64 so that a whole tree's rows (and every
+    # query head of the kv head) share each key tile
+    block_q = max(1, max(16, min(64, triton.next_power_of_2(max_rows * group_p))) // group_p)
+    q_blocks = triton.cdiv(max_rows, block_q)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        splits = choose_splits(len(prefix_lens), hkv, q_blocks, longest, block_n, 2 * sms)
+    chunk = triton.cdiv(triton.cdiv(longest, splits), block_n) * block_n
+    splits = triton.cdiv(longest, chunk)
+    acc = torch.empty(splits, t, hq, d, dtype=torch.float32, device=q.device)
+    m = torch.empty(splits, t, hq, dtype=torch.float32, device=q.device)
+    l_ = torch.empty_like(m)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    grid = (len(prefix_lens), hkv * q_blocks, splits)
+    _tree_attention_split_kernel[grid](
+        q, k_cache, v_cache, acc, m, l_, block_table, prefix_lens, cu_rows, bits, scale, chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o.stride(0), o.stride(1),
-        block_table.stride(0), mask.stride(0),
-        BLOCK_SIZE=bs, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=d,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), acc.stride(0), acc.stride(1), acc.stride(2),
+        m.stride(0), m.stride(1), block_table.stride(0), bits.stride(0),
+        QB=q_blocks, BLOCK_SIZE=bs, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=d,
         BLOCK_D=triton.next_power_of_2(d),
-        # Triton's interpreter multiplies bf16 tl.dot operands wrongly (as of 3.9); it gets fp32 operands there.
-        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16)
+        # Triton's interpreter multiplies bf16 tl.dot operands wrongly (as of 3.9); it gets fp32 operands there
+        DOT_F32=interpret and q.dtype == torch.bfloat16,
+        # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
+        PRECISION="ieee" if q.dtype == torch.float32 or interpret else None)
+    o = torch.empty_like(q)
+    _tree_attention_reduce_kernel[(t, hq)](
+        acc, m, l_, o, splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        o.stride(0), o.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=triton.next_power_of_2(splits))
     return o
