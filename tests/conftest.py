@@ -36,7 +36,7 @@ GROW_PROMPTS = [
 ]
 GROW_MAX_TOKENS = [120] * len(GROW_PROMPTS)
 
-ENGINE = {"dtype": "float32", "max_model_len": 2048, "seed": 0, "enforce_eager": True}
+ENGINE = {"dtype": "float32", "max_model_len": 1024, "seed": 0, "enforce_eager": True}
 
 
 def greedy_batch(prompts=PROMPTS, max_tokens=MAX_TOKENS, repeat=1):
@@ -139,7 +139,7 @@ def tree_engines():
     host.close()
 
 
-SEEDED = [{"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i, "max_tokens": 48} for i in range(6)]
+SEEDED = [{"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i, "max_tokens": 32} for i in range(6)]
 # A greedy / sampled mix: rows 3.. are greedy and must equal plain decoding whatever the sampled rows do.
 SAMPLED_MIX = {"prompts": PROMPTS[:6], "params": SEEDED[:3] + [{"temperature": 0.0, "max_tokens": 48}] * 3}
 # Sampled output with power (tests/stats.py sampled_positions_pvalues): a prompt whose next tokens have real entropy
@@ -222,11 +222,11 @@ TREE_MIX = {"prompts": PROMPTS[:6],
 
 
 # Every request feature that meets speculation, one greedy request each (FEATURE_NAMES): served with speculation
-# they must give plain decoding's tokens (and log-probs). The last request runs into max_model_len (ENGINE's 2048):
-# its prompt leaves 27 positions and max_tokens is unset, so drafts near the end must be cut by the scheduler.
+# they must give plain decoding's tokens (and log-probs). The last request runs into max_model_len (ENGINE's 1024):
+# its prompt leaves 13 positions and max_tokens is unset, so drafts near the end must be cut by the scheduler.
 JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
                "required": ["name", "age"]}
-EDGE_PROMPT = "one two three four five six seven eight nine ten " * 202  # 2021 tokens with SmolLM2's tokenizer
+EDGE_PROMPT = "one two three four five six seven eight nine ten " * 101  # 1011 tokens with SmolLM2's tokenizer
 FEATURES = [
     ("logprobs", PROMPTS[0], {"logprobs": 3, "max_tokens": 24}),
     ("prompt_logprobs", PROMPTS[1], {"prompt_logprobs": 2, "max_tokens": 16}),

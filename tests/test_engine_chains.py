@@ -24,8 +24,8 @@ def accept_rate(m):
 
 
 # vLLM's own rejection sampler verifies chains (the plugin fixes its CPU expand op; tests/test_cpu_sampling_fix.py
-# checks that op with 8000 samples): 512 engine samples here, the trees' 1536 where our sampler decides.
-CHAIN_SAMPLES = 512
+# checks that op with 8000 samples): 384 engine samples here (128 seeded), the trees' 1024 where our sampler decides.
+CHAIN_SAMPLES, CHAIN_SEEDED = 384, 128
 OTHER_SEEDS = [{**p, "seed": p["seed"] + 7} for p in SEEDED]
 
 
@@ -36,7 +36,8 @@ def head_runs(smollm2, engines):
     batches = {"mixed": greedy_batch(), "cached": greedy_batch(max_tokens=[min(m, 16) for m in MAX_TOKENS]),
                "sampled_mix": SAMPLED_MIX,
                "seeded": {"prompts": PROMPTS[:6], "params": SEEDED, "repeat": 2},
-               "other_seeds": {"prompts": PROMPTS[:6], "params": OTHER_SEEDS}, "sampled": joined(sampling_batch(CHAIN_SAMPLES // 2), sampling_batch(CHAIN_SAMPLES // 2, seed0=900_000)),
+               "other_seeds": {"prompts": PROMPTS[:6], "params": OTHER_SEEDS},
+               "sampled": joined(sampling_batch(CHAIN_SAMPLES - CHAIN_SEEDED), sampling_batch(CHAIN_SEEDED, seed0=900_000)),
                "features": FEATURES_BATCH}
     res = engines.run({"model": smollm2, "engine": head_engine(), "batches": list(batches.values())})
     return {name: b["runs"] for name, b in zip(batches, res["batches"])}
@@ -83,17 +84,16 @@ def test_mixed_batches_draft_for_sampled_requests_and_keep_greedy_rows(head_runs
 
 def test_sampling_with_drafts_keeps_the_distribution(head_runs, smollm2):
     """Chains verified by vLLM's rejection sampler (with the plugin's CPU expand fix, engine/cpu_sampling_fix.py):
-    512 samples of a 4-token continuation at T = 1 with top-k and top-p, half seeded, position by position against
+    384 samples of a 4-token continuation at T = 1 with top-k and top-p, a third seeded, position by position against
     the target's exact conditional distribution (the test's power is shown on a biased verifier in
     test_engine_multibranch.py). Before the fix plain continued one prompt " 13, 1" 45/48 times and adaspec 7/48."""
     run = head_runs["sampled"][0]
     m = run["metrics"]
-    assert m["vllm:spec_decode_num_accepted_tokens"] > 250, m  # most samples went through verification
-    got = samples(run)  # the unseeded half (n = 256 per request), then the seeded half (one request each)
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 190, m  # most samples went through verification
+    got = samples(run)  # the unseeded (n = 256 in one request), then the seeded (one request each)
     assert len(got) == CHAIN_SAMPLES
-    half = CHAIN_SAMPLES // 2
-    assert_keeps_the_target_distribution(smollm2, got, {"chains, all": range(CHAIN_SAMPLES),
-                                                        "chains, seeded": range(half, CHAIN_SAMPLES)})
+    seeded = range(CHAIN_SAMPLES - CHAIN_SEEDED, CHAIN_SAMPLES)
+    assert_keeps_the_target_distribution(smollm2, got, {"chains, all": range(CHAIN_SAMPLES), "chains, seeded": seeded})
 
 
 def test_seeded_sampling_repeats_itself(head_runs):

@@ -143,13 +143,13 @@ def test_mixed_tree_chain_and_sampled_rows(mb_runs, plain_greedy):
 # samples: honest trees (UNSEEDED of them unseeded, n = 256 per request; the rest seeded, one request each), under
 # a grammar, with min_p, and through a biased verifier (seeded). Seeded requests each prefill the prompt (it is
 # shorter than a KV block, so the prefix cache cannot share it): most of the engine's work, so most samples are not.
-HONEST, UNSEEDED, CONSTRAINED, BIASED = 1536, 1024, 256, 256
+HONEST, UNSEEDED, CONSTRAINED, BIASED = 1024, 768, 256, 128
 
 
 @pytest.fixture(scope="module")
 def sampled_trees(smollm2, tree_engines):
-    """1536 samples (a third seeded) through tree verification with top-k and top-p, in the same batch 256 under a
-    grammar (FRUIT_REGEX), 256 with min_p, and 256 whose verifier is deliberately biased (seeded from
+    """1024 samples (a quarter seeded) through tree verification with top-k and top-p, in the same batch 256 under a
+    grammar (FRUIT_REGEX), 256 with min_p, and 128 whose verifier is deliberately biased (seeded from
     BIASED_SEEDS): one engine, no cost model (every candidate runs); p-values against the target's exact
     distribution under each subset's settings."""
     batch = joined(sampling_batch(UNSEEDED), sampling_batch(HONEST - UNSEEDED, seed0=900_000),
@@ -185,7 +185,7 @@ def test_tree_verification_keeps_the_target_distribution(sampled_trees):
     # drafts went through as trees and were accepted
     print("trees:", {k: st[k] for k in ("tree_verified", "accepted_drafts", "verified_drafts", "decode_rows",
                                         "tree_capped")})
-    assert st["tree_verified"] > 1500 and st["accepted_drafts"] > 1000, st
+    assert st["tree_verified"] > 1000 and st["accepted_drafts"] > 700, st
     for name in ("trees, all", "trees, seeded", "trees, unseeded", "trees, grammar", "trees, min_p"):
         assert min(pvalues[name]) > 1e-4, (name, pvalues[name])
     assert st["grammar_checked"] > 0, st  # the grammar's requests drafted trees whose candidates it checked

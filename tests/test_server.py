@@ -76,11 +76,14 @@ def serving(model, work, speculative: dict, additional: dict | None = None, env:
         log.close()
 
 
+# The module's server: early-exit trees with the shipped head, budget 4, no cost model (every step drafts: on this
+# CPU the cost model would draft little at batch 1). Requests that ask for chains (adaspec_speculation) get chains.
+EARLY_EXIT_TREES = ({"model": SPEC, "num_speculative_tokens": 4}, {"adaspec": {"cost_model": "off", "tree": {"budget": 4}}})
+
+
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
-    # the shipped head drafts every step (the cost model would draft little at batch 1 on this CPU)
-    with serving(smollm2, tmp_path_factory.mktemp("server"), {"model": SPEC, "num_speculative_tokens": 3},
-                 {"adaspec": {"cost_model": "off"}}) as (base, _):
+    with serving(smollm2, tmp_path_factory.mktemp("server"), *EARLY_EXIT_TREES) as (base, _):
         yield base, smollm2
 
 
@@ -155,11 +158,8 @@ SOAK_FAULTS = {"suffix": 3, "tree_plan": 4, "trie": 10}
 SOAK_CONFIGS = {
     # README's first configuration: MultiBranchProposer with every default (trees on this CPU)
     "multibranch default": ({"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": 16}, None),
-    # early-exit chains: the module's server above (shipped head, K = 3; no cost model, so that every step drafts:
-    # on this CPU it would draft little), and early-exit trees
-    "early exit chains": None,
-    "early exit tree": ({"model": SPEC, "num_speculative_tokens": 4},
-                        {"adaspec": {"cost_model": "off", "tree": {"budget": 4}}}),
+    # early-exit trees, and chains for the requests that ask for them: the module's server above
+    "early exit": None,
 }
 MALFORMED = [
     (b"{not json", "bad JSON"),
@@ -191,9 +191,9 @@ def soak_jobs(model):
         jobs.append({"body": {"model": model, "prompt": PROMPTS[8], "max_tokens": 400, "temperature": 0.0,
                               "ignore_eos": True}, "timeout": 1.0})
         kinds.append(("aborted", 8))
-    # up to the last position max_model_len allows (2021 prompt tokens + 27 = 2048; the completions API turns a null
+    # up to the last position max_model_len allows (1011 prompt tokens + 13 = 1024; the completions API turns a null
     # max_tokens into its default 16, and asking for more than fits is a 400): drafts are cut at the limit
-    jobs.append({"body": {"model": model, "prompt": EDGE_PROMPT, "temperature": 0.0, "max_tokens": 27}, "stream": True})
+    jobs.append({"body": {"model": model, "prompt": EDGE_PROMPT, "temperature": 0.0, "max_tokens": 13}, "stream": True})
     kinds.append(("max_model_len", None))
     for body, what in MALFORMED:
         jobs.append({"body": body if isinstance(body, bytes) else {"model": model, **body}})

@@ -1,10 +1,13 @@
 """The GPU worker must not import vLLM's CPU worker: that module replaces torch functions process-wide on import
 (torch.cuda.Event, streams, synchronize, pin_memory, the memory query) and vLLM's buffers, which in a CUDA worker
-means no stream synchronization and a KV cache sized from host memory. Each check runs in a fresh interpreter."""
+means no stream synchronization and a KV cache sized from host memory. One fresh interpreter imports the GPU worker,
+then the CPU worker, and says what each import changed."""
 
 import json
 import subprocess
 import sys
+
+import pytest
 
 from vllm_adaspec.engine.plugin import OUR_WORKERS
 
@@ -23,25 +26,32 @@ before = names()
 from vllm_adaspec.engine import plugin
 plugin.register()  # what vLLM runs in every process, a GPU worker's included
 import importlib
-cls = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
-after = names()
-print(json.dumps({"class": cls.__name__, "changed": sorted(k for k in before if after[k] is not before[k])}))
+out = {}
+for name, qualified in zip(("gpu", "cpu"), sys.argv[1:]):  # the GPU worker first: nothing patched yet
+    module, cls = qualified.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), cls)
+    after = names()
+    out[name] = {"class": cls.__name__, "changed": sorted(k for k in before if after[k] is not before[k])}
+print(json.dumps(out))
 """
 
 
-def imported(module: str, cls: str) -> dict:
-    p = subprocess.run([sys.executable, "-c", SNAPSHOT, module, cls], capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def imported() -> dict:
+    """{"gpu" | "cpu": {"class", "changed"}}: the classes the plugin installs, imported as vLLM imports them (by their
+    qualified names), and what each import changed."""
+    p = subprocess.run([sys.executable, "-c", SNAPSHOT, OUR_WORKERS["gpu"], OUR_WORKERS["cpu"]], capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_the_gpu_worker_leaves_torch_and_vllms_buffers_alone():
-    """The class the plugin installs on GPUs, imported as vLLM imports it (by its qualified name)."""
-    got = imported(*OUR_WORKERS["gpu"].rsplit(".", 1))
-    assert got == {"class": "AdaspecGPUWorker", "changed": []}, got
+def test_the_gpu_worker_leaves_torch_and_vllms_buffers_alone(imported):
+    assert imported["gpu"] == {"class": "AdaspecGPUWorker", "changed": []}, imported
 
 
-def test_the_check_sees_the_cpu_workers_patches():
+def test_the_check_sees_the_cpu_workers_patches(imported):
     """The same check on the CPU worker: it must see vLLM's patches (else it could never fail)."""
-    got = imported(*OUR_WORKERS["cpu"].rsplit(".", 1))
+    got = imported["cpu"]
+    assert got["class"] == "AdaspecCPUWorker", got
     assert {"torch.cuda.Event", "torch.Tensor.pin_memory", "vllm UvaBuffer"} <= set(got["changed"]), got
