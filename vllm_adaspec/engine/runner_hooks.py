@@ -5,6 +5,8 @@ the tree runtime; the drafter reads the port at its next propose call.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -17,9 +19,11 @@ def install(runner, drafter, port) -> None:
     # verification it just ran (needed to find each request's bonus row): both are read off propose's own call.
     propose = runner.propose_draft_token_ids
     keep_hidden = needs.target_hidden
+    step = {"proposed": False}
 
     def propose_with_feedback(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                               sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest, **kw):
+        step["proposed"] = True
         if keep_hidden:
             port.taps.hidden = sample_hidden_states
         port.verified_rows = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
@@ -27,6 +31,22 @@ def install(runner, drafter, port) -> None:
                        aux_hidden_states, spec_decode_metadata, *rest, **kw)
 
     runner.propose_draft_token_ids = propose_with_feedback
+
+    # In a step where the longest request plus a full draft would pass max_model_len, vLLM does not call the
+    # drafter and schedules K drafts of token 0 for every request instead. vLLM's chain sampler would verify them,
+    # ignoring min_p and logit bias (a wrong token for such requests) and spending K rows per request on
+    # nothing: a step the drafter was not asked about drafts nothing.
+    take_drafts = runner.take_draft_token_ids
+
+    def take_only_proposed_drafts():
+        out = take_drafts()
+        if out is not None and not step["proposed"]:
+            out = replace(out, draft_token_ids=[[] for _ in out.req_ids])
+            drafter.not_asked()
+        step["proposed"] = False
+        return out
+
+    runner.take_draft_token_ids = take_only_proposed_drafts
 
     logits_tap = LogitsTap(runner, port, needs.verified_logits) if needs.verified_logits else None
     if logits_tap is not None:

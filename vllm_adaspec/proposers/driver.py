@@ -183,6 +183,16 @@ class Driver:
         """What the request allows and needs (step.RequestTraits), read once through the port."""
         return self.port.traits(req_id)
 
+    def not_asked(self) -> None:
+        """vLLM ran a step without calling propose (a request too close to max_model_len for a full draft): that
+        step drafts nothing (engine/runner_hooks.py), and what its verification left (tree results, taps, rows) is
+        dropped, since the next propose call's batch rows are not that step's; the plans it verified are spent."""
+        try:
+            self.port.feedback()
+        except Exception as e:  # our code only saves time: never the engine's fault
+            self.contain("dropping a skipped step's feedback", e)
+        self.plans, self._last_end, self._step_shape = {}, None, None
+
     def contain(self, where: str, exc: Exception) -> None:
         """After a contained fault: nothing this step's drafter planned is used; the step cost model skips it."""
         self.faults.record(where, exc)
