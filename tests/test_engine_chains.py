@@ -23,7 +23,7 @@ def accept_rate(m):
 
 
 # vLLM's own rejection sampler verifies chains (the plugin fixes its CPU expand op; tests/test_cpu_sampling_fix.py
-# checks that op with 8000 samples): 384 engine samples here (128 seeded), the trees' 1024 where our sampler decides.
+# checks that op with 8000 samples): 384 engine samples here (128 seeded), the trees' 896 where our sampler decides.
 CHAIN_SAMPLES, CHAIN_SEEDED = 384, 128
 OTHER_SEEDS = [{**p, "seed": p["seed"] + 7} for p in SEEDED]
 
