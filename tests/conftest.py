@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -329,6 +330,7 @@ def load_interpreted(module: str):
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         mod = importlib.util.module_from_spec(importlib.util.spec_from_file_location(f"_interp_{module}", spec.origin))
+        sys.modules[mod.__name__] = mod  # dataclasses look their module up there
         mod.__spec__.loader.exec_module(mod)
     finally:
         if old is None:

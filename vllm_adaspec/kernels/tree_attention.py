@@ -26,6 +26,7 @@ Contents: `_tree_attention_split_kernel`, `_tree_attention_reduce_kernel`, `tree
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 import os
 
 import torch
@@ -36,7 +37,7 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["ancestor_bits", "tree_attention_reference", "tree_attention_triton"]
+__all__ = ["TreeAttentionLaunch", "ancestor_bits", "launch", "plan_launch", "tree_attention_reference", "tree_attention_triton"]
 
 
 def ancestor_bits(tree_mask: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,8 @@ if triton is not None:
 
     @triton.jit
     def _tree_attention_split_kernel(
-            q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr, bt_ptr, plen_ptr, cu_ptr, bits_ptr, scale, chunk,
+            q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr, bt_ptr, plen_ptr, cu_ptr, bits_ptr, qrows_ptr, btrows_ptr,
+            scale, chunk,
             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_bt, stride_bits,
             QB: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
@@ -104,18 +106,20 @@ if triton is not None:
             m_valid = (qi < n_rows) & (g < GROUP)
             offs_d = tl.arange(0, BLOCK_D)
             d_valid = offs_d < D
+            q_at = tl.load(qrows_ptr + row0 + qi, mask=m_valid, other=0).to(tl.int64)  # the row in q / out
+            table = bt_ptr + tl.load(btrows_ptr + b).to(tl.int64) * stride_bt  # the request's block-table row
             m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
             acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
             if lo < total:
-                q = tl.load(q_ptr + (row0 + qi)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                q = tl.load(q_ptr + q_at[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                             mask=m_valid[:, None] & d_valid[None, :], other=0.0)
                 if DOT_F32:
                     q = q.to(tl.float32)
                 for start in range(lo, hi, BLOCK_N):
                     pos = start + tl.arange(0, BLOCK_N)
                     valid = pos < hi
-                    page = tl.load(bt_ptr + b * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+                    page = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
                     k_off = page * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
                     v_off = page * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kvh * stride_vh
                     kv_mask = valid[:, None] & d_valid[None, :]
@@ -145,10 +149,11 @@ if triton is not None:
             tl.store(l_ptr + split * stride_ms + rows_at * stride_mt + head, l_i, mask=m_valid)
 
     @triton.jit
-    def _tree_attention_reduce_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, splits, stride_as, stride_at, stride_ah,
+    def _tree_attention_reduce_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, qrows_ptr, splits, stride_as, stride_at, stride_ah,
                                       stride_ms, stride_mt, stride_ot, stride_oh,
                                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-        """One program per (row, query head): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s."""
+        """One program per (tree row, query head): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, written at
+        the row's place in the output (q_rows)."""
         t = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
@@ -163,7 +168,8 @@ if triton is not None:
         acc = tl.load(acc_ptr + offs_s[:, None] * stride_as + t * stride_at + h * stride_ah + offs_d[None, :],
                       mask=s_valid[:, None] & d_valid[None, :], other=0.0)
         out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(l_s * w, 0), 1e-30)
-        tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_valid)
+        o_row = tl.load(qrows_ptr + t).to(tl.int64)
+        tl.store(o_ptr + o_row * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_valid)
 
 
 def choose_splits(batch: int, kv_heads: int, q_blocks: int, longest: int, block_n: int, programs: int) -> int:
@@ -175,60 +181,115 @@ def choose_splits(batch: int, kv_heads: int, q_blocks: int, longest: int, block_
     return int(min(want, most, 64))
 
 
-def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, bits, scale,
-                          max_rows: int | None = None, longest: int | None = None, block_n: int = 64,
-                          splits: int | None = None) -> torch.Tensor:
-    """Launch the split and reduce kernels; returns o [T, Hq, D] in q's dtype. max_rows: the most rows of one request,
-    longest: the most keys of one (prefix + rows), both host ints (computed from the tensors when not given: a device
-    sync); splits: key chunks (default: `choose_splits` for the device's SM count)."""
+@dataclass
+class TreeAttentionLaunch:
+    """What every attention layer of one forward shares: the trees' rows and masks, the work split, the scratch.
+    Built once per step (`plan_launch`), launched per layer (`launch`) with no host work beyond the two launches.
+
+    prefix_lens [B], cu_rows [B + 1] (tree rows packed: tree b's rows are cu_rows[b] .. cu_rows[b + 1] - 1),
+    bits [T, W] ancestor bits, q_rows [T] (each tree row's row in the layer's q and output), bt_rows [B] (each tree's
+    row of the layer's block table): int32, on the device. acc [splits, T, Hq, D], m / l [splits, T, Hq]: fp32."""
+    prefix_lens: torch.Tensor
+    cu_rows: torch.Tensor
+    bits: torch.Tensor
+    q_rows: torch.Tensor
+    bt_rows: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_q: int
+    q_blocks: int
+    block_n: int
+    chunk: int
+    splits: int
+    acc: torch.Tensor
+    m: torch.Tensor
+    l: torch.Tensor
+
+
+def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num_kv_heads: int, head_size: int,
+                max_rows: int, longest: int, block_n: int = 64, splits: int | None = None) -> TreeAttentionLaunch:
+    """max_rows: the most rows of one tree, longest: the most keys of one (prefix + rows): host ints, so nothing here
+    waits for the device. splits: key chunks (default `choose_splits` for the device's SM count)."""
     if triton is None:
-        raise RuntimeError("tree_attention_triton needs Triton")
-    t, hq, d = q.shape
-    nb, bs, hkv, dk = k_cache.shape
-    if dk != d or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q head size {d} and caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit")
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of {hkv} kv heads")
+        raise RuntimeError("tree attention needs Triton")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    t = q_rows.shape[0]
     if bits.shape[0] != t or bits.dtype != torch.int32:
         raise ValueError(f"ancestor_bits must be int32 [{t}, words]; got {bits.dtype} {tuple(bits.shape)}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q and the caches need a contiguous last dimension")
-    rows = cu_rows[1:] - cu_rows[:-1]
-    if max_rows is None:
-        max_rows = int(rows.max())
-    if longest is None:
-        longest = int((prefix_lens + rows).max())
     if bits.shape[1] * 32 < max_rows:
         raise ValueError(f"ancestor_bits has {bits.shape[1]} words for trees of {max_rows} rows")
-    group = hq // hkv
-    group_p = triton.next_power_of_2(group)
+    group_p = triton.next_power_of_2(num_heads // num_kv_heads)
     # M = block_q * group_p rows per program: >= 16 for tl.dot, up to 64 so that a whole tree's rows (and every
     # query head of the kv head) share each key tile
     block_q = max(1, max(16, min(64, triton.next_power_of_2(max_rows * group_p))) // group_p)
     q_blocks = triton.cdiv(max_rows, block_q)
     if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        splits = choose_splits(len(prefix_lens), hkv, q_blocks, longest, block_n, 2 * sms)
+        dev = bits.device
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n, 2 * sms)
     chunk = triton.cdiv(triton.cdiv(longest, splits), block_n) * block_n
     splits = triton.cdiv(longest, chunk)
-    acc = torch.empty(splits, t, hq, d, dtype=torch.float32, device=q.device)
-    m = torch.empty(splits, t, hq, dtype=torch.float32, device=q.device)
-    l_ = torch.empty_like(m)
+    acc = torch.empty(splits, t, num_heads, head_size, dtype=torch.float32, device=bits.device)
+    m = torch.empty(splits, t, num_heads, dtype=torch.float32, device=bits.device)
+    return TreeAttentionLaunch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads, head_size,
+                               block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m))
+
+
+def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: float, out) -> torch.Tensor:
+    """Tree attention of one layer: q [*, Hq, D] (the tree rows at plan.q_rows), k_cache / v_cache [num_blocks,
+    block_size, Hkv, D] (any strides, the last dimension contiguous), block_table [*, max_blocks]; the tree rows of
+    `out` [*, Hq, D] are written, nothing else."""
+    nb, bs, hkv, d = k_cache.shape
+    if (q.shape[1], hkv, d) != (plan.num_heads, plan.num_kv_heads, plan.head_size) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} and caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit "
+                         f"the plan ({plan.num_heads} / {plan.num_kv_heads} heads of {plan.head_size})")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("q, out and the caches need a contiguous last dimension")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    grid = (len(prefix_lens), hkv * q_blocks, splits)
+    acc, m, l_ = plan.acc, plan.m, plan.l
+    grid = (len(plan.prefix_lens), hkv * plan.q_blocks, plan.splits)
+    group = plan.num_heads // hkv
     _tree_attention_split_kernel[grid](
-        q, k_cache, v_cache, acc, m, l_, block_table, prefix_lens, cu_rows, bits, scale, chunk,
+        q, k_cache, v_cache, acc, m, l_, block_table, plan.prefix_lens, plan.cu_rows, plan.bits, plan.q_rows,
+        plan.bt_rows, scale, plan.chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), acc.stride(0), acc.stride(1), acc.stride(2),
-        m.stride(0), m.stride(1), block_table.stride(0), bits.stride(0),
-        QB=q_blocks, BLOCK_SIZE=bs, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n, D=d,
-        BLOCK_D=triton.next_power_of_2(d),
+        m.stride(0), m.stride(1), block_table.stride(0), plan.bits.stride(0),
+        QB=plan.q_blocks, BLOCK_SIZE=bs, GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=plan.block_q,
+        BLOCK_N=plan.block_n, D=d, BLOCK_D=triton.next_power_of_2(d),
         # Triton's interpreter multiplies bf16 tl.dot operands wrongly (as of 3.9); it gets fp32 operands there
         DOT_F32=interpret and q.dtype == torch.bfloat16,
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else None)
-    o = torch.empty_like(q)
-    _tree_attention_reduce_kernel[(t, hq)](
-        acc, m, l_, o, splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        o.stride(0), o.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=triton.next_power_of_2(splits))
-    return o
+    _tree_attention_reduce_kernel[(plan.q_rows.shape[0], plan.num_heads)](
+        acc, m, l_, out, plan.q_rows, plan.splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
+        m.stride(1), out.stride(0), out.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_S=triton.next_power_of_2(plan.splits))
+    return out
+
+
+def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, bits, scale,
+                          max_rows: int | None = None, longest: int | None = None, block_n: int = 64,
+                          splits: int | None = None, q_rows=None, bt_rows=None, out=None) -> torch.Tensor:
+    """Plan and launch in one call. Without q_rows / bt_rows, q holds exactly the tree rows (packed as cu_rows) and
+    block_table one row per tree; returns the output [T, Hq, D] in q's dtype (`out`, or a new tensor). max_rows /
+    longest are computed from the tensors when not given (a device sync)."""
+    t = int(cu_rows[-1]) if q_rows is None else q_rows.shape[0]
+    rows = cu_rows[1:] - cu_rows[:-1]
+    if max_rows is None:
+        max_rows = int(rows.max())
+    if longest is None:
+        longest = int((prefix_lens + rows).max())
+    if q_rows is None:
+        q_rows = torch.arange(t, dtype=torch.int32, device=q.device)
+    if bt_rows is None:
+        bt_rows = torch.arange(len(prefix_lens), dtype=torch.int32, device=q.device)
+    _, _, hkv, d = k_cache.shape
+    if d != q.shape[2]:
+        raise ValueError(f"q head size {q.shape[2]} and caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do "
+                         "not fit")
+    plan = plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, q.shape[1], hkv, d, max_rows, longest,
+                       block_n=block_n, splits=splits)
+    return launch(plan, q, k_cache, v_cache, block_table, scale, torch.empty_like(q) if out is None else out)
