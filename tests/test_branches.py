@@ -90,35 +90,36 @@ def test_plan_step_verifies_only_the_tree_nodes_and_positions_branches_by_depth(
     tokens, parents = append_branches([5, 6], [-1, 0], [[1, 2, 3]])  # chain of 2 + a branch of 3
     positions = torch.arange(10, 16)  # root at 10, 5 draft rows
     plan = {"a": DraftPlan(tuple(tokens), tuple(parents), 2)}
-    step = plan_step(["a"], np.array([0, 6]), positions, {"a": tokens}, plan, 6)
+    step = plan_step(["a"], np.array([0, 6]), np.array([10]), {"a": tokens}, plan, 6)
     (r,) = step.requests
     assert r.num_verified == 2 and len(r.tree) == 5  # a chain of verified nodes still goes the tree path
+    rows, pos = step.depth_positions()
+    positions[torch.from_numpy(rows)] = torch.from_numpy(pos)
     assert positions.tolist() == [10, 11, 12, 11, 12, 13]
     # the scheduler cut the drafts to 3: both nodes and one branch row remain
     positions = torch.arange(10, 14)
-    step = plan_step(["a"], np.array([0, 4]), positions, {"a": tokens[:3]}, plan, 4)
+    step = plan_step(["a"], np.array([0, 4]), np.array([10]), {"a": tokens[:3]}, plan, 4)
     assert step.requests[0].num_verified == 2 and len(step.requests[0].tree) == 3
     # cut to the nodes only: a plain chain, left to vLLM
-    step = plan_step(["a"], np.array([0, 3]), torch.arange(10, 13), {"a": tokens[:2]}, plan, 3)
+    step = plan_step(["a"], np.array([0, 3]), np.array([10]), {"a": tokens[:2]}, plan, 3)
     assert step is None
 
 
 def test_branch_slot_check_flags_a_committed_position_last_written_by_a_branch_row():
     import numpy as np
-    import torch
 
     check = BranchSlotCheck()
     tokens, parents = append_branches([5], [-1], [[1, 2]])  # 1 node + a branch of 2: rows root, 5, 1, 2
-    positions = torch.arange(20, 24)
-    step = plan_step(["a"], np.array([0, 4]), positions, {"a": tokens},
-                     {"a": DraftPlan(tuple(tokens), tuple(parents), 1)}, 4)
-    check.before_forward(["a"], np.array([0, 4]), positions, step)
+    roots = np.array([20])  # the request's first row (its root) at position 20
+    step = plan_step(["a"], np.array([0, 4]), roots, {"a": tokens}, {"a": DraftPlan(tuple(tokens), tuple(parents), 1)},
+                     4)
+    check.before_forward(["a"], np.array([0, 4]), roots, step)
     assert check.dirty["a"] == {22, 23}  # branch rows at slots root + 2, root + 3
     # node accepted: the bonus goes at 22 and the next forward starts there (overwrites it): no violation
-    check.before_forward(["a"], np.array([0, 1]), torch.tensor([22]), None)
+    check.before_forward(["a"], np.array([0, 1]), np.array([22]), None)
     assert check.violations == 0 and check.dirty["a"] == {23}
     # a forward starting past a dirty slot would read it as committed: counted
-    check.before_forward(["a"], np.array([0, 1]), torch.tensor([25]), None)
+    check.before_forward(["a"], np.array([0, 1]), np.array([25]), None)
     assert check.violations == 1 and check.checked == 3
     check.forget(["a"])
     assert "a" not in check.dirty and check.live()["branch_slot_records"] == 0

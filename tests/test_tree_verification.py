@@ -166,6 +166,11 @@ def test_compaction_moves_accepted_nodes_to_consecutive_slots():
     assert not torch.equal(cache, before)
 
 
+def write_positions(step, positions):
+    rows, pos = step.depth_positions()
+    positions[torch.from_numpy(rows)] = torch.from_numpy(pos)
+
+
 def test_plan_step_writes_depth_positions_and_skips_chains_and_changed_drafts():
     # Batch: req a (tree of 4 nodes, root at 10), b (chain), c (tree whose scheduled drafts differ), d no drafts.
     req_ids = ["a", "b", "c", "d"]
@@ -173,16 +178,19 @@ def test_plan_step_writes_depth_positions_and_skips_chains_and_changed_drafts():
     pending = {"a": DraftPlan((5, 6, 7, 8), (-1, -1, 0, 0)), "b": DraftPlan((1, 2), (-1, 0)),
                "c": DraftPlan((3, 9), (-1, -1))}
     qs = np.array([0, 5, 8, 11, 12])
+    roots = np.array([10, 20, 30, 40])  # each request's computed tokens: its first row's position
     positions = torch.cat([torch.arange(10, 15), torch.arange(20, 23), torch.arange(30, 33), torch.tensor([40])])
-    step = plan_step(req_ids, qs, positions, sched, pending, num_tokens=12)
-    assert [r.row for r in step.requests] == [0]
+    step = plan_step(req_ids, qs, roots, sched, pending, num_tokens=12)
+    assert [r.row for r in step.requests] == [0] and step.requests[0].root_pos == 10
+    write_positions(step, positions)
     assert positions[:5].tolist() == [10, 11, 11, 12, 12]
     assert positions[5:].tolist() == [20, 21, 22, 30, 31, 32, 40]
     # The scheduler may trim drafts: the first nodes of a breadth-first tree are still a tree.
     positions = torch.arange(10, 13)
-    step = plan_step(["a"], np.array([0, 3]), positions, {"a": [5, 6]}, pending, num_tokens=3)
+    step = plan_step(["a"], np.array([0, 3]), np.array([10]), {"a": [5, 6]}, pending, num_tokens=3)
+    write_positions(step, positions)
     assert positions.tolist() == [10, 11, 11] and len(step.requests[0].tree) == 2
-    assert plan_step(["b"], np.array([0, 3]), torch.arange(3), {"b": [1, 2]}, pending, 3) is None
+    assert plan_step(["b"], np.array([0, 3]), np.array([0]), {"b": [1, 2]}, pending, 3) is None
 
 
 def test_which_requests_the_tree_sampler_verifies():

@@ -28,7 +28,7 @@ class Observer:
     def medusa_top(self, req_ids: list[str], lengths: list[int], top_ids) -> None: ...
     def tree_features(self, req_id: str, features: np.ndarray, parents: np.ndarray) -> None: ...
     def tree_outcome(self, req_id: str, accepted: tuple[int, ...]) -> None: ...
-    def before_forward(self, req_ids: list[str], query_start: np.ndarray, positions, step) -> None: ...
+    def before_forward(self, req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, step) -> None: ...
     def forget(self, req_ids) -> None: ...
 
     def stats(self) -> dict:
@@ -125,13 +125,13 @@ class BranchSlotCheck(Observer):
         self.checked = 0
         self.violations = 0
 
-    def before_forward(self, req_ids, query_start, positions, step) -> None:
+    def before_forward(self, req_ids, query_start, roots, step) -> None:
         branch_rows = {r.req_id: r for r in step.requests if r.branch_rows} if step is not None else {}
         for row, req_id in enumerate(req_ids):
             start, end = int(query_start[row]), int(query_start[row + 1])
             if end <= start:
                 continue
-            root = int(positions[start])  # never rewritten by planning: the first row keeps its sequence position
+            root = int(roots[row])  # the position of the request's first scheduled row
             dirty = self.dirty.get(req_id, set())
             self.checked += 1
             self.violations += sum(p < root for p in dirty)

@@ -13,7 +13,7 @@ import torch
 from vllm_adaspec.controls import DEFAULT as DEFAULT_CONTROLS
 from vllm_adaspec.controls import ControlError, parse_controls
 from vllm_adaspec.engine.grammar import GrammarCopies
-from vllm_adaspec.engine.tree_sampler import needs_own_sampler, tree_verifiable
+from vllm_adaspec.engine.tree_sampler import needs_own_sampler, plain_greedy, tree_verifiable
 from vllm_adaspec.step import BatchView, RequestTraits, Taps
 
 
@@ -49,7 +49,8 @@ class EnginePort:
             tree = tree_verifiable(sp) and self.grammars is not None
             if tree and grammar:
                 tree = self.grammars.start(req_id, sp)
-            traits = self._traits[req_id] = RequestTraits(controls, tree, needs_own_sampler(sp), grammar)
+            traits = self._traits[req_id] = RequestTraits(controls, tree, needs_own_sampler(sp), grammar,
+                                                          plain_greedy(sp))
         return traits
 
     def forget(self, req_ids) -> None:

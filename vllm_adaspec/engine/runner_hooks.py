@@ -86,7 +86,8 @@ def install(runner, drafter, port) -> None:
         result = prepare(scheduler_output, *args, **kwargs)
         num_reqs = runner.input_batch.num_reqs
         runtime.begin_step(runner.input_batch.req_ids[:num_reqs], runner.query_start_loc.np[:num_reqs + 1],
-                           runner.positions, scheduler_output.scheduled_spec_decode_tokens, drafter.plans,
+                           runner.input_batch.num_computed_tokens_cpu[:num_reqs], runner.positions,
+                           scheduler_output.scheduled_spec_decode_tokens, drafter.plans,
                            scheduler_output.total_num_scheduled_tokens, runner.seq_lens, drafter.tree_holders,
                            set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
         return result

@@ -56,6 +56,13 @@ class TreeStep:
     requests: list[TreeRequest]
     slot_mapping: torch.Tensor | None = None  # the forward's slots, seen by attention (for compaction)
     kv_caches: list = field(default_factory=list)  # (cache, isa) of every attention layer in the forward
+    device: object = None  # what a device runtime keeps for the step (engine/gpu_tree_runtime.DeviceStep)
+
+    def depth_positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, positions) of every tree node of the forward: its flattened row and root + depth."""
+        rows = [np.arange(r.start + 1, r.start + 1 + len(r.tree)) for r in self.requests]
+        pos = [r.root_pos + r.tree.depths.numpy() for r in self.requests]
+        return np.concatenate(rows), np.concatenate(pos)
 
 
 @dataclass
@@ -69,15 +76,15 @@ class SequenceKV:
     final: int = 0
 
 
-def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tensor, spec_tokens: dict,
+def plan_step(req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, spec_tokens: dict,
               plans: dict, num_tokens: int) -> TreeStep | None:
-    """Match the scheduled drafts against the planned trees, then write depth positions in place.
+    """Match the scheduled drafts against the planned trees (host data only: nothing waits for the device).
 
-    req_ids: batch order; query_start [num_reqs + 1] flattened row starts; positions [num_tokens] (rewritten);
-    spec_tokens: the scheduler's req_id -> scheduled draft ids; plans: req_id -> step.DraftPlan. A tree whose
-    drafts the scheduler trimmed keeps its first nodes (DraftPlan.scheduled). Every tree is planned before any
-    position is written: a fault while planning leaves the positions as vLLM made them (the drafts verify as
-    chains)."""
+    req_ids: batch order; query_start [num_reqs + 1] flattened row starts; roots [num_reqs] each request's root
+    position (its computed tokens: the position of its first scheduled row); spec_tokens: the scheduler's
+    req_id -> scheduled draft ids; plans: req_id -> step.DraftPlan. A tree whose drafts the scheduler trimmed keeps
+    its first nodes (DraftPlan.scheduled). Positions are written afterwards (`TreeStep.depth_positions`), once
+    every tree is planned: a fault while planning leaves them as vLLM made them (the drafts verify as chains)."""
     requests = []
     for row, req_id in enumerate(req_ids):
         spec = spec_tokens.get(req_id)
@@ -90,13 +97,9 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, positions: torch.Tens
             continue
         tree = DraftTree(torch.tensor(plan.tokens), torch.tensor(plan.parents))
         start = int(query_start[row])
-        requests.append(TreeRequest(row, req_id, start, int(positions[start]), tree, ancestor_mask(tree),
+        requests.append(TreeRequest(row, req_id, start, int(roots[row]), tree, ancestor_mask(tree),
                                     branch_rows=n - plan.num_verified))
-    if not requests:
-        return None
-    for r in requests:
-        positions[r.start + 1:r.start + 1 + len(r.tree)] = r.root_pos + r.tree.depths.to(positions.dtype)
-    return TreeStep(num_tokens, requests)
+    return TreeStep(num_tokens, requests) if requests else None
 
 
 def shrink_tree_seq_lens(step: TreeStep, seq_lens: torch.Tensor) -> None:
@@ -137,7 +140,10 @@ def compaction_slots(step: TreeStep, paths: dict[int, list[int]]) -> tuple[list[
 class TreeRuntime:
     """A worker's tree path: the step being verified, the draft mask while a drafter grows trees, and the
     contiguous KV copies of the requests in tree mode, keyed (request id, cache address). Observers (tests'
-    instrumentation, vllm_adaspec/observers.py) see each forward's plan before it runs."""
+    instrumentation, vllm_adaspec/observers.py) see each forward's plan before it runs. This class is the CPU
+    path (vLLM's CPU KV layout, per-request copies, SDPA); engine/gpu_tree_runtime.py is the GPU one."""
+
+    gather_at = staticmethod(gather_cpu_kv_at)  # K, V of (block, offset) pairs in this runtime's KV layout
 
     def __init__(self, observers=(), faults: FaultGuard | None = None):
         self.step: TreeStep | None = None
@@ -152,8 +158,8 @@ class TreeRuntime:
         self.kv_moves = 0
 
     # --- planning (the runner's _prepare_inputs hook) ---
-    def begin_step(self, req_ids: list[str], query_start: np.ndarray, positions: torch.Tensor, spec_tokens: dict,
-                   plans: dict, num_tokens: int, seq_lens: torch.Tensor, holders: set[str],
+    def begin_step(self, req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, positions: torch.Tensor,
+                   spec_tokens: dict, plans: dict, num_tokens: int, seq_lens: torch.Tensor, holders: set[str],
                    resumed: set[str]) -> None:
         """Plan this forward's trees; keep the copies of `holders` (the drafter's tree-mode requests) and of this
         step's tree requests, drop the others' and those of `resumed` requests (their KV was recomputed)."""
@@ -161,17 +167,27 @@ class TreeRuntime:
         if plans and spec_tokens:
             try:
                 self.faults.point("tree_plan")
-                step = plan_step(req_ids, query_start, positions, spec_tokens, plans, num_tokens)
+                step = self.prepare(plan_step(req_ids, query_start, roots, spec_tokens, plans, num_tokens))
             except Exception as e:  # nothing written yet: every scheduled draft verifies as a chain (lossless)
                 self.faults.record("planning the step's token trees", e)
                 step = None
         keep = set(holders) | ({r.req_id for r in step.requests} if step else set())
         self.retain(keep, stale=resumed)
         for obs in self.observers:
-            obs.before_forward(req_ids, query_start, positions, step)
+            obs.before_forward(req_ids, query_start, roots, step)
         if step is not None:
-            shrink_tree_seq_lens(step, seq_lens)
+            self.write_step(step, positions, seq_lens)
         self.step = step
+
+    def prepare(self, step: TreeStep | None) -> TreeStep | None:
+        """What a runtime builds for a planned step before anything is written (the GPU runtime: device metadata)."""
+        return step
+
+    def write_step(self, step: TreeStep, positions: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Node rows at root + depth, and each tree request's seq_len cut to its own rows (shrink_tree_seq_lens)."""
+        rows, pos = step.depth_positions()
+        positions[torch.from_numpy(rows)] = torch.from_numpy(pos).to(positions.dtype)
+        shrink_tree_seq_lens(step, seq_lens)
 
     def drop(self, req_ids) -> None:
         """Finished or aborted requests: their KV copies go."""
@@ -219,10 +235,10 @@ class TreeRuntime:
     def _attend_draft(self, draft: DraftMask, isa: str, scale: float, query, kv_cache, output) -> None:
         bs, pre = kv_cache.shape[2], draft.prefix
         if kv_cache.data_ptr() not in pre.kv:
-            pre.kv[kv_cache.data_ptr()] = gather_cpu_kv_at(kv_cache, *paged_index(pre.block_rows, pre.positions, bs),
-                                                           isa)
+            pre.kv[kv_cache.data_ptr()] = self.gather_at(kv_cache, *paged_index(pre.block_rows, pre.positions, bs),
+                                                         isa)
         pk, pv = pre.kv[kv_cache.data_ptr()]
-        nk, nv = gather_cpu_kv_at(kv_cache, *paged_index(pre.block_rows[draft.trees], draft.node_pos, bs), isa)
+        nk, nv = self.gather_at(kv_cache, *paged_index(pre.block_rows[draft.trees], draft.node_pos, bs), isa)
         k, v = torch.cat([pk[draft.trees], nk], dim=1), torch.cat([pv[draft.trees], nv], dim=1)
         new = masked_attention_batch(query[draft.rows], k, v, draft.visible, scale)
         output[draft.rows[draft.valid]] = new[draft.valid].to(output.dtype)
@@ -275,9 +291,27 @@ class TreeRuntime:
         step, self.step = self.step, None
         return step
 
-    def finish_step(self, step: TreeStep, results: dict[int, tuple]) -> None:
+    # verified on the device in one batch (engine/gpu_tree_runtime.py); here every tree request is verified by the
+    # tree sampler one by one (the host holds the logits: nothing to wait for)
+    def batched(self, step: TreeStep) -> list[int]:
+        return []
+
+    def staged_chains(self, step: TreeStep):
+        """tree_sampler.chains_only's indices already on the device (a device runtime stages them when it plans)."""
+        return None
+
+    def fail_step(self, step: TreeStep, first_tokens: torch.Tensor) -> None:
+        """Compaction failed: every tree request of the step keeps only its first token (first_tokens [B], by batch
+        row); positions past root + 1 are scratch, and the copies are rebuilt from the paged cache."""
+        self.drop([r.req_id for r in step.requests])
+        firsts = first_tokens.tolist()
+        self.results = {r.row: ([], int(firsts[r.row]), []) for r in step.requests}
+        self.kv_moves = 0
+
+    def finish_step(self, step: TreeStep, results: dict[int, tuple], verdict=None) -> None:
         """results {batch row: (accepted nodes, bonus, branch-row argmax)}: compact the accepted paths' KV in the
-        paged cache and in the copies, and keep the results for the drafter."""
+        paged cache and in the copies, and keep the results for the drafter. (`verdict`: a device runtime's
+        batched verification; none here.)"""
         paths = {row: path for row, (path, *_) in results.items()}
         src, dst = compaction_slots(step, paths)
         compact_kv_cpu(step.kv_caches, src, dst)

@@ -24,6 +24,15 @@ def tree_verifiable(sp) -> bool:
             and getattr(sp, "thinking_token_budget", None) is None and not getattr(sp, "logprob_token_ids", None))
 
 
+def plain_greedy(sp) -> bool:
+    """Greedy requests whose rows need nothing but an argmax (no penalty, word list, bias, min_p, min_tokens,
+    grammar or log-probs): a device runtime verifies their trees together, on the device (trees/batch.py)."""
+    return (sp is not None and sp.temperature < SAMPLING_EPS and tree_verifiable(sp) and not needs_own_sampler(sp)
+            and (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.0, 0.0, 1.0)
+            and not sp.bad_words and not sp.allowed_token_ids and not sp.min_tokens
+            and sp.structured_outputs is None and sp.logprobs is None)
+
+
 def needs_own_sampler(sp) -> bool:
     """min_p and logit_bias: vLLM's chain verification ignores them (it refuses them with speculation), the tree
     sampler applies them; such requests draft trees or nothing."""
@@ -169,26 +178,38 @@ def accept_one_more(tree: DraftTree, path: list[int], bonus: int, logits: torch.
     return path + [kids[0]], int(logits[kids[0] + 1].argmax())
 
 
-def chains_only(metadata, sampling_metadata, tree_rows: set[int]) -> tuple:
+def chain_indices(num_draft_tokens, tree_rows: set[int]) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
+    """Host side of `chains_only` (known when the step is planned): (the draft rows kept [D], drafts per batch row
+    with the tree rows' taken out, their cumulative sums for drafts and for sampled rows)."""
+    ends = np.cumsum(num_draft_tokens)
+    starts = ends - np.asarray(num_draft_tokens)
+    num = [0 if i in tree_rows else int(n) for i, n in enumerate(num_draft_tokens)]
+    keep = np.concatenate([np.arange(starts[i], ends[i]) for i in range(len(num)) if num[i]] or [np.zeros(0, int)])
+    return keep.astype(np.int64), num, np.cumsum(num), np.cumsum([n + 1 for n in num])
+
+
+def chains_only(metadata, sampling_metadata, tree_rows: set[int], staged=None) -> tuple:
     """(SpecDecodeMetadata, draft_probs, SamplingMetadata) for vLLM's rejection sampler with the drafts of the
     batch rows `tree_rows` taken out: such a row keeps one output row, its root's (the first row it scheduled), as
-    vLLM's bonus row. The output keeps the original width (max_spec_len), where the tree rows' tokens go."""
+    vLLM's bonus row. The output keeps the original width (max_spec_len), where the tree rows' tokens go.
+    staged: `chain_indices`' arrays already on the device (keep, cu drafts, cu sampled, tree rows, their roots'
+    draft rows) with the host list of drafts per row: no copy to the device here."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    num = list(metadata.num_draft_tokens)
-    ends = metadata.cu_num_draft_tokens.tolist()
-    starts = [0] + ends[:-1]
-    keep = [j for i, n in enumerate(num) if i not in tree_rows for j in range(starts[i], ends[i])]
     device = metadata.target_logits_indices.device
-    keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+    if staged is None:
+        keep, num, cu_draft, cu_sampled = chain_indices(metadata.num_draft_tokens, tree_rows)
+        rows = sorted(tree_rows)
+        firsts = [int(np.sum(metadata.num_draft_tokens[:i])) for i in rows]
+        keep, cu_draft, cu_sampled, rows, firsts = (torch.as_tensor(np.asarray(x), dtype=torch.long).to(device)
+                                                    for x in (keep, cu_draft, cu_sampled, rows, firsts))
+    else:
+        keep, cu_draft, cu_sampled, rows, firsts, num = staged
     bonus = metadata.bonus_logits_indices.clone()
-    for i in tree_rows:
-        bonus[i] = metadata.target_logits_indices[starts[i]]
-        num[i] = 0
-    cu = metadata.cu_num_draft_tokens.new_tensor(np.cumsum(num))
-    reduced = SpecDecodeMetadata(metadata.draft_token_ids[keep_t], num, cu,
-                                 metadata.cu_num_sampled_tokens.new_tensor(np.cumsum([n + 1 for n in num])),
-                                 metadata.target_logits_indices[keep_t], bonus, metadata.logits_indices)
+    bonus[rows] = metadata.target_logits_indices[firsts]
+    reduced = SpecDecodeMetadata(metadata.draft_token_ids[keep], num, cu_draft.to(metadata.cu_num_draft_tokens.dtype),
+                                 cu_sampled.to(metadata.cu_num_sampled_tokens.dtype),
+                                 metadata.target_logits_indices[keep], bonus, metadata.logits_indices)
     reduced.max_spec_len = metadata.max_spec_len
     sm = sampling_metadata
     if sm.spec_token_ids is not None:  # penalties and bad words read each row's drafts
@@ -218,7 +239,8 @@ class TreeRejectionSampler:
             # vLLM verifies the chains; each tree request is, to vLLM, a request without drafts sampled at its root
             # row (its first token, should its tree's verification fail), so vLLM's sampler never processes the
             # node rows, whose verdict this sampler gives
-            chains, _, sm = chains_only(metadata, sampling_metadata, {r.row for r in step.requests})
+            chains, _, sm = chains_only(metadata, sampling_metadata, {r.row for r in step.requests},
+                                        self.runtime.staged_chains(step))
             out = self.stock(chains, None, logits, sm)
         else:
             out = self.stock(metadata, draft_probs, logits, sampling_metadata)
@@ -266,13 +288,13 @@ class TreeRejectionSampler:
         that reached vLLM as chains (a fault in planning the step's trees): they keep one token, sampled here from
         the root's row (which saw the committed prefix only), and accept no draft."""
         num_drafts = metadata.num_draft_tokens
-        cu = metadata.cu_num_draft_tokens.tolist()
+        cu = np.cumsum(num_drafts).tolist()  # a host list: no wait for the device
         req_ids = self.port.runner.input_batch.req_ids
         tokens = out.sampled_token_ids
         for i, n in enumerate(num_drafts):
             if not n or i in verified or not self.tree_only(req_ids[i]):
                 continue
-            root = metadata.target_logits_indices[cu[i - 1] if i else 0]
+            root = int(metadata.target_logits_indices[cu[i - 1] if i else 0])
             r = SimpleNamespace(row=i, req_id=req_ids[i])
             empty = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
             try:
@@ -297,12 +319,24 @@ class TreeRejectionSampler:
         token is the one plain decoding samples there, every sampling setting applied). A fault in compaction turns every
         tree request of the step into that: positions past root + 1 are then scratch, whatever was moved there."""
         tokens = out.sampled_token_ids
-        cu = metadata.cu_num_draft_tokens.tolist()
+        cu = np.cumsum(metadata.num_draft_tokens).tolist()  # a host list: no wait for the device
         target_idx, bonus_idx = metadata.target_logits_indices, metadata.bonus_logits_indices
         faults = self.runtime.faults
         want_logprobs = out.logprobs_tensors is not None and sampling_metadata.max_num_logprobs is not None
         results, logprob_rows = {}, []
-        for r in step.requests:
+        # plain greedy trees verified together on the device (engine/gpu_tree_runtime.py; the CPU runtime batches none)
+        batched, verdict = set(self.runtime.batched(step)), None
+        if batched:
+            try:
+                faults.point("tree_verify")
+                verdict = self.runtime.verify_batched(step, logits, tokens)
+            except Exception as e:  # vLLM's first tokens stand, nothing more
+                faults.record("verifying the step's greedy token trees", e)
+                firsts = tokens[:, 0].tolist()
+                results.update({step.requests[k].row: ([], int(firsts[step.requests[k].row]), []) for k in batched})
+        for k, r in enumerate(step.requests):
+            if k in batched:
+                continue
             i = r.row
             try:
                 faults.point("tree_verify")
@@ -321,22 +355,20 @@ class TreeRejectionSampler:
                     logprob_rows.append((i, logits[rows[at]], processed[at], row))
             except Exception as e:  # vLLM's first token stands, nothing more
                 faults.record(f"verifying request {r.req_id}'s token tree", e)
-                path, row, predicted = [], tokens[i, :1].clone(), []
+                path, row, predicted = [], tokens[i, :1].cpu(), []
             tokens[i].fill_(-1)
-            tokens[i, :len(row)] = row
+            tokens[i, :len(row)] = row.to(tokens.device)
             results[i] = (path, int(row[-1]), predicted)
         if logprob_rows:
             self._rewrite_logprobs(out.logprobs_tensors, sampling_metadata.max_num_logprobs, tokens.shape[1],
                                    logprob_rows)
         try:
-            self.runtime.finish_step(step, results)
+            self.runtime.finish_step(step, results, verdict)
         except Exception as e:
             faults.record("compacting the accepted tree nodes' KV", e)
             for r in step.requests:
                 tokens[r.row, 1:] = -1
-            self.runtime.drop([r.req_id for r in step.requests])  # their copies are rebuilt from the paged cache
-            self.runtime.results = {r.row: ([], int(tokens[r.row, 0]), []) for r in step.requests}
-            self.runtime.kv_moves = 0
+            self.runtime.fail_step(step, tokens[:, 0])
         return {r.row for r in step.requests}
 
     def _rewrite_logprobs(self, lp, k: int, width: int, requests: list) -> None:

@@ -1,0 +1,132 @@
+"""Many draft trees as padded tensors, verified together without leaving the device.
+
+The per-tree verifiers (trees/verify.py) walk a tree in Python; on a GPU each walk would wait for the device. Here
+R trees of up to N nodes become [R, N] tensors once on the host (`pack_trees`, when the step is planned), and greedy
+verification is a handful of batched tensor ops on the device (`verify_greedy_batch`), with the same result as
+`verify_greedy` tree by tree (equal siblings included: a node is compared with the output of the first node equal
+to its parent, as verify_greedy's frontier does). Plain torch: no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_adaspec.trees.tree import DraftTree, ancestor_mask, depths_of
+
+
+@dataclass
+class TreeBatch:
+    """R trees, padded to N nodes (N + 1 verification rows: row 0 = the root, row 1 + j = node j).
+
+    tokens [R, N] long; parent_rows [R, N] long: the row whose output node j must equal (its parent's, or the
+    first node equal to its parent); depths [R, N] long; valid [R, N] bool: verified nodes (not padding, not
+    read-only branch rows); ancestors [R, N + 1, W] int64: bit c of word c // 32 of row r's entry is set iff row c
+    is row r or an ancestor of it (32 bits per word, as the tree-attention kernel reads them)."""
+    tokens: torch.Tensor
+    parent_rows: torch.Tensor
+    depths: torch.Tensor
+    valid: torch.Tensor
+    ancestors: torch.Tensor
+    order: torch.Tensor  # [R, N] long: each node's `preorder` rank (which of equally deep accepted nodes is taken)
+
+    def to(self, device, non_blocking: bool = False) -> "TreeBatch":
+        return TreeBatch(*(t.to(device, non_blocking=non_blocking) for t in (
+            self.tokens, self.parent_rows, self.depths, self.valid, self.ancestors, self.order)))
+
+
+def pack_words(mask: torch.Tensor) -> torch.Tensor:
+    """[..., C] bool -> [..., ceil(C / 32)] int64 words in 0 .. 2^32 - 1 (bit c % 32 of word c // 32)."""
+    c = mask.shape[-1]
+    words = max(1, -(-c // 32))
+    padded = torch.zeros(*mask.shape[:-1], words * 32, dtype=torch.int64, device=mask.device)
+    padded[..., :c] = mask.to(torch.int64)
+    shifts = torch.arange(32, device=mask.device)
+    return (padded.view(*mask.shape[:-1], words, 32) << shifts).sum(-1)
+
+
+def preorder(parents: list[int]) -> list[int]:
+    """Each node's rank in depth-first order, children in node order: the order of the nodes' root paths (as node
+    lists) compared lexicographically, which is the order verify_greedy's frontier keeps."""
+    kids: dict[int, list[int]] = {}
+    for j, q in enumerate(parents):
+        kids.setdefault(q, []).append(j)
+    rank, stack = [0] * len(parents), list(reversed(kids.get(-1, [])))
+    at = 0
+    while stack:
+        j = stack.pop()
+        rank[j], at = at, at + 1
+        stack.extend(reversed(kids.get(j, [])))
+    return rank
+
+
+def representative_rows(tree: DraftTree, rank: list[int] | None = None) -> list[int]:
+    """For each node, the row whose output it must equal: its parent's, or, where siblings are equal (the same
+    tokens from the root: the same text), the first such node's in `preorder` (verify_greedy's frontier[0]). 0 = the
+    root's row."""
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    rank = preorder(parents) if rank is None else rank
+    first: dict[tuple[int, int], int] = {}
+    rep = [0] * len(parents)  # rep[j]: the representative node of node j
+    for j in sorted(range(len(parents)), key=rank.__getitem__):  # parents before children, the first first
+        key = (rep[parents[j]] if parents[j] >= 0 else -1, tokens[j])
+        rep[j] = first.setdefault(key, j)
+    return [0 if q < 0 else rep[q] + 1 for q in parents]
+
+
+def pack_trees(trees: list[DraftTree], verified: list[int] | None = None, width: int | None = None) -> TreeBatch:
+    """Host tensors for `trees` (verified[r]: how many of tree r's first nodes are verified; the rest are read-only
+    rows; width: N, at least the largest tree)."""
+    r = len(trees)
+    n = max([len(t) for t in trees] + [width or 0, 1])
+    verified = [len(t) for t in trees] if verified is None else verified
+    tokens = torch.zeros(r, n, dtype=torch.long)
+    parent_rows = torch.zeros(r, n, dtype=torch.long)
+    depths = torch.zeros(r, n, dtype=torch.long)
+    valid = torch.zeros(r, n, dtype=torch.bool)
+    order = torch.zeros(r, n, dtype=torch.long)
+    mask = torch.zeros(r, n + 1, n + 1, dtype=torch.bool)
+    for i, (tree, m) in enumerate(zip(trees, verified)):
+        k = len(tree)
+        tokens[i, :k] = tree.tokens
+        rank = preorder(tree.parents.tolist())
+        order[i, :k] = torch.tensor(rank, dtype=torch.long)
+        parent_rows[i, :k] = torch.tensor(representative_rows(tree, rank), dtype=torch.long)
+        depths[i, :k] = torch.tensor(depths_of(tree.parents.tolist()), dtype=torch.long)
+        valid[i, :m] = True
+        mask[i, :k + 1, :k + 1] = ancestor_mask(tree)
+    return TreeBatch(tokens, parent_rows, depths, valid, pack_words(mask), order)
+
+
+def unpack_rows(words: torch.Tensor, rows: int) -> torch.Tensor:
+    """[..., W] int64 words -> [..., rows] bool."""
+    shifts = torch.arange(32, device=words.device)
+    return ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :rows]
+
+
+def verify_greedy_batch(batch: TreeBatch, argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """argmax [R, N + 1]: the target's argmax at every verification row -> (path [R, N] long: the accepted node at
+    depth d + 1 in column d, -1 past the accepted depth; count [R] long: nodes accepted; bonus [R] long: the
+    target's token after the last accepted node). Batched tensor ops only: nothing waits for the device."""
+    r, n = batch.tokens.shape
+    nodes = torch.arange(n, device=argmax.device)
+    # a node matches when its token is the target's argmax at its parent's (representative's) row
+    match = batch.valid & (batch.tokens == argmax.gather(1, batch.parent_rows))  # [R, N]
+    matched = torch.cat([torch.ones(r, 1, dtype=torch.bool, device=argmax.device), match], 1)  # the root stays
+    # accepted: every row on the way from the root (ancestors-or-self) matched
+    missing = batch.ancestors & ~pack_words(matched)[:, None, :]  # [R, N + 1, W]
+    accepted = batch.valid & (missing == 0).all(-1)[:, 1:]  # [R, N]
+    # the deepest accepted node, the first of its depth in preorder (verify_greedy's frontier[0]); the root when none
+    score = torch.where(accepted, batch.depths * (n + 1) + (n - batch.order), torch.zeros_like(batch.depths))
+    best, chosen = score.max(-1)
+    chosen = torch.where(best > 0, chosen, torch.full_like(chosen, -1))  # [R] node, -1 = the root
+    count = torch.where(best > 0, batch.depths.gather(1, chosen.clamp(min=0)[:, None])[:, 0], torch.zeros_like(best))
+    bonus = argmax.gather(1, (chosen + 1)[:, None])[:, 0]
+    # the path: the chosen node's ancestors-or-self, each in the column of its depth
+    row_words = batch.ancestors.gather(1, (chosen + 1)[:, None, None].expand(-1, 1, batch.ancestors.shape[-1]))
+    on_path = unpack_rows(row_words[:, 0], n + 1)[:, 1:] & (chosen >= 0)[:, None]  # [R, N] (row 0 is the root)
+    path = torch.full((r, n + 1), -1, dtype=torch.long, device=argmax.device)
+    column = torch.where(on_path, batch.depths - 1, torch.full_like(batch.depths, n))  # off the path: a spare column
+    path.scatter_(1, column, nodes.expand(r, n).contiguous())
+    return path[:, :n], count, bonus
