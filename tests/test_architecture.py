@@ -11,6 +11,7 @@ PURE = ["step.py", "requests.py", "metrics.py", "observers.py", "config.py", "tr
         "kernels", "heads/__init__.py", "heads/medusa.py", "heads/c2t.py"]
 DRAFTERS = ["proposers"]
 TREE_PATH = ["engine/tree_runtime.py", "engine/tree_sampler.py", "engine/tree_backend.py", "engine/cpu_kv.py",
+             "engine/cpu_tree_backend.py", "engine/gpu_tree_backend.py", "engine/gpu_tree_runtime.py", "engine/gpu_kv.py",
              "engine/runner_hooks.py", "engine/port.py", "engine/worker.py"]
 
 

@@ -327,19 +327,25 @@ SMOL_SHAPE = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
 
 
 def engine(section=None, proposer="vllm_adaspec.EarlyExitProposer", k=4, *, spec=True, tp=1, pp=1, batched=2048,
-           hf=OTHER_MODEL, extra=None):
+           hf=OTHER_MODEL, extra=None, dcp=1, cascade=False):
     return SimpleNamespace(
         additional_config={**({"adaspec": section} if section is not None else {}), **(extra or {})},
         speculative_config=(SimpleNamespace(method="custom_class", model=proposer, num_speculative_tokens=k)
                             if spec is True else spec),
         model_config=SimpleNamespace(hf_text_config=hf, architectures=hf.architectures, tokenizer=None,
-                                     is_submodel_config=False, runner_type="generate"),
-        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
+                                     is_submodel_config=False, runner_type="generate",
+                                     disable_cascade_attn=not cascade),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                                        decode_context_parallel_size=dcp, prefill_context_parallel_size=1),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=batched),
         cache_config=SimpleNamespace(cache_dtype="auto"))
 
 
 MB = "vllm_adaspec.MultiBranchProposer"
+
+
+def platform(name: str):
+    return SimpleNamespace(is_cpu=lambda: name == "cpu", is_cuda=lambda: name == "cuda", device_name=name)
 
 
 @pytest.fixture
@@ -355,7 +361,7 @@ def startup(monkeypatch):
             raise AdaspecConfigError("additional_config['adaspec']['pools']: 'corpus' has no table for this tokenizer")
         return setting
 
-    monkeypatch.setattr(module, "_platform", lambda: SimpleNamespace(is_cpu=lambda: True))
+    monkeypatch.setattr(module, "_platform", lambda: platform("cpu"))
     monkeypatch.setattr(suffix, "suffix_available", lambda: True)
     monkeypatch.setattr(corpus, "find_corpus", find_corpus)
     return module
@@ -450,15 +456,53 @@ def test_engine_limits_are_start_up_errors(startup):
 
 
 def test_tree_verification_limits_are_start_up_errors(startup, monkeypatch):
-    monkeypatch.setattr(startup, "_platform", lambda: SimpleNamespace(is_cpu=lambda: False))
+    monkeypatch.setattr(startup, "_platform", lambda: platform("xpu"))
     msg = start_refused(startup, engine({"exit_head": "none", "tree": {"budget": 4}}))
-    assert msg.startswith("additional_config['adaspec']['tree']: tree verification is wired into vLLM's CPU"), msg
+    assert msg.startswith("additional_config['adaspec']['tree']: tree verification runs on vLLM's CPU and CUDA"), msg
     msg = start_refused(startup, engine({"pools": ["context"], "branches": 1, "tree": {"budget": 4}}, MB, k=8))
     assert msg.startswith("additional_config['adaspec']['branches']: draft branches ride"), msg
     msg = start_refused(startup, engine({"pools": ["context"], "acceptance": "typical"}, MB, k=8))
     assert msg.startswith("additional_config['adaspec']['acceptance']: 'typical' needs tree verification"), msg
     chains = start(startup, engine({"pools": ["context"]}, MB, k=8))
-    assert chains.pools == ("context",) and chains.tree_unsupported.startswith("tree verification is wired")
+    assert chains.pools == ("context",) and chains.tree_unsupported.startswith("tree verification runs on")
+    # CUDA: trees are not refused at start-up (the worker asks vLLM's selector for the backend: below), except
+    # where the KV of a request is split over context-parallel ranks or cascade attention is on
+    monkeypatch.setattr(startup, "_platform", lambda: platform("cuda"))
+    assert start(startup, engine({"exit_head": "none", "tree": {"budget": 4}})).tree_unsupported is None
+    assert start(startup, engine({"pools": ["context"]}, MB, k=8)).tree_unsupported is None
+    msg = start_refused(startup, engine({"exit_head": "none", "tree": {"budget": 4}}, dcp=2))
+    assert "context-parallel" in msg, msg
+    assert "cascade" in start(startup, engine({"pools": ["context"]}, MB, k=8, cascade=True)).tree_unsupported
+
+
+def test_a_gpu_worker_turns_trees_off_where_vllms_backend_has_no_tree_path(startup, monkeypatch):
+    """The GPU worker registers the tree backends, then asks vLLM's selector (engine/tree_backend.gpu_tree_support);
+    a backend without a tree path gets the start-up rules: MultiBranchProposer drafts chains, settings that need
+    trees are refused naming the key, and the drafter built next reads `tree_unsupported`."""
+    from vllm_adaspec.config import carried_settings
+    from vllm_adaspec.engine import tree_backend
+
+    monkeypatch.setattr(startup, "_platform", lambda: platform("cuda"))
+    registered = []
+    monkeypatch.setattr(tree_backend, "register_gpu", lambda: registered.append(1))
+    answer = {"reason": None}
+    monkeypatch.setattr(tree_backend, "gpu_tree_support", lambda vc: answer["reason"])
+    mb = engine({"pools": ["context"]}, MB, k=8)
+    start(startup, mb)
+    startup.settle_gpu_trees(mb)  # FlashAttention or Triton: trees stay on
+    assert registered and carried_settings(mb, "multi_branch").tree_unsupported is None
+    answer["reason"] = "vLLM chose the FLASHINFER attention backend for this model, which has no tree path"
+    startup.settle_gpu_trees(mb)
+    assert carried_settings(mb, "multi_branch").tree_unsupported == answer["reason"]
+    ee = engine({"exit_head": "none", "tree": {"budget": 4}})
+    start(startup, ee)
+    with pytest.raises(AdaspecConfigError, match=r"\['tree'\]: vLLM chose the FLASHINFER"):
+        startup.settle_gpu_trees(ee)
+    chains = engine({"exit_head": "none"})  # early-exit chains never ask
+    start(startup, chains)
+    registered.clear()
+    startup.settle_gpu_trees(chains)
+    assert not registered
 
 
 def test_default_pools_run_what_the_model_has_and_the_worker_does_not_look_again(startup, monkeypatch):

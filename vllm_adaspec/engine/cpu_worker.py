@@ -9,4 +9,9 @@ from vllm_adaspec.engine.worker import AdaspecWorkerMixin
 
 
 class AdaspecCPUWorker(AdaspecWorkerMixin, CPUWorker):
-    pass
+    def tree_runtime(self, observers, faults):
+        from vllm_adaspec.engine.tree_backend import register_cpu
+        from vllm_adaspec.engine.tree_runtime import TreeRuntime
+
+        register_cpu()
+        return TreeRuntime(observers, faults=faults)

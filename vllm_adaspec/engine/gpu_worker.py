@@ -1,6 +1,12 @@
 """The adaspec worker on GPUs: vLLM's GPU worker with the drafter's port and hooks (engine/worker.py). Imports
 nothing of vLLM's CPU worker, whose import replaces torch.cuda.Event, streams, pin_memory and memory queries with
-CPU stand-ins (tests/test_workers.py checks that importing this module leaves them alone)."""
+CPU stand-ins (tests/test_workers.py checks that importing this module leaves them alone).
+
+Token trees: before the model runner (and the drafter in it) is built, the tree subclasses of vLLM's FlashAttention
+and Triton backends are registered (engine/tree_backend.py) and vLLM's own selector is asked which backend the
+model's layers will get. Where it is neither (FlashInfer on Blackwell, say), trees are off for this engine before
+the drafter exists: MultiBranchProposer drafts chains (said once in the log), and settings that need trees (early
+exit's `tree`, `branches`, `typical` acceptance) fail start-up naming the key, as on a platform without trees."""
 
 from __future__ import annotations
 
@@ -10,4 +16,13 @@ from vllm_adaspec.engine.worker import AdaspecWorkerMixin
 
 
 class AdaspecGPUWorker(AdaspecWorkerMixin, Worker):
-    pass
+    def init_device(self):
+        from vllm_adaspec.engine.startup import settle_gpu_trees
+
+        settle_gpu_trees(self.vllm_config)
+        super().init_device()
+
+    def tree_runtime(self, observers, faults):
+        from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+
+        return GPUTreeRuntime(self.model_runner.device, observers, faults=faults)

@@ -87,17 +87,51 @@ def usable_pools(resolved, vllm_config) -> tuple[str, ...]:
 
 
 def tree_support(vllm_config) -> str | None:
-    """Why this engine cannot verify token trees, or None when it can."""
+    """Why this engine cannot verify token trees, or None when it can. On CUDA the worker still asks vLLM's selector
+    which attention backend the model gets (`settle_gpu_trees`)."""
     hf = vllm_config.model_config.hf_text_config
-    if not _platform().is_cpu():
-        return ("tree verification is wired into vLLM's CPU attention only so far (the GPU path, "
-                "vllm_adaspec/kernels/tree_attention.py, is not connected yet)")
+    platform = _platform()
+    if not (platform.is_cpu() or platform.is_cuda()):
+        return (f"tree verification runs on vLLM's CPU and CUDA attention only (this platform: "
+                f"{platform.device_name})")
     if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
         return f"sliding-window attention (sliding_window={hf.sliding_window}) is not supported by tree verification"
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         return f"tree verification needs an unquantized KV cache (kv_cache_dtype='auto'), got " \
                f"{vllm_config.cache_config.cache_dtype!r}"
+    if platform.is_cuda():
+        parallel = vllm_config.parallel_config
+        if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+            return "tree verification does not split a request's KV over context-parallel ranks"
+        if not vllm_config.model_config.disable_cascade_attn:
+            return ("cascade attention (disable_cascade_attn=False) reads a prefix shared by a whole batch at once; "
+                    "tree verification cuts each tree request to its own rows")
     return None
+
+
+def wants_trees(resolved, kind: str) -> bool:
+    """Whether the drafter would verify token trees where the engine can."""
+    return kind in ("multi_branch", "probe") or (kind == "early_exit" and resolved.tree is not None)
+
+
+def settle_gpu_trees(vllm_config) -> None:
+    """In a GPU worker, before its drafter exists: register the tree subclasses of vLLM's GPU backends and ask vLLM's
+    selector which backend the model's layers get. Where it has no tree path, trees are off for this engine, by the
+    start-up rules (`_check_trees`: MultiBranchProposer drafts chains and says so, settings that need trees fail
+    naming the key), and the drafter is built with `tree_unsupported` set."""
+    kind = proposer_kind(vllm_config)
+    if kind is None:
+        return
+    resolved = settings_for(vllm_config, kind)
+    if resolved.tree_unsupported is not None or not wants_trees(resolved, kind):
+        return
+    from vllm_adaspec.engine.tree_backend import gpu_tree_support, register_gpu
+
+    register_gpu()
+    reason = gpu_tree_support(vllm_config)
+    if reason is not None:
+        _check_trees(resolved, reason, kind)
+        keep_settings(vllm_config, kind, replace(resolved, tree_unsupported=reason))
 
 
 # --- the checks ---------------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ class TreeStep:
     requests: list[TreeRequest]
     slot_mapping: torch.Tensor | None = None  # the forward's slots, seen by attention (for compaction)
     kv_caches: list = field(default_factory=list)  # (cache, isa) of every attention layer in the forward
+    num_drafts: np.ndarray | None = None  # [num_reqs] drafts scheduled per batch row (how vLLM lays out the logits)
     device: object = None  # what a device runtime keeps for the step (engine/gpu_tree_runtime.DeviceStep)
 
     def depth_positions(self) -> tuple[np.ndarray, np.ndarray]:
@@ -86,8 +87,10 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, sp
     its first nodes (DraftPlan.scheduled). Positions are written afterwards (`TreeStep.depth_positions`), once
     every tree is planned: a fault while planning leaves them as vLLM made them (the drafts verify as chains)."""
     requests = []
+    num_drafts = np.zeros(len(req_ids), dtype=np.int64)
     for row, req_id in enumerate(req_ids):
         spec = spec_tokens.get(req_id)
+        num_drafts[row] = len(spec) if spec else 0
         plan = plans.get(req_id)
         if not spec or plan is None or plan.parents is None:
             continue
@@ -99,7 +102,7 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, sp
         start = int(query_start[row])
         requests.append(TreeRequest(row, req_id, start, int(roots[row]), tree, ancestor_mask(tree),
                                     branch_rows=n - plan.num_verified))
-    return TreeStep(num_tokens, requests) if requests else None
+    return TreeStep(num_tokens, requests, num_drafts=num_drafts) if requests else None
 
 
 def shrink_tree_seq_lens(step: TreeStep, seq_lens: torch.Tensor) -> None:

@@ -24,17 +24,19 @@ class AdaspecWorkerMixin:
         runner = self.model_runner
         drafter = runner.drafter  # an adaspec proposer: the plugin installs this worker only for those
         observers = obs.from_env(compute_logits=lambda h: runner.model.compute_logits(h))
-        runtime = None
-        if drafter.needs.trees:
-            from vllm_adaspec.engine import tree_backend
-            from vllm_adaspec.engine.tree_runtime import TreeRuntime
-
-            tree_backend.register()  # before the model (and its attention layers) is built
-            runtime = TreeRuntime(observers, faults=drafter.faults)
-        drafter.attach(EnginePort(runner, runtime, observers))  # before load_model: drafters load through it
+        # before the model (and its attention layers) is built: the platform's tree backend and runtime
+        runtime = self.tree_runtime(observers, drafter.faults) if drafter.needs.trees else None
+        port = EnginePort(runner, runtime, observers)
+        if runtime is not None:
+            runtime.plain_greedy = lambda req_id: port.traits(req_id).plain_greedy
+        drafter.attach(port)  # before load_model: drafters load through it
         # One writer per engine: tensor-parallel rank 0 (every rank drafts the same).
         self._adaspec_snapshots = (SnapshotWriter(f"dp{self.parallel_config.data_parallel_rank}")
                                    if self.rank == 0 else None)
+
+    def tree_runtime(self, observers, faults):
+        """This platform's tree backend registered, and its tree runtime (each worker class says which)."""
+        raise NotImplementedError
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
@@ -43,9 +45,14 @@ class AdaspecWorkerMixin:
         runner = self.model_runner
         port = runner.drafter.port
         if port.runtime is not None:
+            from vllm_adaspec.config import AdaspecConfigError
             from vllm_adaspec.engine.tree_backend import attach_runtime
 
-            attach_runtime(self.vllm_config.compilation_config.static_forward_context, port.runtime)
+            attached, total = attach_runtime(self.vllm_config.compilation_config.static_forward_context,
+                                             port.runtime)
+            if attached < total:  # a tree forward through such a layer would attend causally: never start so
+                raise AdaspecConfigError(f"vllm_adaspec: {total - attached} of the model's {total} attention layers "
+                                         "got an attention backend without a tree path; token trees cannot run")
         runner_hooks.install(runner, runner.drafter, port)
 
     def execute_model(self, scheduler_output):
