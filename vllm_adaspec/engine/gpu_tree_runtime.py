@@ -108,6 +108,13 @@ class GPUTreeRuntime(TreeRuntime):
         self._int = StagingBuffer(self.device, torch.int32)
         self.pending = None  # (step, BatchVerdict) until the drafter's next propose reads them
         self._draft_on_device = (None, None)
+        self.heads = (0, 0, 0)  # query heads, kv heads, head size of the model's attention layers (this rank's)
+
+    def attached(self, impls: list) -> None:
+        shapes = {(impl.num_heads, impl.num_kv_heads, impl.head_size) for impl in impls}
+        if len(shapes) != 1:  # one launch plan serves every layer of a forward
+            raise ValueError(f"tree attention needs one head layout across the model's layers, got {sorted(shapes)}")
+        self.heads = shapes.pop()
 
     # --- planning ---
     def prepare(self, step: TreeStep | None) -> TreeStep | None:
@@ -161,8 +168,6 @@ class GPUTreeRuntime(TreeRuntime):
                                  d_batched, d_rows[d_batched] if batched else d_rows[:0], d_logit_rows, d_trees,
                                  (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num))
         return step
-
-    heads: tuple[int, int, int] = (0, 0, 0)  # query heads, kv heads, head size of the model's attention layers
 
     def write_step(self, step: TreeStep, positions: torch.Tensor, seq_lens: torch.Tensor) -> None:
         dev = step.device
@@ -267,6 +272,7 @@ class GPUTreeRuntime(TreeRuntime):
                 predicted = argmax[j][r.num_verified + 1:len(r.tree) + 1]
                 self.results[r.row] = (path, bonus[j], predicted)
                 self.kv_moves += _moves(path)
+            self.batched_total += len(step.device.batched)
         return super().take_results()
 
 

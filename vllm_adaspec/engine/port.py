@@ -135,6 +135,10 @@ class EnginePort:
     def held_copy_tokens(self) -> int:
         return self.runtime.held_copy_tokens() if self.runtime is not None else 0
 
+    def tree_batched(self) -> int:
+        """Trees verified on the device in one batch so far (the GPU runtime's plain greedy trees)."""
+        return self.runtime.batched_total if self.runtime is not None else 0
+
     # --- tensor parallelism ---
     @staticmethod
     def from_rank0(value):

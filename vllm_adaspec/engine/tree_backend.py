@@ -79,7 +79,7 @@ def gpu_tree_support(vllm_config) -> str | None:
 def attach_runtime(static_forward_context: dict, runtime) -> tuple[int, int]:
     """Point every tree-capable attention layer of the model at the worker's runtime; returns (layers attached,
     attention layers in all)."""
-    attached = total = 0
+    impls, total = [], 0
     for layer in static_forward_context.values():
         impl = getattr(layer, "impl", None)
         if impl is None or not hasattr(layer, "kv_cache"):
@@ -87,5 +87,6 @@ def attach_runtime(static_forward_context: dict, runtime) -> tuple[int, int]:
         total += 1
         if isinstance(impl, TreeAttentionMixin):
             impl.tree_runtime = runtime
-            attached += 1
-    return attached, total
+            impls.append(impl)
+    runtime.attached(impls)
+    return len(impls), total

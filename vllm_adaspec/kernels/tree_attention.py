@@ -17,7 +17,8 @@ the kv head's query heads form the M side of each tile (GQA: a key tile loaded o
 reads it, and every row of the tree), so each key is read once per split. The keys 0 .. P + rows - 1 are cut into
 `splits` contiguous chunks (more programs than requests x kv heads when the batch is small and the prefix long:
 flash-decoding); each program keeps flash attention's online softmax and writes its unnormalised partial output,
-running max and sum; `_tree_attention_reduce_kernel` combines the splits per (row, head).
+running max and sum; `_tree_attention_reduce_kernel` combines the splits per (row, head). With one split (a full
+batch, or short prefixes) the split kernel writes the output itself and there is no second launch.
 
 Contents: `_tree_attention_split_kernel`, `_tree_attention_reduce_kernel`, `tree_attention_triton` (launcher),
 `ancestor_bits` (bool mask -> bits), `tree_attention_reference` (torch, any dtype; float64 in the tests).
@@ -81,11 +82,11 @@ if triton is not None:
 
     @triton.jit
     def _tree_attention_split_kernel(
-            q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr, bt_ptr, plen_ptr, cu_ptr, bits_ptr, qrows_ptr, btrows_ptr,
-            scale, chunk,
+            q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr, o_ptr, bt_ptr, plen_ptr, cu_ptr, bits_ptr, qrows_ptr,
+            btrows_ptr, scale, chunk,
             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_bt, stride_bits,
-            QB: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+            stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_bt, stride_bits, stride_ot, stride_oh,
+            DIRECT: tl.constexpr, QB: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
             DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
         b = tl.program_id(0)
@@ -142,11 +143,16 @@ if triton is not None:
                     l_i = l_i * alpha + tl.sum(p, 1)
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
                     m_i = m_new
-            rows_at = row0 + qi
-            tl.store(acc_ptr + split * stride_as + rows_at[:, None] * stride_at + head[:, None] * stride_ah
-                     + offs_d[None, :], acc, mask=m_valid[:, None] & d_valid[None, :])
-            tl.store(m_ptr + split * stride_ms + rows_at * stride_mt + head, m_i, mask=m_valid)
-            tl.store(l_ptr + split * stride_ms + rows_at * stride_mt + head, l_i, mask=m_valid)
+            if DIRECT:  # one split holds every key: the output itself, no partials and no reduce launch
+                out = acc / tl.maximum(l_i, 1e-30)[:, None]
+                tl.store(o_ptr + q_at[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                         out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+            else:
+                rows_at = row0 + qi
+                tl.store(acc_ptr + split * stride_as + rows_at[:, None] * stride_at + head[:, None] * stride_ah
+                         + offs_d[None, :], acc, mask=m_valid[:, None] & d_valid[None, :])
+                tl.store(m_ptr + split * stride_ms + rows_at * stride_mt + head, m_i, mask=m_valid)
+                tl.store(l_ptr + split * stride_ms + rows_at * stride_mt + head, l_i, mask=m_valid)
 
     @triton.jit
     def _tree_attention_reduce_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, qrows_ptr, splits, stride_as, stride_at, stride_ah,
@@ -231,8 +237,9 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
         splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n, 2 * sms)
     chunk = triton.cdiv(triton.cdiv(longest, splits), block_n) * block_n
     splits = triton.cdiv(longest, chunk)
-    acc = torch.empty(splits, t, num_heads, head_size, dtype=torch.float32, device=bits.device)
-    m = torch.empty(splits, t, num_heads, dtype=torch.float32, device=bits.device)
+    rows = t if splits > 1 else 1  # one split writes the output directly: no scratch
+    acc = torch.empty(splits, rows, num_heads, head_size, dtype=torch.float32, device=bits.device)
+    m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
     return TreeAttentionLaunch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads, head_size,
                                block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m))
 
@@ -251,18 +258,21 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
     acc, m, l_ = plan.acc, plan.m, plan.l
     grid = (len(plan.prefix_lens), hkv * plan.q_blocks, plan.splits)
     group = plan.num_heads // hkv
+    direct = plan.splits == 1
     _tree_attention_split_kernel[grid](
-        q, k_cache, v_cache, acc, m, l_, block_table, plan.prefix_lens, plan.cu_rows, plan.bits, plan.q_rows,
+        q, k_cache, v_cache, acc, m, l_, out, block_table, plan.prefix_lens, plan.cu_rows, plan.bits, plan.q_rows,
         plan.bt_rows, scale, plan.chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), acc.stride(0), acc.stride(1), acc.stride(2),
-        m.stride(0), m.stride(1), block_table.stride(0), plan.bits.stride(0),
-        QB=plan.q_blocks, BLOCK_SIZE=bs, GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=plan.block_q,
+        m.stride(0), m.stride(1), block_table.stride(0), plan.bits.stride(0), out.stride(0), out.stride(1),
+        DIRECT=direct, QB=plan.q_blocks, BLOCK_SIZE=bs, GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=plan.block_q,
         BLOCK_N=plan.block_n, D=d, BLOCK_D=triton.next_power_of_2(d),
         # Triton's interpreter multiplies bf16 tl.dot operands wrongly (as of 3.9); it gets fp32 operands there
         DOT_F32=interpret and q.dtype == torch.bfloat16,
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else None)
+    if direct:
+        return out
     _tree_attention_reduce_kernel[(plan.q_rows.shape[0], plan.num_heads)](
         acc, m, l_, out, plan.q_rows, plan.splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
         m.stride(1), out.stride(0), out.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d),

@@ -388,6 +388,7 @@ class Driver:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
         self.stats.drafter_faults = self.faults.count
         return {**self.stats.as_dict(), "tracked_requests": len(self.states),
+                "tree_batched": self.port.tree_batched() if self.port is not None else 0,
                 "step_costs": self.costs.table() if self.costs is not None else {},
                 "config": {"cost_model": self.cfg.cost_model, **self.drafter.config()}, "live": self.live_state(),
                 "faults_by_place": dict(self.faults.by_place), **self.drafter.extra_stats(),

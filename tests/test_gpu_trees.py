@@ -1,0 +1,354 @@
+"""The GPU tree path, everything of it that runs without a GPU.
+
+- The runtime step by step on CPU tensors, against the CPU path on the same trees: node positions and cut seq_lens,
+  the tree rows of a layer's attention (the Triton kernel under the interpreter, on vLLM's GPU paged layout) against
+  the CPU runtime's masked attention, the batched greedy verdict against `verify_greedy`, compaction against the
+  CPU path's moves, the drafter's results.
+- The same step on the meta device: a meta tensor has no values, so any read of a device value on the host (a wait
+  for the device on a GPU) fails: planning, positions, verification, the chain indices and compaction read none.
+- vLLM's real Triton backend (its KV write and attention kernels, interpreted) with the tree subclass on a mixed
+  batch of chains, trees and a prefill chunk, against float64; the registration and the CUDA-graph mode vLLM
+  resolves for it (a subprocess: vLLM must see Triton as usable from its first import).
+- A whole engine (tests/gpu_emulation: vLLM's Triton backend on its GPU layout in a CPU engine, the GPU tree runtime,
+  the kernel interpreted): greedy output equal to plain decoding in the same engine, through batched and one-by-one
+  verification and compaction.
+
+Not run here (no GPU can carry vLLM on this project's machines): vLLM's FlashAttention subclass forward, CUDA
+streams and graphs, the kernel's speed (benchmarks/bench_tree_attention.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ENGINE, PROMPTS, load_interpreted
+from vllm_adaspec.engine.gpu_kv import compaction_moves, kv_views, move_slots
+from vllm_adaspec.engine.tree_runtime import masked_attention_batch, plan_step
+from vllm_adaspec.step import DraftPlan
+from vllm_adaspec.trees import DraftTree, verify_greedy
+
+HQ, HKV, D, BS = 4, 2, 16, 16
+# a batch: a chain (vLLM verifies it), two trees (one with equal siblings), a prefill chunk, one more tree
+REQ_IDS = ["chain", "tree_a", "tree_b", "prefill", "tree_c"]
+PLANS = {"chain": DraftPlan((5, 6, 7), (-1, 0, 1)),
+         "tree_a": DraftPlan((11, 12, 13, 14, 15), (-1, -1, 0, 0, 1)),
+         "tree_b": DraftPlan((21, 21, 22, 23, 22, 24, 25), (-1, -1, 0, 1, 1, 2, 3)),
+         "tree_c": DraftPlan((31, 32, 33, 34), (-1, 0, 1, 0))}
+ROWS = [4, 6, 8, 9, 5]  # rows each request schedules (drafts + 1; the prefill chunk 9 prompt tokens)
+ROOTS = np.array([40, 23, 70, 0, 5])  # computed tokens: the position of each request's first row
+
+
+def planned(device="cpu"):
+    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+
+    qs = np.concatenate([[0], np.cumsum(ROWS)])
+    spec = {r: list(PLANS[r].tokens) for r in REQ_IDS if r in PLANS}
+    step = plan_step(REQ_IDS, qs, ROOTS, spec, PLANS, int(qs[-1]))
+    rt = GPUTreeRuntime(device, plain_greedy=lambda req_id: req_id != "tree_c")  # tree_c: verified one by one
+    rt.heads = (HQ, HKV, D)
+    return rt, step, qs
+
+
+def paged_cache(g, num_blocks=36, device="cpu"):
+    """A layer's cache in the GPU backends' logical layout [blocks, Hkv, block_size, 2 * D], random, and a block
+    table giving each request scattered blocks."""
+    cache = torch.randn(num_blocks, HKV, BS, 2 * D, generator=g).to(device)
+    table = torch.randperm(num_blocks, generator=g)[:len(REQ_IDS) * 6].view(len(REQ_IDS), 6).to(torch.int32)
+    return cache, table.to(device)
+
+
+def slots_of(table, qs):
+    pos = np.concatenate([ROOTS[i] + np.arange(n) for i, n in enumerate(ROWS)])
+    req = np.repeat(np.arange(len(REQ_IDS)), ROWS)
+    blocks = table.cpu()[torch.from_numpy(req), torch.from_numpy(pos // BS)].long()
+    return blocks * BS + torch.from_numpy(pos % BS)
+
+
+def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, monkeypatch):
+    ta = load_interpreted("tree_attention")
+    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+
+    monkeypatch.setattr(gtr, "launch", ta.launch)  # the kernel under the interpreter
+    monkeypatch.setattr(gtr, "plan_launch", ta.plan_launch)
+    g = torch.Generator().manual_seed(0)
+    rt, step, qs = planned()
+    assert [r.req_id for r in step.requests] == ["tree_a", "tree_b", "tree_c"]  # the chain is vLLM's
+    positions, seq_lens = torch.from_numpy(np.concatenate([ROOTS[i] + np.arange(n) for i, n in enumerate(ROWS)])), \
+        torch.from_numpy(ROOTS + np.array(ROWS)).to(torch.int32)
+    rt.begin_step(REQ_IDS, qs, ROOTS, positions, {r: list(p.tokens) for r, p in PLANS.items()}, PLANS, int(qs[-1]),
+                  seq_lens, set(), set())
+    for r in step.requests:  # root + depth; seq_len cut to the tree's rows
+        assert positions[r.start + 1:r.start + 1 + len(r.tree)].tolist() == (r.root_pos + r.tree.depths).tolist()
+        assert int(seq_lens[r.row]) == len(r.tree) + 1
+    assert positions[:4].tolist() == [40, 41, 42, 43] and int(seq_lens[0]) == 44  # the chain: vLLM's
+
+    # attention: the tree rows of the output, nothing else
+    cache, table = paged_cache(g)
+    t = int(qs[-1])
+    query = torch.randn(t, HQ, D, generator=g)
+    output = torch.full((t, HQ, D), 7.0)
+    slots = slots_of(table, qs)
+    rt.attend(None, 0.25, query, None, None, cache, SimpleNamespace(num_actual_tokens=t, slot_mapping=slots,
+                                                                    block_table=table), output)
+    k, v = kv_views(cache)
+    tree_rows = set()
+    for r in rt.step.requests:
+        n1 = len(r.tree) + 1
+        rows = list(range(r.start, r.start + n1))
+        tree_rows |= set(rows)
+        pos = torch.arange(r.root_pos + n1)
+        blocks, offs = table[r.row, pos // BS].long(), pos % BS
+        visible = torch.cat([torch.ones(n1, r.root_pos, dtype=torch.bool), r.mask], 1)
+        want = masked_attention_batch(query[rows][None], k[blocks, offs][None], v[blocks, offs][None],
+                                      visible[None], 0.25)[0]
+        torch.testing.assert_close(output[rows], want, atol=1e-5, rtol=1e-5)
+    assert (output[[i for i in range(t) if i not in tree_rows]] == 7.0).all()
+
+    # verification: the batched trees against verify_greedy, vLLM's tokens elsewhere untouched
+    logit_rows = int(sum(len(PLANS.get(r, DraftPlan(())).tokens) + 1 for r in REQ_IDS))
+    logits = torch.randn(logit_rows, 40, generator=g)
+    starts = np.concatenate([[0], np.cumsum(step.num_drafts + 1)])
+    for r in rt.step.requests:  # make the target agree with some nodes, so that paths are long
+        for j, (tok, parent) in enumerate(zip(r.tree.tokens.tolist(), r.tree.parents.tolist())):
+            if j % 3 != 2:
+                logits[starts[r.row] + parent + 1, tok % 40] += 8.0
+    tokens = torch.full((len(REQ_IDS), 8), 99, dtype=torch.int32)
+    verdict = rt.verify_batched(rt.step, logits, tokens)
+    want_results = {}
+    for k_, r in enumerate(rt.step.requests):
+        x = logits[starts[r.row]:starts[r.row] + len(r.tree) + 1].argmax(-1)
+        path, bonus = verify_greedy(r.tree, x)
+        want_results[r.row] = (path, bonus, [])
+        if k_ in rt.step.device.batched:
+            committed = r.tree.tokens[path].tolist() + [bonus]
+            assert tokens[r.row].tolist() == committed + [-1] * (8 - len(committed)), r.req_id
+    assert tokens[0].tolist() == [99] * 8 and tokens[4].tolist() == [99] * 8  # tree_c: the sampler's, one by one
+    assert max(len(p) for p, _, _ in want_results.values()) >= 2
+
+    # compaction: accepted node at depth d from root + 1 + node to root + d, in every layer; results for the drafter
+    before = cache.clone()
+    host = {4: want_results[4]}  # tree_c's verdict comes from the host path
+    rt.step.kv_caches = [cache]
+    rt.finish_step(rt.step, host, verdict)
+    kb, vb = kv_views(before)
+    expect = before.clone()
+    ke, ve = kv_views(expect)
+    for r in rt.step.requests:
+        for d, node in enumerate(want_results[r.row][0], start=1):
+            src, dst = slots[r.start + 1 + node], slots[r.start + d]
+            ke[dst // BS, dst % BS] = kb[src // BS, src % BS]
+            ve[dst // BS, dst % BS] = vb[src // BS, src % BS]
+    assert torch.equal(cache, expect)
+    results, moves = rt.take_results()
+    assert results == want_results
+    assert moves == sum(1 for p, _, _ in want_results.values() for d, n in enumerate(p, 1) if n + 1 != d) > 0
+    assert rt.batched_total == 2
+
+
+def test_nothing_in_the_gpu_step_reads_a_device_value():
+    """On the meta device (tensors without values) a host read of a device value raises: the step from planning to
+    compaction, with vLLM's chain indices, runs without one (on a GPU: no wait for the device in the hot path)."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from vllm_adaspec.engine.tree_sampler import chains_only
+
+    rt, step, qs = planned("meta")
+    t = int(qs[-1])
+    positions = torch.zeros(t, dtype=torch.int64, device="meta")
+    seq_lens = torch.zeros(len(REQ_IDS), dtype=torch.int32, device="meta")
+    spec = {r: list(p.tokens) for r, p in PLANS.items()}
+    rt.begin_step(REQ_IDS, qs, ROOTS, positions, spec, PLANS, t, seq_lens, set(), set())
+    step = rt.step
+    assert step is not None and rt.faults.count == 0 and step.device.launch.bits.device.type == "meta"
+    num = [len(PLANS.get(r, DraftPlan(())).tokens) for r in REQ_IDS]
+    meta = lambda n, dtype=torch.int32: torch.empty(n, dtype=dtype, device="meta")  # noqa: E731
+    md = SpecDecodeMetadata(meta(sum(num)), num, meta(len(num)), meta(len(num)), meta(sum(num)), meta(len(num)),
+                            meta(sum(num) + len(num)))
+    sm = SimpleNamespace(spec_token_ids=None)
+    reduced, _, _ = chains_only(md, sm, {r.row for r in step.requests}, rt.staged_chains(step))
+    assert reduced.num_draft_tokens == [3, 0, 0, 0, 0] and reduced.draft_token_ids.shape == (3,)
+    tokens = torch.empty(len(REQ_IDS), 8, dtype=torch.int32, device="meta")
+    logits = torch.empty(sum(num) + len(num), 50, device="meta")
+    verdict = rt.verify_batched(step, logits, tokens)
+    step.slot_mapping = torch.empty(t, dtype=torch.long, device="meta")
+    step.kv_caches = [torch.empty(20, HKV, BS, 2 * D, device="meta") for _ in range(3)]
+    rt.finish_step(step, {4: ([0, 1], 3, [])}, verdict)  # tree_c verified on the host: its path is copied in
+    assert rt.pending is not None
+
+
+def test_compaction_moves_write_each_destination_once():
+    """Moves for every node row: accepted nodes to root + depth, other rows onto themselves, padding onto the root:
+    no destination twice (so a scatter cannot race), and applied to a cache, the same as moving the path alone."""
+    starts, sizes = torch.tensor([0, 10, 30]), torch.tensor([6, 3, 4])
+    path = torch.tensor([[2, 4, -1, -1, -1, -1], [0, 1, 2, -1, -1, -1], [-1] * 6])
+    count = torch.tensor([2, 3, 0])
+    src, dst = compaction_moves(starts, sizes, path, count)
+    real = dst[dst != torch.repeat_interleave(starts, 6)]  # padding goes to the roots
+    assert len(set(real.tolist())) == len(real) == int(sizes.sum())
+    cache = torch.randn(4, HKV, BS, 2 * D)
+    slots = torch.randperm(4 * BS)[:40]
+    got = cache.clone()
+    move_slots([got], slots[src], slots[dst])
+    want = cache.clone()
+    k, v = kv_views(want)
+    k0, v0 = kv_views(cache)
+    for s, n, p in zip(starts.tolist(), count.tolist(), path.tolist()):
+        for d in range(1, n + 1):
+            a, b = slots[s + 1 + p[d - 1]], slots[s + d]
+            k[b // BS, b % BS], v[b // BS, b % BS] = k0[a // BS, a % BS], v0[a // BS, a % BS]
+    assert torch.equal(got, want)
+
+
+VLLM_TRITON = r'''
+import json, os, sys, types
+os.environ["TRITON_INTERPRET"] = "1"
+import triton.backends
+triton.backends.backends["cpu"] = types.SimpleNamespace(driver=None)  # vLLM uses Triton only with a backend
+import torch
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # vLLM's KV write asks; an H100's answer
+from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+from vllm_adaspec.engine import tree_backend
+from vllm_adaspec.engine.gpu_tree_backend import (TreeFlashAttentionBackend, TreeTritonAttentionBackend,
+                                                  TreeTritonAttentionImpl)
+from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+from vllm_adaspec.engine.tree_runtime import plan_step
+from vllm_adaspec.step import DraftPlan
+out = {}
+tree_backend.register_gpu()
+out["registered"] = [AttentionBackendEnum.FLASH_ATTN.get_class().__name__,
+                     AttentionBackendEnum.TRITON_ATTN.get_class().__name__]
+out["subclasses"] = [issubclass(TreeFlashAttentionBackend, AttentionBackendEnum.FLASH_ATTN.get_class().__mro__[1]),
+                     TreeTritonAttentionBackend.__mro__[1].__name__]
+support = TreeTritonAttentionBackend.get_builder_cls().get_cudagraph_support(None, None)
+out["cg_support"] = support.name
+cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+cc.set_splitting_ops_for_v1("naive")  # as a CUDA engine's config sets them: attention between graphed pieces
+out["cg_mode"] = cc.resolve_cudagraph_mode_and_sizes(support, "TREE", uniform_decode_query_len=9).name
+
+torch.manual_seed(0)
+hq, hkv, d, bs, nb = 4, 2, 32, 16, 24
+impl = TreeTritonAttentionImpl(hq, d, d ** -0.5, hkv, None, None, "auto")
+layer = types.SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0), _q_scale=torch.tensor(1.0))
+# a chain of 3 drafts (root at 30), a tree of 5 nodes (root at 17), a prefill chunk of 6 tokens (from 0)
+plans = {"c": DraftPlan((1, 2, 3), (-1, 0, 1)), "t": DraftPlan((4, 5, 6, 7, 8), (-1, -1, 0, 1, 1))}
+rows, roots, ids = [4, 6, 6], [30, 17, 0], ["c", "t", "p"]
+qs = [0, 4, 10, 16]
+step = plan_step(ids, qs, roots, {k: list(p.tokens) for k, p in plans.items()}, plans, 16)
+rt = GPUTreeRuntime("cpu")
+rt.heads = (hq, hkv, d)
+positions = torch.cat([torch.arange(r, r + n) for r, n in zip(roots, rows)])
+seq_lens = torch.tensor([r + n for r, n in zip(roots, rows)], dtype=torch.int32)
+rt.begin_step(ids, qs, roots, positions, {k: list(p.tokens) for k, p in plans.items()}, plans, 16, seq_lens,
+              set(), set())
+impl.tree_runtime = rt
+table = torch.randperm(nb)[:9].view(3, 3).to(torch.int32)
+kv = torch.zeros(nb, hkv, bs, 2 * d)  # logical [blocks, Hkv, block_size, 2D]
+# the prefixes' KV (earlier steps), then this step's rows written by vLLM's own KV write
+pre = {"c": 30, "t": 17, "p": 0}
+k_all = {i: torch.randn(roots[b] + rows[b], hkv, d) for b, i in enumerate(ids)}
+v_all = {i: torch.randn(roots[b] + rows[b], hkv, d) for b, i in enumerate(ids)}
+slot = lambda b, p: int(table[b, p // bs]) * bs + p % bs
+K, V = kv.transpose(1, 2).split(d, -1)
+for b, i in enumerate(ids):
+    for p in range(roots[b]):
+        K[slot(b, p) // bs, slot(b, p) % bs], V[slot(b, p) // bs, slot(b, p) % bs] = k_all[i][p], v_all[i][p]
+key = torch.cat([k_all[i][roots[b]:] for b, i in enumerate(ids)])
+value = torch.cat([v_all[i][roots[b]:] for b, i in enumerate(ids)])
+slots = torch.tensor([slot(b, roots[b] + j) for b in range(3) for j in range(rows[b])])
+impl.do_kv_cache_update(layer, key, value, kv, slots)
+q = torch.randn(16, hq, d)
+o = torch.full((16, hq, d), float("nan"))
+md = TritonAttentionMetadata(num_actual_tokens=16, max_query_len=6, query_start_loc=torch.tensor(qs, dtype=torch.int32),
+                             max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=table, slot_mapping=slots,
+                             seq_threshold_3D=0, num_par_softmax_segments=16,
+                             softmax_segm_output=torch.empty(16, hq, 16, d), softmax_segm_max=torch.empty(16, hq, 16),
+                             softmax_segm_expsum=torch.empty(16, hq, 16), causal=True)
+impl.forward(layer, q, key, value, kv, md, o)
+# float64 reference: the chain and the prefill chunk causal, the tree rows under their ancestor mask
+errs, kv_written = [], True
+for b, i in enumerate(ids):
+    n, r0 = rows[b], qs[b]
+    kk = k_all[i].double().repeat_interleave(hq // hkv, 1)
+    vv = v_all[i].double().repeat_interleave(hq // hkv, 1)
+    vis = torch.ones(n, roots[b] + n, dtype=torch.bool)
+    vis[:, roots[b]:] = torch.ones(n, n, dtype=torch.bool).tril()
+    if i == "t":
+        vis[:, roots[b]:] = step.requests[0].mask
+    s = torch.einsum("ihd,jhd->hij", q[r0:r0 + n].double(), kk) * d ** -0.5
+    s = s.masked_fill(~vis[None], float("-inf"))
+    want = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
+    errs.append(float((o[r0:r0 + n].double() - want).abs().max()))
+    for j in range(roots[b] + n):
+        kv_written &= bool(torch.equal(K[slot(b, j) // bs, slot(b, j) % bs], k_all[i][j]))
+out["max_err"] = errs
+out["kv_written"] = kv_written
+print("@@" + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def vllm_triton() -> dict:
+    p = subprocess.run([sys.executable, "-c", VLLM_TRITON], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads([line for line in p.stdout.splitlines() if line.startswith("@@")][-1][2:])
+
+
+def test_the_tree_subclass_of_vllms_triton_backend_runs_vllms_kernels_for_chains(vllm_triton):
+    """vLLM's own KV write and attention kernel (interpreted) for every row, then the tree rows rewritten: the chain
+    and the prefill chunk equal causal attention, the tree rows tree-masked attention (float64 reference)."""
+    assert vllm_triton["kv_written"] is True
+    assert max(vllm_triton["max_err"]) < 1e-4, vllm_triton["max_err"]
+
+
+def test_registration_and_the_graph_mode_vllm_resolves(vllm_triton):
+    """FLASH_ATTN and TRITON_ATTN resolve to the tree subclasses; their builders report full graphs for
+    single-token decode batches only, and vLLM turns FULL_AND_PIECEWISE into PIECEWISE under speculation (attention,
+    tree rows included, runs eagerly each step; a full graph would replay one step's tree rows forever)."""
+    assert vllm_triton["registered"] == ["TreeFlashAttentionBackend", "TreeTritonAttentionBackend"]
+    assert vllm_triton["subclasses"] == [True, "TritonAttentionBackend"]
+    assert vllm_triton["cg_support"] == "UNIFORM_SINGLE_TOKEN_DECODE"
+    assert vllm_triton["cg_mode"] == "PIECEWISE"
+
+
+EMULATION = str(Path(__file__).resolve().parent / "gpu_emulation")
+GPU_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[4], PROMPTS[7], PROMPTS[8]]
+
+
+def _params(mode: str) -> list:
+    """Speculation forced to trees whenever a request drafts (or off: the reference). The first request has a
+    min_tokens setting (its trees are verified one by one on the host, each row with its own path's output), three
+    are plain greedy (verified in one batch on the device), the last samples (runs beside them, not compared)."""
+    xargs = {"extra_args": {"adaspec_speculation": mode}}
+    greedy = {"temperature": 0.0, "max_tokens": 40, **xargs}
+    return [{**greedy, "min_tokens": 4}] + [greedy] * 3 + [{"temperature": 0.8, "seed": 3, "max_tokens": 24, **xargs}]
+
+
+@pytest.mark.engine
+def test_a_whole_engine_on_the_gpu_tree_path_equals_plain_decoding(tiny_llama):
+    from vllm_adaspec.harness import run_engine
+
+    prompts = GPU_PROMPTS
+    engine = {**ENGINE, "max_model_len": 256, "max_num_batched_tokens": 64, "max_num_seqs": 8,
+              "speculative_config": {"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": 8},
+              "additional_config": {"adaspec": {"pools": ["context", "recycled"], "cost_model": "off"}}}
+    env = {"ADASPEC_EMULATE_GPU": "1", "PYTHONPATH": os.pathsep.join([EMULATION, os.environ.get("PYTHONPATH", "")])}
+    res = run_engine({"model": tiny_llama, "engine": engine, "env": env, "batches": [
+        {"prompts": prompts, "params": _params("tree")}, {"prompts": prompts, "params": _params("off")}]})
+    trees, plain = (b["runs"][0] for b in res["batches"])
+    assert trees["token_ids"][:4] == plain["token_ids"][:4]  # the greedy rows
+    st = trees["adaspec"]
+    assert st["config"]["tree_mode"] and st["drafter_faults"] == 0, st
+    assert st["tree_batched"] > 5 and st["tree_verified"] > st["tree_batched"], st  # both verification paths
+    assert st["accepted_drafts"] > 10 and st["tree_kv_moves"] > 0, st
+    assert plain["adaspec"]["verified_drafts"] == 0  # the reference drafted nothing
