@@ -183,6 +183,49 @@ def test_nothing_in_the_gpu_step_reads_a_device_value():
     assert rt.pending is not None
 
 
+def test_tree_drafting_steps_attend_over_the_gpu_layout():
+    """Early exit's tree drafting on the GPU runtime: a draft step's rows see their tree's prefix and their own
+    ancestors-or-self among the nodes already run (engine/tree_runtime.DraftMask, built by the drafter on the host,
+    moved to the device once per step), read from vLLM's GPU paged layout: equal to causal attention along each
+    row's path."""
+    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.proposers.early_exit import EarlyExitDrafter
+    from vllm_adaspec.trees import GrowingTree, add_children
+
+    g = torch.Generator().manual_seed(4)
+    roots = np.array([40, 9])  # nodes that ran take slots root + 1, root + 2, ... in the order they ran
+    t = GrowingTree()
+    add_children(t, -1, [5, 6], [0.6, 0.3])  # A = 0, B = 1 (both ran)
+    add_children(t, 0, [7, 8], [0.5, 0.4])  # C = 2, D = 3 under A
+    add_children(t, 1, [9, 10], [0.9, 0.1])  # E = 4, F = 5 under B
+    t2 = GrowingTree()  # a second tree: only its first child X = 0 runs now
+    add_children(t2, -1, [3, 4], [0.7, 0.2])
+    slot_of = [{0: 1, 1: 2, 2: 3, 4: 4}, {0: 1}]  # tree 0: C and E run now
+    feed = [(0, 2), (1, 0), (0, 4)]
+    cache = torch.zeros(12, HKV, BS, 2 * D)
+    k, v = kv_views(cache)
+    block_rows = torch.randperm(12, generator=g)[:8].view(2, 4)
+    kv = []
+    for b, r in enumerate(roots):
+        kk, vv = torch.randn(r + 5, HKV, D, generator=g), torch.randn(r + 5, HKV, D, generator=g)
+        pos = torch.arange(r + 5)
+        k[block_rows[b, pos // BS], pos % BS], v[block_rows[b, pos // BS], pos % BS] = kk, vv
+        kv.append((kk, vv))
+    prefix = EarlyExitDrafter._draft_prefix(roots, block_rows)
+    mask = EarlyExitDrafter._draft_mask(feed, [t, t2], slot_of, roots, prefix)
+    q = torch.randn(3, HQ, D, generator=g)
+    out = torch.zeros(3, HQ, D)
+    rt = GPUTreeRuntime("cpu")
+    with rt.drafting(mask):
+        rt.attend(None, 0.125, q, None, None, cache, SimpleNamespace(num_actual_tokens=3), out)
+    r0, r1 = roots
+    for f, tree, keys in [(0, 0, list(range(r0 + 1)) + [r0 + 1, r0 + 3]), (2, 0, list(range(r0 + 1)) + [r0 + 2, r0 + 4]),
+                          (1, 1, list(range(r1 + 2)))]:
+        kk, vv = (x[keys].repeat_interleave(HQ // HKV, 1) for x in kv[tree])
+        att = torch.softmax(torch.einsum("hd,jhd->hj", q[f], kk) * 0.125, -1)
+        torch.testing.assert_close(out[f], torch.einsum("hj,jhd->hd", att, vv), rtol=1e-5, atol=1e-5)
+
+
 def test_compaction_moves_write_each_destination_once():
     """Moves for every node row: accepted nodes to root + depth, other rows onto themselves, padding onto the root:
     no destination twice (so a scatter cannot race), and applied to a cache, the same as moving the path alone."""

@@ -123,3 +123,27 @@ def test_bad_arguments_are_named():
     q, k, v, table, plen, cu, mask = make_case([4], [2], 4, 2, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="ancestor_bits must be"):
         ta.tree_attention_triton(q, k, v, table, plen, cu, mask, 1.0)
+
+
+def test_tree_rows_are_read_and_written_in_place_among_other_rows(triton_interpret):
+    """As a forward runs it: the trees' rows lie among other requests' rows of the layer's q and output (q_rows),
+    each tree reads its own row of a larger block table (bt_rows); only the tree rows of the output change, through
+    the split reduction and through the one-split path."""
+    q, k_cache, v_cache, table, plen, cu, mask = make_case([37, 150], [5, 9], 9, 3, 64, 16, torch.float32, seed=4)
+    bits = ta.ancestor_bits(mask)
+    want = ta.tree_attention_reference(q, k_cache, v_cache, table, plen, cu, bits, 0.125)
+    g = torch.Generator().manual_seed(5)
+    big_q = torch.randn(40, 9, 64, generator=g)
+    q_rows = torch.cat([torch.arange(3, 9), torch.arange(20, 30)]).to(torch.int32)  # 6 + 10 tree rows, apart
+    big_q[q_rows.long()] = q
+    big_table = torch.zeros(5, table.shape[1], dtype=torch.int32)
+    bt_rows = torch.tensor([4, 1], dtype=torch.int32)
+    big_table[bt_rows.long()] = table
+    for splits in (3, 1):
+        out = torch.full((40, 9, 64), -5.0)
+        ta.tree_attention_triton(big_q, k_cache, v_cache, big_table, plen, cu, bits, 0.125, splits=splits, block_n=32,
+                                 q_rows=q_rows, bt_rows=bt_rows, out=out)
+        torch.testing.assert_close(out[q_rows.long()].double(), want, atol=1e-4, rtol=1e-4)
+        others = torch.ones(40, dtype=torch.bool)
+        others[q_rows.long()] = False
+        assert (out[others] == -5.0).all()
