@@ -3,7 +3,8 @@
     python benchmarks/bench_tree_attention.py --out benchmarks/out/tree_attention.json
 
 Per shape (batch, prefix length, tree nodes, heads): the kernel on the paged cache (flash-decoding splits, ancestor
-bits), against (a) torch's scaled_dot_product_attention over the same keys already gathered into contiguous
+bits), timed as each attention layer of the engine pays it (`launch` with the step's plan, built once per step by the
+GPU tree runtime; the plan's own cost is reported apart), against (a) torch's scaled_dot_product_attention over the same keys already gathered into contiguous
 [B, Hq, P + rows, D] tensors with the tree mask (the gather is not timed: the baseline is favoured), (b) the same SDPA
 for a chain of as many rows (a causal mask: what decode attention over a chain of drafts costs; vLLM's own kernels
 cannot be carried to the device), and (c) one read of each request's prefix + tree K and V at the measured copy
@@ -24,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from vllm_adaspec.kernels.tree_attention import (ancestor_bits, tree_attention_reference,  # noqa: E402
-                                                 tree_attention_triton)
+from vllm_adaspec.kernels.tree_attention import (ancestor_bits, launch, plan_launch,  # noqa: E402
+                                                 tree_attention_reference, tree_attention_triton)
 from test_kernel_tree_attention import make_case  # noqa: E402
 
 
@@ -131,8 +132,17 @@ def main(argv=None) -> int:
                     if b * prefix <= 65536:
                         want = tree_attention_reference(*case, scale, dtype=torch.float32)
                         torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
-                    t_kernel = triton.testing.do_bench(lambda: tree_attention_triton(*case, scale, **kw),
+                    q, k_cache, v_cache, table, plen, cu, bits = case
+                    t = q.shape[0]
+                    plan_args = (plen, cu, bits, torch.arange(t, dtype=torch.int32, device="cuda"),
+                                 torch.arange(b, dtype=torch.int32, device="cuda"), hq, hkv, hd)
+                    plan = plan_launch(*plan_args, max_rows=nodes + 1, longest=prefix + nodes + 1)
+                    out = torch.empty_like(q)
+                    t_kernel = triton.testing.do_bench(lambda: launch(plan, q, k_cache, v_cache, table, scale, out),
                                                        return_mode="median")
+                    t_plan = triton.testing.do_bench(
+                        lambda: plan_launch(*plan_args, max_rows=nodes + 1, longest=prefix + nodes + 1),
+                        return_mode="median")
                     sdpa = {}
                     for name, chain in (("tree", False), ("chain", True)):
                         sq, sk, sv, sm = sdpa_inputs((*head, mask), hq, chain=chain)
@@ -143,7 +153,7 @@ def main(argv=None) -> int:
                     kv_bytes = 2 * b * (prefix + nodes + 1) * hkv * hd * case[1].element_size()
                     ideal_ms = kv_bytes / (copy_gbs * 1e9) * 1e3
                     row = {"batch": b, "prefix": prefix, "nodes": nodes, "heads": [hq, hkv, hd], "dtype": args.dtype,
-                           "kernel_us": t_kernel * 1e3, "sdpa_tree_us": sdpa["tree"] * 1e3,
+                           "splits": plan.splits, "plan_us": t_plan * 1e3, "kernel_us": t_kernel * 1e3, "sdpa_tree_us": sdpa["tree"] * 1e3,
                            "sdpa_chain_us": sdpa["chain"] * 1e3, "over_chain": t_kernel / sdpa["chain"],
                            "kernel_GBps": kv_bytes / (t_kernel * 1e-3) / 1e9, "over_one_kv_read": t_kernel / ideal_ms}
                     results.append(row)

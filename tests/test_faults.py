@@ -73,6 +73,9 @@ class FakePort:
     def live(self):
         return {}
 
+    def tree_batched(self):
+        return 0
+
     def held_copy_tokens(self):
         return 0
 
@@ -150,20 +153,20 @@ def test_tree_planning_writes_no_position_unless_every_tree_is_planned():
 
     positions = torch.arange(10)
     query_start = np.array([0, 4, 8, 10])
+    roots = np.array([0, 4, 8])  # each request's first row's position
     good = DraftPlan((5, 6, 7), (-1, 0, 0))
     bad = DraftPlan((5, 6, 7), (-1, 0, 9))  # a parent that does not exist
     spec = {"a": [5, 6, 7], "b": [5, 6, 7]}
-    step = plan_step(["a", "b", "c"], query_start, positions.clone(), spec, {"a": good}, 10)
+    step = plan_step(["a", "b", "c"], query_start, roots, spec, {"a": good}, 10)
     assert step is not None and len(step.requests) == 1
     with pytest.raises(Exception):
-        plan_step(["a", "b", "c"], query_start, positions, spec, {"a": good, "b": bad}, 10)
-    assert positions.tolist() == list(range(10))  # request a's tree was planned first, yet nothing was written
+        plan_step(["a", "b", "c"], query_start, roots, spec, {"a": good, "b": bad}, 10)
     runtime = TreeRuntime(faults=FaultGuard(5))
     seq_lens = torch.full((3,), 100)
-    runtime.begin_step(["a", "b", "c"], query_start, positions, spec, {"a": good, "b": bad}, 10, seq_lens, set(),
-                       set())
+    runtime.begin_step(["a", "b", "c"], query_start, roots, positions, spec, {"a": good, "b": bad}, 10, seq_lens,
+                       set(), set())
     assert runtime.step is None and runtime.faults.count == 1  # contained: the step verifies chains
-    assert positions.tolist() == list(range(10)) and seq_lens.tolist() == [100] * 3
+    assert positions.tolist() == list(range(10)) and seq_lens.tolist() == [100] * 3  # request a's tree too
 
 
 def test_fault_injection_raises_at_the_chosen_pass_and_its_spec_is_strict():

@@ -23,7 +23,9 @@ def test_prefix_stack_reproduces_transformers_logits(smollm2):
     padded = torch.cat([ids, torch.zeros(1, 5, dtype=ids.dtype)], 1)
     with torch.no_grad():
         hp = stack(padded, torch.arange(padded.shape[1])[None], capture=(4,))
-    assert torch.allclose(hp[4][:, : ids.shape[1]], h[4], atol=1e-5)
+    # (SmolLM2's hidden states reach ~770 at layer 4: GEMMs blocked for 17 rows instead of 12 round differently, by
+    # ~4e-4 on an AVX-512 Xeon; a padding token leaking into earlier positions would move them by whole units)
+    torch.testing.assert_close(hp[4][:, : ids.shape[1]], h[4], rtol=1e-5, atol=1e-5 * float(h[4].abs().max()))
 
 
 def test_exit_head_initialised_from_last_layer_is_that_layer(smollm2):

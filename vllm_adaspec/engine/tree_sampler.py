@@ -355,7 +355,7 @@ class TreeRejectionSampler:
                     logprob_rows.append((i, logits[rows[at]], processed[at], row))
             except Exception as e:  # vLLM's first token stands, nothing more
                 faults.record(f"verifying request {r.req_id}'s token tree", e)
-                path, row, predicted = [], tokens[i, :1].cpu(), []
+                path, row, predicted = [], tokens[i, :1].clone(), []  # a copy: the row is refilled below
             tokens[i].fill_(-1)
             tokens[i, :len(row)] = row.to(tokens.device)
             results[i] = (path, int(row[-1]), predicted)
