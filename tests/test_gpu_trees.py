@@ -377,21 +377,49 @@ def _params(mode: str) -> list:
     return [{**greedy, "min_tokens": 4}] + [greedy] * 3 + [{"temperature": 0.8, "seed": 3, "max_tokens": 24, **xargs}]
 
 
-@pytest.mark.engine
-def test_a_whole_engine_on_the_gpu_tree_path_equals_plain_decoding(tiny_llama):
-    from vllm_adaspec.harness import run_engine
+@pytest.fixture(scope="module")
+def gpu_path_runs(tiny_llama) -> dict:
+    """Two engines in one emulating child (harness.EngineHost): MultiBranchProposer's trees and early exit's trees
+    (the untrained exit after 2 of 4 layers: draft steps over tree nodes under the draft mask), each with its
+    requests' speculation forced to trees, then the same requests with speculation off (the reference)."""
+    from vllm_adaspec.harness import EngineHost, default_env
 
-    prompts = GPU_PROMPTS
-    engine = {**ENGINE, "max_model_len": 256, "max_num_batched_tokens": 64, "max_num_seqs": 8,
-              "speculative_config": {"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": 8},
-              "additional_config": {"adaspec": {"pools": ["context", "recycled"], "cost_model": "off"}}}
-    env = {"ADASPEC_EMULATE_GPU": "1", "PYTHONPATH": os.pathsep.join([EMULATION, os.environ.get("PYTHONPATH", "")])}
-    res = run_engine({"model": tiny_llama, "engine": engine, "env": env, "batches": [
-        {"prompts": prompts, "params": _params("tree")}, {"prompts": prompts, "params": _params("off")}]})
-    trees, plain = (b["runs"][0] for b in res["batches"])
+    host = EngineHost(env={**default_env(), "ADASPEC_EMULATE_GPU": "1",
+                           "PYTHONPATH": os.pathsep.join([EMULATION, os.environ.get("PYTHONPATH", "")])})
+    base = {**ENGINE, "max_model_len": 256, "max_num_batched_tokens": 64, "max_num_seqs": 8}
+    batches = [{"prompts": GPU_PROMPTS, "params": _params("tree")}, {"prompts": GPU_PROMPTS, "params": _params("off")}]
+    engines = {"multi_branch": {**base, "speculative_config": {"model": "vllm_adaspec.MultiBranchProposer",
+                                                               "num_speculative_tokens": 8},
+                                "additional_config": {"adaspec": {"pools": ["context", "recycled"],
+                                                                  "cost_model": "off"}}},
+               "early_exit": {**base, "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer",
+                                                             "num_speculative_tokens": 4},
+                              "additional_config": {"adaspec": {"exit_head": "none", "exit_layer": 2,
+                                                                "cost_model": "off", "tree": {"budget": 4}}}}}
+    try:
+        return {name: [b["runs"][0] for b in host.run({"model": tiny_llama, "engine": engine,
+                                                        "batches": batches})["batches"]]
+                for name, engine in engines.items()}
+    finally:
+        host.close()
+
+
+@pytest.mark.engine
+def test_a_whole_engine_on_the_gpu_tree_path_equals_plain_decoding(gpu_path_runs):
+    trees, plain = gpu_path_runs["multi_branch"]
     assert trees["token_ids"][:4] == plain["token_ids"][:4]  # the greedy rows
     st = trees["adaspec"]
     assert st["config"]["tree_mode"] and st["drafter_faults"] == 0, st
     assert st["tree_batched"] > 5 and st["tree_verified"] > st["tree_batched"], st  # both verification paths
     assert st["accepted_drafts"] > 10 and st["tree_kv_moves"] > 0, st
     assert plain["adaspec"]["verified_drafts"] == 0  # the reference drafted nothing
+
+
+@pytest.mark.engine
+def test_early_exit_trees_on_the_gpu_tree_path_equal_plain_decoding(gpu_path_runs):
+    trees, plain = gpu_path_runs["early_exit"]
+    assert trees["token_ids"][:4] == plain["token_ids"][:4]
+    st = trees["adaspec"]
+    assert st["drafter_faults"] == 0 and st["tree_rounds"] > 20 and st["draft_passes"] > 20, st
+    assert st["tree_batched"] > 10 and st["accepted_drafts"] > 0, st
+    assert plain["adaspec"]["verified_drafts"] == 0

@@ -121,7 +121,6 @@ class GPUTreeRuntime(TreeRuntime):
         if step is None:
             return None
         reqs = step.requests
-        r_count = len(reqs)
         sizes = np.array([len(r.tree) for r in reqs], dtype=np.int64)
         width = int(sizes.max())
         starts = np.array([r.start for r in reqs], dtype=np.int64)
@@ -180,23 +179,14 @@ class GPUTreeRuntime(TreeRuntime):
     def held_copy_tokens(self) -> int:
         return 0  # no copies: the kernel reads the paged cache
 
-    # --- attention ---
-    def attend(self, isa, scale: float, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               kv_cache: torch.Tensor, attn_metadata, output: torch.Tensor) -> None:
-        draft = self.draft
-        if draft is not None and attn_metadata.num_actual_tokens == draft.num_tokens:
-            self._attend_draft(self._on_device(draft), isa, scale, query, kv_cache, output)
-            return
-        step = self.step
-        if step is None or attn_metadata.num_actual_tokens != step.num_tokens:
-            return  # not the target's verification forward (warm-up, profiling, draft steps)
-        if step.slot_mapping is None:
-            step.slot_mapping = attn_metadata.slot_mapping[:step.num_tokens].clone()
+    # --- attention (TreeRuntime.attend dispatches) ---
+    def verify_layer(self, step: TreeStep, isa, scale: float, query, key, value, kv_cache, block_table,
+                     output) -> None:
         step.kv_caches.append(kv_cache)
         k, v = kv_views(kv_cache)
-        launch(step.device.launch, query, k, v, attn_metadata.block_table, scale, output)
+        launch(step.device.launch, query, k, v, block_table, scale, output)
 
-    def _on_device(self, draft):
+    def on_device(self, draft):
         """A draft step's mask (host tensors, built by the drafter) on the device, once per draft step."""
         held, moved = self._draft_on_device
         if held is draft:

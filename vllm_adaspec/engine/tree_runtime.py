@@ -229,15 +229,25 @@ class TreeRuntime:
         step's tree nodes, or a verification forward's tree requests) with tree-masked attention."""
         draft = self.draft
         if draft is not None and attn_metadata.num_actual_tokens == draft.num_tokens:
-            self._attend_draft(draft, isa, scale, query, kv_cache, output)
+            self._attend_draft(self.on_device(draft), isa, scale, query, kv_cache, output)
             return
         step = self.step
         if step is None or attn_metadata.num_actual_tokens != step.num_tokens:
             return  # not the target's verification forward (warm-up, profiling, draft steps)
         if step.slot_mapping is None:
             step.slot_mapping = attn_metadata.slot_mapping[:step.num_tokens].clone()
+        self.verify_layer(step, isa, scale, query, key, value, kv_cache, attn_metadata.block_table, output)
+
+    def on_device(self, draft: DraftMask) -> DraftMask:
+        """A draft step's mask where the layer's tensors are (the CPU's: as the drafter built it)."""
+        return draft
+
+    def verify_layer(self, step: TreeStep, isa: str, scale: float, query, key, value, kv_cache, block_table,
+                     output) -> None:
+        """The tree rows of one attention layer of the verification forward; the layer's cache is kept for
+        compaction."""
         step.kv_caches.append((kv_cache, isa))
-        self.verify_attention(step, query, key, value, output, kv_cache, attn_metadata.block_table, isa, scale)
+        self.verify_attention(step, query, key, value, output, kv_cache, block_table, isa, scale)
 
     def _attend_draft(self, draft: DraftMask, isa: str, scale: float, query, kv_cache, output) -> None:
         bs, pre = kv_cache.shape[2], draft.prefix
