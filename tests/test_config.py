@@ -503,6 +503,11 @@ def test_a_gpu_worker_turns_trees_off_where_vllms_backend_has_no_tree_path(start
     registered.clear()
     startup.settle_gpu_trees(chains)
     assert not registered
+    monkeypatch.setattr(startup, "_platform", lambda: platform("cpu"))  # CPU: its own backend, nothing to ask
+    cpu = engine({"pools": ["context"]}, MB, k=8)
+    start(startup, cpu)
+    startup.settle_gpu_trees(cpu)
+    assert not registered and carried_settings(cpu, "multi_branch").tree_unsupported is None
 
 
 def test_default_pools_run_what_the_model_has_and_the_worker_does_not_look_again(startup, monkeypatch):

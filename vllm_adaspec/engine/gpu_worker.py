@@ -2,11 +2,12 @@
 nothing of vLLM's CPU worker, whose import replaces torch.cuda.Event, streams, pin_memory and memory queries with
 CPU stand-ins (tests/test_workers.py checks that importing this module leaves them alone).
 
-Token trees: before the model runner (and the drafter in it) is built, the tree subclasses of vLLM's FlashAttention
-and Triton backends are registered (engine/tree_backend.py) and vLLM's own selector is asked which backend the
-model's layers will get. Where it is neither (FlashInfer on Blackwell, say), trees are off for this engine before
-the drafter exists: MultiBranchProposer drafts chains (said once in the log), and settings that need trees (early
-exit's `tree`, `branches`, `typical` acceptance) fail start-up naming the key, as on a platform without trees."""
+Token trees: when vLLM's model runner builds the proposer (the device set, the model not yet built), the tree
+subclasses of vLLM's FlashAttention and Triton backends are registered (engine/tree_backend.py) and vLLM's own
+selector is asked which backend the model's layers will get (engine/startup.settle_gpu_trees). Where it is neither
+(FlashInfer on Blackwell, say), trees are off for this engine before the drafter exists: MultiBranchProposer drafts
+chains (said once in the log), and settings that need trees (early exit's `tree`, `branches`, `typical` acceptance)
+fail start-up naming the key, as on a platform without trees."""
 
 from __future__ import annotations
 
@@ -16,12 +17,6 @@ from vllm_adaspec.engine.worker import AdaspecWorkerMixin
 
 
 class AdaspecGPUWorker(AdaspecWorkerMixin, Worker):
-    def init_device(self):
-        from vllm_adaspec.engine.startup import settle_gpu_trees
-
-        settle_gpu_trees(self.vllm_config)
-        super().init_device()
-
     def tree_runtime(self, observers, faults):
         from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
 

@@ -4,7 +4,7 @@ so drafters read no config file again and import nothing of vLLM."""
 
 from __future__ import annotations
 
-from vllm_adaspec.engine.startup import settings_for
+from vllm_adaspec.engine.startup import settings_for, settle_gpu_trees
 from vllm_adaspec.proposers.driver import Driver
 from vllm_adaspec.proposers.early_exit import EarlyExitDrafter
 from vllm_adaspec.proposers.multi_branch import MultiBranchDrafter
@@ -13,6 +13,9 @@ from vllm_adaspec.proposers.probe import ProbeDrafter
 
 class _Engine(Driver):
     def __init__(self, vllm_config):
+        # vLLM builds its proposer in the worker's model runner, once the device is set and before the model: on
+        # CUDA the tree backends are registered and vLLM's choice of backend for this model is checked here
+        settle_gpu_trees(vllm_config)
         super().__init__(vllm_config, settings_for(vllm_config, self.proposer))
 
 

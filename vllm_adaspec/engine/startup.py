@@ -115,12 +115,12 @@ def wants_trees(resolved, kind: str) -> bool:
 
 
 def settle_gpu_trees(vllm_config) -> None:
-    """In a GPU worker, before its drafter exists: register the tree subclasses of vLLM's GPU backends and ask vLLM's
-    selector which backend the model's layers get. Where it has no tree path, trees are off for this engine, by the
-    start-up rules (`_check_trees`: MultiBranchProposer drafts chains and says so, settings that need trees fail
-    naming the key), and the drafter is built with `tree_unsupported` set."""
+    """On CUDA, in the worker before the drafter and the model are built: register the tree subclasses of vLLM's GPU
+    backends and ask vLLM's selector which backend the model's layers get. Where it has no tree path, trees are off
+    for this engine, by the start-up rules (`_check_trees`: MultiBranchProposer drafts chains and says so, settings
+    that need trees fail naming the key), and the drafter is built with `tree_unsupported` set. Elsewhere nothing."""
     kind = proposer_kind(vllm_config)
-    if kind is None:
+    if kind is None or not _platform().is_cuda():
         return
     resolved = settings_for(vllm_config, kind)
     if resolved.tree_unsupported is not None or not wants_trees(resolved, kind):
