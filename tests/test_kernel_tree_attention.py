@@ -147,3 +147,12 @@ def test_tree_rows_are_read_and_written_in_place_among_other_rows(triton_interpr
         others = torch.ones(40, dtype=torch.bool)
         others[q_rows.long()] = False
         assert (out[others] == -5.0).all()
+
+
+def test_the_start_up_check_passes_here_and_catches_a_wrong_kernel(triton_interpret, monkeypatch):
+    """What the GPU tree runtime runs once on its device when the model is built (engine/gpu_tree_runtime.py): the
+    kernel on a small case against the reference, in the model's dtype. A kernel that computes wrong fails it."""
+    for dtype in (torch.float32, torch.bfloat16):
+        assert ta.check_on_device("cpu", dtype, 9, 3, 64) <= ta.TOLERANCE[dtype]
+    monkeypatch.setattr(ta, "tree_attention_triton", lambda q, *a, **k: torch.zeros_like(q))
+    assert ta.check_on_device("cpu", torch.float32, 9, 3, 64) > 0.1

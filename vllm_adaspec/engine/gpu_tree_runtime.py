@@ -31,7 +31,7 @@ import torch
 from vllm_adaspec.engine.gpu_kv import compaction_moves, gather_kv_at, kv_views, move_slots
 from vllm_adaspec.engine.tree_runtime import TreeRuntime, TreeStep
 from vllm_adaspec.engine.tree_sampler import chain_indices
-from vllm_adaspec.kernels.tree_attention import TreeAttentionLaunch, launch, plan_launch
+from vllm_adaspec.kernels.tree_attention import TOLERANCE, TreeAttentionLaunch, check_on_device, launch, plan_launch
 from vllm_adaspec.trees.batch import TreeBatch, pack_trees, pack_words, verify_greedy_batch
 
 
@@ -110,11 +110,21 @@ class GPUTreeRuntime(TreeRuntime):
         self._draft_on_device = (None, None)
         self.heads = (0, 0, 0)  # query heads, kv heads, head size of the model's attention layers (this rank's)
 
-    def attached(self, impls: list) -> None:
+    def attached(self, impls: list, dtype: torch.dtype) -> None:
+        """The model's layers are built: their heads, and the kernel checked once on this device in the model's dtype
+        (a kernel that cannot compile or computes wrong here fails start-up, not a request)."""
         shapes = {(impl.num_heads, impl.num_kv_heads, impl.head_size) for impl in impls}
         if len(shapes) != 1:  # one launch plan serves every layer of a forward
             raise ValueError(f"tree attention needs one head layout across the model's layers, got {sorted(shapes)}")
         self.heads = shapes.pop()
+        try:
+            err = check_on_device(self.device, dtype, *self.heads)
+        except Exception as e:
+            raise RuntimeError(f"the tree-attention kernel failed its start-up check on {self.device} "
+                               f"({type(e).__name__}: {e})") from e
+        if not err <= TOLERANCE[dtype]:
+            raise RuntimeError(f"the tree-attention kernel is off by {err:.3g} on {self.device} in {dtype} at its "
+                               f"start-up check (at most {TOLERANCE[dtype]} allowed)")
 
     # --- planning ---
     def prepare(self, step: TreeStep | None) -> TreeStep | None:

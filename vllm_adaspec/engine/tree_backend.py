@@ -76,9 +76,9 @@ def gpu_tree_support(vllm_config) -> str | None:
             f"(FlashAttention and Triton have one: --attention-backend FLASH_ATTN or TRITON_ATTN)")
 
 
-def attach_runtime(static_forward_context: dict, runtime) -> tuple[int, int]:
-    """Point every tree-capable attention layer of the model at the worker's runtime; returns (layers attached,
-    attention layers in all)."""
+def attach_runtime(static_forward_context: dict, runtime, dtype) -> tuple[int, int]:
+    """Point every tree-capable attention layer of the model at the worker's runtime (`dtype`: the model's); returns
+    (layers attached, attention layers in all)."""
     impls, total = [], 0
     for layer in static_forward_context.values():
         impl = getattr(layer, "impl", None)
@@ -88,5 +88,5 @@ def attach_runtime(static_forward_context: dict, runtime) -> tuple[int, int]:
         if isinstance(impl, TreeAttentionMixin):
             impl.tree_runtime = runtime
             impls.append(impl)
-    runtime.attached(impls)
+    runtime.attached(impls, dtype)
     return len(impls), total

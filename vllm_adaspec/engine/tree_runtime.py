@@ -161,8 +161,9 @@ class TreeRuntime:
         self.kv_moves = 0
         self.batched_total = 0  # trees verified on the device in one batch, so far (a device runtime's)
 
-    def attached(self, impls: list) -> None:
-        """The attention impls that call this runtime (engine/tree_backend.attach_runtime), once the model is built."""
+    def attached(self, impls: list, dtype: torch.dtype) -> None:
+        """The attention impls that call this runtime (engine/tree_backend.attach_runtime), once the model is built
+        (`dtype`: the model's)."""
 
     # --- planning (the runner's _prepare_inputs hook) ---
     def begin_step(self, req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, positions: torch.Tensor,

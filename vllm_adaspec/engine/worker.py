@@ -48,8 +48,11 @@ class AdaspecWorkerMixin:
             from vllm_adaspec.config import AdaspecConfigError
             from vllm_adaspec.engine.tree_backend import attach_runtime
 
-            attached, total = attach_runtime(self.vllm_config.compilation_config.static_forward_context,
-                                             port.runtime)
+            try:
+                attached, total = attach_runtime(self.vllm_config.compilation_config.static_forward_context,
+                                                 port.runtime, self.vllm_config.model_config.dtype)
+            except (RuntimeError, ValueError) as e:  # the GPU runtime's start-up check of its kernel
+                raise AdaspecConfigError(f"vllm_adaspec: token trees cannot run on this engine: {e}") from e
             if attached < total:  # a tree forward through such a layer would attend causally: never start so
                 raise AdaspecConfigError(f"vllm_adaspec: {total - attached} of the model's {total} attention layers "
                                          "got an attention backend without a tree path; token trees cannot run")

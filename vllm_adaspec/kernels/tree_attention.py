@@ -38,7 +38,8 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["TreeAttentionLaunch", "ancestor_bits", "launch", "plan_launch", "tree_attention_reference", "tree_attention_triton"]
+__all__ = ["TOLERANCE", "TreeAttentionLaunch", "ancestor_bits", "check_on_device", "launch", "plan_launch",
+           "tree_attention_reference", "tree_attention_triton"]
 
 
 def ancestor_bits(tree_mask: torch.Tensor) -> torch.Tensor:
@@ -303,3 +304,37 @@ def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows
     plan = plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, q.shape[1], hkv, d, max_rows, longest,
                        block_n=block_n, splits=splits)
     return launch(plan, q, k_cache, v_cache, block_table, scale, torch.empty_like(q) if out is None else out)
+
+
+def check_on_device(device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> float:
+    """Run the kernel once on a small random case (two trees over paged prefixes, one split and three) on `device`
+    in `dtype` and return the largest difference from the float32 reference: a start-up check that the kernel
+    compiles and computes on this device for this model's heads (TOLERANCE[dtype] bounds a correct run)."""
+    g = torch.Generator().manual_seed(0)
+    bs, plens, nodes = 16, [70, 5], [5, 3]
+    rows = [n + 1 for n in nodes]
+    cu = torch.tensor([0, rows[0], rows[0] + rows[1]], dtype=torch.int32)
+    table = torch.randperm(12, generator=g)[:12].view(2, 6).to(torch.int32)
+    k = torch.randn(12, bs, num_kv_heads, head_size, generator=g)
+    v = torch.randn(12, bs, num_kv_heads, head_size, generator=g)
+    q = torch.randn(sum(rows), num_heads, head_size, generator=g)
+    mask = torch.zeros(sum(rows), max(rows), dtype=torch.bool)
+    for c, n, parents in ((0, rows[0], [-1, 0, 0, 1, 3]), (rows[0], rows[1], [-1, -1, 1])):
+        m = torch.eye(n, dtype=torch.bool)
+        m[:, 0] = True
+        for i, p in enumerate(parents):
+            m[i + 1] |= m[p + 1]
+        mask[c:c + n, :n] = m
+    args = [x.to(device) for x in (q.to(dtype), k.to(dtype), v.to(dtype), table, torch.tensor(plens, dtype=torch.int32),
+                                   cu, ancestor_bits(mask))]
+    want = tree_attention_reference(*args, head_size ** -0.5, dtype=torch.float32)
+    err = 0.0
+    for splits in (1, 3):
+        got = tree_attention_triton(*args, head_size ** -0.5, max_rows=max(rows), longest=max(p + r for p, r in
+                                                                                               zip(plens, rows)),
+                                    block_n=32, splits=splits)
+        err = max(err, float((got.float() - want).abs().max()))
+    return err
+
+
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
