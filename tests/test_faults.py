@@ -73,8 +73,11 @@ class FakePort:
     def live(self):
         return {}
 
-    def tree_batched(self):
-        return 0
+    def tree_counts(self):
+        return {}
+
+    def tree_copies(self):
+        return True
 
     def held_copy_tokens(self):
         return 0

@@ -45,13 +45,14 @@ ROWS = [4, 6, 8, 9, 5]  # rows each request schedules (drafts + 1; the prefill c
 ROOTS = np.array([40, 23, 70, 0, 5])  # computed tokens: the position of each request's first row
 
 
-def planned(device="cpu"):
+def planned(device="cpu", plain=None):
     from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
 
     qs = np.concatenate([[0], np.cumsum(ROWS)])
     spec = {r: list(PLANS[r].tokens) for r in REQ_IDS if r in PLANS}
     step = plan_step(REQ_IDS, qs, ROOTS, spec, PLANS, int(qs[-1]))
-    rt = GPUTreeRuntime(device, plain_greedy=lambda req_id: req_id != "tree_c")  # tree_c: verified one by one
+    # tree_c: verified one by one (the tree sampler), the others in the device batch
+    rt = GPUTreeRuntime(device, plain=plain or (lambda req_id: None if req_id == "tree_c" else "greedy"))
     rt.heads = (HQ, HKV, D)
     return rt, step, qs
 
@@ -120,7 +121,7 @@ def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, m
             if j % 3 != 2:
                 logits[starts[r.row] + parent + 1, tok % 40] += 8.0
     tokens = torch.full((len(REQ_IDS), 8), 99, dtype=torch.int32)
-    verdict = rt.verify_batched(rt.step, logits, tokens)
+    verdict = rt.verify_batched(rt.step, logits, tokens, SimpleNamespace(temperature=None, top_k=None, top_p=None))
     want_results = {}
     for k_, r in enumerate(rt.step.requests):
         x = logits[starts[r.row]:starts[r.row] + len(r.tree) + 1].argmax(-1)
@@ -159,7 +160,7 @@ def test_nothing_in_the_gpu_step_reads_a_device_value():
 
     from vllm_adaspec.engine.tree_sampler import chains_only
 
-    rt, step, qs = planned("meta")
+    rt, step, qs = planned("meta", plain={"tree_a": "greedy", "tree_b": "sampled"}.get)  # both batched kinds
     t = int(qs[-1])
     positions = torch.zeros(t, dtype=torch.int64, device="meta")
     seq_lens = torch.zeros(len(REQ_IDS), dtype=torch.int32, device="meta")
@@ -176,7 +177,10 @@ def test_nothing_in_the_gpu_step_reads_a_device_value():
     assert reduced.num_draft_tokens == [3, 0, 0, 0, 0] and reduced.draft_token_ids.shape == (3,)
     tokens = torch.empty(len(REQ_IDS), 8, dtype=torch.int32, device="meta")
     logits = torch.empty(sum(num) + len(num), 50, device="meta")
-    verdict = rt.verify_batched(step, logits, tokens)
+    sm = SimpleNamespace(temperature=torch.empty(len(REQ_IDS), device="meta"), top_k=meta(len(REQ_IDS)),
+                         top_p=torch.empty(len(REQ_IDS), device="meta"))
+    assert step.device.batched == [0, 1] and step.device.greedy == 1 and step.device.sampled_depth == 3
+    verdict = rt.verify_batched(step, logits, tokens, sm)
     step.slot_mapping = torch.empty(t, dtype=torch.long, device="meta")
     step.kv_caches = [torch.empty(20, HKV, BS, 2 * D, device="meta") for _ in range(3)]
     rt.finish_step(step, {4: ([0, 1], 3, [])}, verdict)  # tree_c verified on the host: its path is copied in
@@ -365,16 +369,18 @@ def test_registration_and_the_graph_mode_vllm_resolves(vllm_triton):
 
 
 EMULATION = str(Path(__file__).resolve().parent / "gpu_emulation")
-GPU_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[4], PROMPTS[7], PROMPTS[8]]
+GPU_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[4], PROMPTS[7], PROMPTS[8], PROMPTS[0]]
 
 
 def _params(mode: str) -> list:
     """Speculation forced to trees whenever a request drafts (or off: the reference). The first request has a
     min_tokens setting (its trees are verified one by one on the host, each row with its own path's output), three
-    are plain greedy (verified in one batch on the device), the last samples (runs beside them, not compared)."""
+    are plain greedy (verified in one batch on the device); two sample, not compared: one seeded (one by one), one
+    not (sample-and-match in the device batch)."""
     xargs = {"extra_args": {"adaspec_speculation": mode}}
     greedy = {"temperature": 0.0, "max_tokens": 40, **xargs}
-    return [{**greedy, "min_tokens": 4}] + [greedy] * 3 + [{"temperature": 0.8, "seed": 3, "max_tokens": 24, **xargs}]
+    return ([{**greedy, "min_tokens": 4}] + [greedy] * 3 + [{"temperature": 0.8, "seed": 3, "max_tokens": 24, **xargs},
+                                                           {"temperature": 0.1, "max_tokens": 40, **xargs}])
 
 
 @pytest.fixture(scope="module")
@@ -421,5 +427,5 @@ def test_early_exit_trees_on_the_gpu_tree_path_equal_plain_decoding(gpu_path_run
     assert trees["token_ids"][:4] == plain["token_ids"][:4]
     st = trees["adaspec"]
     assert st["drafter_faults"] == 0 and st["tree_rounds"] > 20 and st["draft_passes"] > 20, st
-    assert st["tree_batched"] > 10 and st["accepted_drafts"] > 0, st
+    assert st["tree_batched"] > 10 and st["tree_batched_sampled"] > 5 and st["accepted_drafts"] > 0, st
     assert plain["adaspec"]["verified_drafts"] == 0

@@ -316,3 +316,59 @@ def test_typical_acceptance_moves_mass_onto_drafted_plausible_tokens():
     assert share > float(exact[plausible].sum()) + 0.05, (share, float(exact[plausible].sum()))
     tv = 0.5 * (typical / n - exact).abs().sum()
     assert tv > 0.05, float(tv)  # far beyond sampling noise at n = 6000 (the lossless modes stay under 0.04 at 3 tokens)
+
+
+def _random_trees(count, g):
+    """Trees of 0-40 nodes over a 4-token vocabulary: many equal siblings."""
+    out = []
+    for _ in range(count):
+        n = int(torch.randint(0, 41, (), generator=g))
+        parents = [int(torch.randint(-1, i, (), generator=g)) if torch.rand((), generator=g) < 0.7 else i - 1
+                   for i in range(n)]
+        out.append(DraftTree(torch.randint(0, 4, (n,), generator=g), torch.tensor(parents, dtype=torch.long)))
+    return out
+
+
+def test_batched_verification_equals_the_per_tree_walks():
+    """trees/batch.py, as the GPU tree runtime runs it: greedy over padded trees equals verify_greedy tree by tree,
+    and sample-and-match whose rows are one-hot (a draw can only be the argmax) equals it too: the same paths, the
+    same bonus, equal siblings pooled alike."""
+    from vllm_adaspec.trees import pack_trees, verify_greedy_batch, verify_sample_batch
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        trees = _random_trees(int(torch.randint(1, 7, (), generator=g)), g)
+        batch = pack_trees(trees, width=40)
+        argmax = torch.randint(0, 4, (len(trees), 41), generator=g)
+        greedy = verify_greedy_batch(batch, argmax)
+        one_hot = lambda rows: torch.nn.functional.one_hot(argmax.gather(1, rows[:, None])[:, 0], 4).double()  # noqa
+        sampled = verify_sample_batch(batch, one_hot, max_depth=40)
+        for (path, count, bonus) in (greedy, sampled):
+            for i, tree in enumerate(trees):
+                want_path, want_bonus = verify_greedy(tree, argmax[i, :len(tree) + 1])
+                assert path[i, :count[i]].tolist() == want_path and int(bonus[i]) == want_bonus
+                assert (path[i, count[i]:] == -1).all()
+
+
+def test_batched_sample_and_match_keeps_the_target_distribution():
+    """15000 trees verified in one batch (the drafter's top-2 under top-2), each text completed by plain draws from
+    the target: the first three tokens follow the target's exact distribution; the same batch verified against the
+    drafter's distributions instead does not (the test's power)."""
+    from vllm_adaspec.trees import pack_trees, verify_sample_batch
+
+    g = torch.Generator().manual_seed(3)
+    tree, prefixes = topk_tree((), g)
+    r = 15000
+    batch = pack_trees([tree] * r)
+    exact = _exact(3)
+    for dist, lossless in ((target, True), (drafter, False)):
+        rows = torch.stack([dist(p) for p in prefixes])  # [N + 1, V] the distribution at each row
+        path, count, bonus = verify_sample_batch(batch, lambda at: rows[at], max_depth=2, generator=g)
+        counts = torch.zeros(V ** 3, dtype=torch.float64)
+        for i in range(r):
+            text = tuple(tree.tokens[path[i, :count[i]]].tolist()) + (int(bonus[i]),)
+            while len(text) < 3:
+                text += (int(torch.multinomial(target(text), 1, generator=g)),)
+            counts[text[0] * V * V + text[1] * V + text[2]] += 1
+        p = chi2_pvalue(counts, exact)
+        assert (p > 1e-3) if lossless else (p < 1e-6), (dist.__name__, p)

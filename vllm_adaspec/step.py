@@ -67,13 +67,14 @@ class RequestTraits:
     setting it carries is applied per tree row: engine/tree_sampler.py); own_sampler: some of its settings (min_p,
     logit_bias) are applied by the tree sampler only (vLLM's chain verification ignores them), so its drafts go
     through the tree path or not at all; grammar: structured output (candidates are checked against a copy of its
-    grammar before they are chosen, and only a request whose copy is ready drafts trees); plain_greedy: greedy with
-    nothing but an argmax per row (a device runtime verifies such trees in one batch)."""
+    grammar before they are chosen, and only a request whose copy is ready drafts trees); plain: "greedy" or
+    "sampled" when its rows need nothing but an argmax or an unseeded draw after temperature / top-k / top-p (a device
+    runtime verifies such trees in one batch), else None."""
     controls: RequestControls = DEFAULT_CONTROLS
     tree: bool = True
     own_sampler: bool = False
     grammar: bool = False
-    plain_greedy: bool = False
+    plain: str | None = None
 
 
 @dataclass(frozen=True)

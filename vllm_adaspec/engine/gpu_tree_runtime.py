@@ -9,9 +9,11 @@ per layer, the tree sampler, KV compaction), done on the device:
 2. `attend` (every attention layer, after vLLM's kernel wrote every row): the Triton kernel
    (kernels/tree_attention.py) writes the tree requests' rows of the layer's output, reading the paged cache where
    vLLM's kernel just wrote the rows' keys and values; no copy of any request's KV.
-3. `verify_batched` (the tree sampler): plain greedy trees verified together (trees/batch.py); their committed
-   tokens are written into vLLM's sampled-token tensor on the device. Other tree requests (sampling, penalties,
-   grammars, log-probs) go through the tree sampler one by one, as on CPU (those wait for the device).
+3. `verify_batched` (the tree sampler): plain trees verified together (trees/batch.py): greedy ones by the argmax
+   of their rows, sampled ones (temperature, top-k, top-p, no seed) by sample-and-match, one draw per depth for all
+   of them; their committed tokens are written into vLLM's sampled-token tensor on the device. Other tree requests
+   (seeds, penalties, grammars, log-probs, min_p, bias) go through the tree sampler one by one, as on CPU (those
+   wait for the device).
 4. `finish_step`: the accepted nodes' KV moves to root + 1 .. root + a in every layer (gpu_kv.compaction_moves).
    The drafter's results are read from the device only at its next propose call (`take_results`), after vLLM's
    own wait for the step's sampled tokens.
@@ -32,7 +34,7 @@ from vllm_adaspec.engine.gpu_kv import compaction_moves, gather_kv_at, kv_views,
 from vllm_adaspec.engine.tree_runtime import TreeRuntime, TreeStep
 from vllm_adaspec.engine.tree_sampler import chain_indices
 from vllm_adaspec.kernels.tree_attention import TOLERANCE, TreeAttentionLaunch, check_on_device, launch, plan_launch
-from vllm_adaspec.trees.batch import TreeBatch, pack_trees, pack_words, verify_greedy_batch
+from vllm_adaspec.trees.batch import TreeBatch, pack_trees, pack_words, verify_greedy_batch, verify_sample_batch
 
 
 class StagingBuffer:
@@ -66,8 +68,9 @@ class StagingBuffer:
 
 @dataclass
 class DeviceStep:
-    """A tree step's device side (TreeStep.device). R trees, of which the plain greedy ones (`batched`, host indices
-    into the step's requests) are verified in one batch; N = the most nodes of a tree."""
+    """A tree step's device side (TreeStep.device). R trees, of which the plain ones (`batched`, host indices into
+    the step's requests: the greedy ones, then the sampled ones) are verified in one batch; N = the most nodes of a
+    tree."""
     launch: TreeAttentionLaunch
     node_rows: torch.Tensor  # [nodes] long: every node's row of the forward
     node_positions: torch.Tensor  # [nodes] long: root + depth
@@ -77,10 +80,12 @@ class DeviceStep:
     sizes: torch.Tensor  # [R] long: nodes per tree (branch rows included)
     width: int  # N
     batched: list[int]
+    greedy: int  # how many of `batched` are greedy (they come first)
     batched_index: torch.Tensor  # [Rb] long: `batched` on the device
     batched_rows: torch.Tensor  # [Rb] long: their batch rows (rows of vLLM's sampled tokens)
     logit_rows: torch.Tensor  # [Rb, N + 1] long: where each tree row's logits are (padding: the root's)
     trees: TreeBatch | None  # the batched trees, padded to N
+    sampled_depth: int  # the deepest node of the sampled trees (sample-and-match draws once more than that)
     chains: tuple  # tree_sampler.chains_only's staged indices
 
 
@@ -95,15 +100,16 @@ class BatchVerdict:
 
 class GPUTreeRuntime(TreeRuntime):
     """A worker's tree path on vLLM's GPU backends (engine/gpu_tree_backend.py). No per-request KV copies: the
-    kernel reads the paged cache. `plain_greedy(req_id)`: whether a request's trees may be verified in one batch
-    (the worker points it at the port's request traits)."""
+    kernel reads the paged cache. `plain(req_id)`: "greedy" or "sampled" where a request's trees may be verified in
+    one batch, else None (the worker points it at the port's request traits)."""
 
     gather_at = staticmethod(gather_kv_at)
+    keeps_copies = False
 
-    def __init__(self, device, observers=(), faults=None, plain_greedy=None):
+    def __init__(self, device, observers=(), faults=None, plain=None):
         super().__init__(observers, faults)
         self.device = torch.device(device)
-        self.plain_greedy = plain_greedy or (lambda req_id: False)
+        self.plain = plain or (lambda req_id: None)
         self._long = StagingBuffer(self.device, torch.int64)
         self._int = StagingBuffer(self.device, torch.int32)
         self.pending = None  # (step, BatchVerdict) until the drafter's next propose reads them
@@ -146,8 +152,11 @@ class GPUTreeRuntime(TreeRuntime):
             mask[c:c + len(r.tree) + 1, :len(r.tree) + 1] = r.mask
         bits = pack_words(mask).numpy()
         bits = np.where(bits >= 2**31, bits - 2**32, bits)  # as int32 words
-        # plain greedy trees: verified together; where their rows' logits are (per batch row: drafts + 1 rows)
-        batched = [k for k, r in enumerate(reqs) if self.plain_greedy(r.req_id)]
+        # plain trees, greedy then sampled: verified together; where their rows' logits are (per batch row: drafts + 1)
+        kinds = [self.plain(r.req_id) for r in reqs]
+        greedy = [k for k, kind in enumerate(kinds) if kind == "greedy"]
+        batched = greedy + [k for k, kind in enumerate(kinds) if kind == "sampled"]
+        sampled_depth = max((int(reqs[k].tree.depths.max()) for k in batched[len(greedy):]), default=0)
         logit_start = np.concatenate([[0], np.cumsum(step.num_drafts + 1)])
         logit_rows = np.stack([logit_start[reqs[k].row] + np.minimum(np.arange(width + 1), sizes[k])
                                for k in batched]) if batched else np.zeros((0, width + 1), dtype=np.int64)
@@ -174,8 +183,8 @@ class GPUTreeRuntime(TreeRuntime):
         plan = plan_launch(d_roots, d_cu, d_bits.view(len(q_rows), words), d_q_rows, d_bt_rows, hq, hkv, d,
                            max_rows=width + 1, longest=int((roots + sizes + 1).max()))
         step.device = DeviceStep(plan, d_node_rows, d_node_pos, d_rows, d_seq, d_starts, d_sizes, width, batched,
-                                 d_batched, d_rows[d_batched] if batched else d_rows[:0], d_logit_rows, d_trees,
-                                 (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num))
+                                 len(greedy), d_batched, d_rows[d_batched] if batched else d_rows[:0], d_logit_rows,
+                                 d_trees, sampled_depth, (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num))
         return step
 
     def write_step(self, step: TreeStep, positions: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -213,12 +222,18 @@ class GPUTreeRuntime(TreeRuntime):
     def batched(self, step: TreeStep) -> list[int]:
         return step.device.batched
 
-    def verify_batched(self, step: TreeStep, logits: torch.Tensor, tokens: torch.Tensor) -> BatchVerdict:
-        """The plain greedy trees' verdict; their committed tokens (accepted nodes, then the bonus) go into vLLM's
-        sampled tokens tokens [B, width] (-1 padded) on the device."""
+    def verify_batched(self, step: TreeStep, logits: torch.Tensor, tokens: torch.Tensor,
+                       sampling_metadata) -> BatchVerdict:
+        """The plain trees' verdict; their committed tokens (accepted nodes, then the bonus) go into vLLM's sampled
+        tokens tokens [B, width] (-1 padded) on the device. Greedy trees by their rows' argmax; sampled trees by
+        sample-and-match on their rows' distributions as vLLM's sampler makes them (temperature, then top-k / top-p
+        with vLLM's own op on its per-row tensors)."""
         dev = step.device
+        g = dev.greedy
         argmax = logits.argmax(dim=-1)[dev.logit_rows]  # [Rb, N + 1]
         path, count, bonus = verify_greedy_batch(dev.trees, argmax)
+        if g < len(dev.batched):
+            path[g:], count[g:], bonus[g:] = self._sample(dev, logits, sampling_metadata)
         width = tokens.shape[1]
         cols = torch.arange(width, device=tokens.device)
         n = min(path.shape[1], width)
@@ -228,6 +243,25 @@ class GPUTreeRuntime(TreeRuntime):
         out.scatter_(1, count[:, None].clamp(max=width - 1), bonus[:, None].to(tokens.dtype))
         tokens[dev.batched_rows] = out
         return BatchVerdict(path, count, bonus, argmax)
+
+    @staticmethod
+    def _sample(dev: DeviceStep, logits: torch.Tensor, sm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+        g = dev.greedy
+        trees = TreeBatch(*(t[g:] for t in (dev.trees.tokens, dev.trees.parent_rows, dev.trees.depths,
+                                            dev.trees.valid, dev.trees.ancestors, dev.trees.order)))
+        rows = dev.batched_rows[g:]
+        logit_rows = dev.logit_rows[g:]
+        temperature = sm.temperature[rows].to(torch.float32)[:, None]
+        top_k = None if sm.top_k is None else sm.top_k[rows]
+        top_p = None if sm.top_p is None else sm.top_p[rows]
+
+        def row_probs(at: torch.Tensor) -> torch.Tensor:  # at [Rs]: each tree's current row
+            x = logits[logit_rows.gather(1, at[:, None])[:, 0]].to(torch.float32) / temperature
+            return torch.softmax(apply_top_k_top_p(x, top_k, top_p), dim=-1)
+
+        return verify_sample_batch(trees, row_probs, dev.sampled_depth)
 
     def fail_step(self, step: TreeStep, first_tokens: torch.Tensor) -> None:
         self.pending = None
@@ -273,6 +307,7 @@ class GPUTreeRuntime(TreeRuntime):
                 self.results[r.row] = (path, bonus[j], predicted)
                 self.kv_moves += _moves(path)
             self.batched_total += len(step.device.batched)
+            self.batched_sampled_total += len(step.device.batched) - step.device.greedy
         return super().take_results()
 
 

@@ -13,7 +13,7 @@ import torch
 from vllm_adaspec.controls import DEFAULT as DEFAULT_CONTROLS
 from vllm_adaspec.controls import ControlError, parse_controls
 from vllm_adaspec.engine.grammar import GrammarCopies
-from vllm_adaspec.engine.tree_sampler import needs_own_sampler, plain_greedy, tree_verifiable
+from vllm_adaspec.engine.tree_sampler import needs_own_sampler, plain_rows, tree_verifiable
 from vllm_adaspec.step import BatchView, RequestTraits, Taps
 
 
@@ -50,7 +50,7 @@ class EnginePort:
             if tree and grammar:
                 tree = self.grammars.start(req_id, sp)
             traits = self._traits[req_id] = RequestTraits(controls, tree, needs_own_sampler(sp), grammar,
-                                                          plain_greedy(sp))
+                                                          plain_rows(sp))
         return traits
 
     def forget(self, req_ids) -> None:
@@ -135,9 +135,15 @@ class EnginePort:
     def held_copy_tokens(self) -> int:
         return self.runtime.held_copy_tokens() if self.runtime is not None else 0
 
-    def tree_batched(self) -> int:
-        """Trees verified on the device in one batch so far (the GPU runtime's plain greedy trees)."""
-        return self.runtime.batched_total if self.runtime is not None else 0
+    def tree_copies(self) -> bool:
+        """Whether tree requests hold KV copies outside vLLM's cache (the CPU runtime: admission is capped)."""
+        return self.runtime is not None and self.runtime.keeps_copies
+
+    def tree_counts(self) -> dict:
+        """Trees verified on the device in one batch so far (the GPU runtime's plain trees), and of them sampled."""
+        rt = self.runtime
+        return {"tree_batched": rt.batched_total if rt is not None else 0,
+                "tree_batched_sampled": rt.batched_sampled_total if rt is not None else 0}
 
     # --- tensor parallelism ---
     @staticmethod

@@ -147,6 +147,7 @@ class TreeRuntime:
     path (vLLM's CPU KV layout, per-request copies, SDPA); engine/gpu_tree_runtime.py is the GPU one."""
 
     gather_at = staticmethod(gather_cpu_kv_at)  # K, V of (block, offset) pairs in this runtime's KV layout
+    keeps_copies = True  # each tree request's KV copied contiguously (capped by tree.kv_copy_tokens)
 
     def __init__(self, observers=(), faults: FaultGuard | None = None):
         self.step: TreeStep | None = None
@@ -159,7 +160,7 @@ class TreeRuntime:
         # slots compaction moved, until the drafter's next propose reads them (take_results)
         self.results: dict[int, tuple] = {}
         self.kv_moves = 0
-        self.batched_total = 0  # trees verified on the device in one batch, so far (a device runtime's)
+        self.batched_total = self.batched_sampled_total = 0  # trees verified on the device in one batch, so far
 
     def attached(self, impls: list, dtype: torch.dtype) -> None:
         """The attention impls that call this runtime (engine/tree_backend.attach_runtime), once the model is built

@@ -24,13 +24,18 @@ def tree_verifiable(sp) -> bool:
             and getattr(sp, "thinking_token_budget", None) is None and not getattr(sp, "logprob_token_ids", None))
 
 
-def plain_greedy(sp) -> bool:
-    """Greedy requests whose rows need nothing but an argmax (no penalty, word list, bias, min_p, min_tokens,
-    grammar or log-probs): a device runtime verifies their trees together, on the device (trees/batch.py)."""
-    return (sp is not None and sp.temperature < SAMPLING_EPS and tree_verifiable(sp) and not needs_own_sampler(sp)
-            and (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.0, 0.0, 1.0)
-            and not sp.bad_words and not sp.allowed_token_ids and not sp.min_tokens
-            and sp.structured_outputs is None and sp.logprobs is None)
+def plain_rows(sp) -> str | None:
+    """"greedy" or "sampled" for requests whose rows need nothing but an argmax, or a draw after temperature, top-k
+    and top-p from the global generator (no seed, penalty, word list, bias, min_p, min_tokens, grammar or
+    log-probs): a device runtime verifies their trees together, on the device (trees/batch.py). None otherwise."""
+    if (sp is None or not tree_verifiable(sp) or needs_own_sampler(sp)
+            or (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) != (0.0, 0.0, 1.0)
+            or sp.bad_words or sp.allowed_token_ids or sp.min_tokens or sp.structured_outputs is not None
+            or sp.logprobs is not None):
+        return None
+    if sp.temperature < SAMPLING_EPS:
+        return "greedy"
+    return "sampled" if sp.seed is None else None
 
 
 def needs_own_sampler(sp) -> bool:
@@ -324,14 +329,14 @@ class TreeRejectionSampler:
         faults = self.runtime.faults
         want_logprobs = out.logprobs_tensors is not None and sampling_metadata.max_num_logprobs is not None
         results, logprob_rows = {}, []
-        # plain greedy trees verified together on the device (engine/gpu_tree_runtime.py; the CPU runtime batches none)
+        # plain trees verified together on the device (engine/gpu_tree_runtime.py; the CPU runtime batches none)
         batched, verdict = set(self.runtime.batched(step)), None
         if batched:
             try:
                 faults.point("tree_verify")
-                verdict = self.runtime.verify_batched(step, logits, tokens)
+                verdict = self.runtime.verify_batched(step, logits, tokens, sampling_metadata)
             except Exception as e:  # vLLM's first tokens stand, nothing more
-                faults.record("verifying the step's greedy token trees", e)
+                faults.record("verifying the step's plain token trees in one batch", e)
                 firsts = tokens[:, 0].tolist()
                 results.update({step.requests[k].row: ([], int(firsts[step.requests[k].row]), []) for k in batched})
         for k, r in enumerate(step.requests):

@@ -28,7 +28,7 @@ class AdaspecWorkerMixin:
         runtime = self.tree_runtime(observers, drafter.faults) if drafter.needs.trees else None
         port = EnginePort(runner, runtime, observers)
         if runtime is not None:
-            runtime.plain_greedy = lambda req_id: port.traits(req_id).plain_greedy
+            runtime.plain = plain_rows_under(drafter.cfg.acceptance.name, port)
         drafter.attach(port)  # before load_model: drafters load through it
         # One writer per engine: tensor-parallel rank 0 (every rank drafts the same).
         self._adaspec_snapshots = (SnapshotWriter(f"dp{self.parallel_config.data_parallel_rank}")
@@ -73,3 +73,13 @@ class AdaspecWorkerMixin:
     def adaspec_stats(self) -> dict:
         """Drafter counters (drafting time, passes, tokens); `LLM.collective_rpc("adaspec_stats")` reads them."""
         return self.model_runner.drafter.get_stats()
+
+
+def plain_rows_under(acceptance: str, port):
+    """req_id -> "greedy" / "sampled" / None: which trees a device runtime may verify in one batch. Sampled trees only
+    under exact acceptance (`typical`, lossy and opt-in, goes through the tree sampler)."""
+    def plain(req_id: str):
+        kind = port.traits(req_id).plain
+        return kind if kind == "greedy" or acceptance == "exact" else None
+
+    return plain

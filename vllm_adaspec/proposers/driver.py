@@ -349,6 +349,9 @@ class Driver:
             traits = self.traits_of(req_ids[i])
             ok.append(traits.tree and traits.controls.speculation != "chain")
         cand = [e for e, good in enumerate(ok) if good]
+        if not self.port.tree_copies():  # the GPU runtime reads the paged cache in place: nothing to cap
+            self.tree_holders = {req_ids[rows[e]] for e in cand}
+            return ok
         lengths = [copy_capacity(int(view.num_tokens[rows[e]]) + self.tree.budget + extra_rows) for e in cand]
         holding = [req_ids[rows[e]] in self.tree_holders for e in cand]
         admitted = admit_within(lengths, self._copy_cap(), holding)
@@ -388,7 +391,7 @@ class Driver:
         # Copies: in a single-process engine the RPC hands back this very object, and callers diff snapshots.
         self.stats.drafter_faults = self.faults.count
         return {**self.stats.as_dict(), "tracked_requests": len(self.states),
-                "tree_batched": self.port.tree_batched() if self.port is not None else 0,
+                **(self.port.tree_counts() if self.port is not None else {}),
                 "step_costs": self.costs.table() if self.costs is not None else {},
                 "config": {"cost_model": self.cfg.cost_model, **self.drafter.config()}, "live": self.live_state(),
                 "faults_by_place": dict(self.faults.by_place), **self.drafter.extra_stats(),

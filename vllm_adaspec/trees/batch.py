@@ -1,10 +1,11 @@
 """Many draft trees as padded tensors, verified together without leaving the device.
 
 The per-tree verifiers (trees/verify.py) walk a tree in Python; on a GPU each walk would wait for the device. Here
-R trees of up to N nodes become [R, N] tensors once on the host (`pack_trees`, when the step is planned), and greedy
-verification is a handful of batched tensor ops on the device (`verify_greedy_batch`), with the same result as
-`verify_greedy` tree by tree (equal siblings included: a node is compared with the output of the first node equal
-to its parent, as verify_greedy's frontier does). Plain torch: no vLLM.
+R trees of up to N nodes become [R, N] tensors once on the host (`pack_trees`, when the step is planned), and
+verification is a handful of batched tensor ops on the device: greedy (`verify_greedy_batch`, the same result as
+`verify_greedy` tree by tree) and sample-and-match (`verify_sample_batch`, the same rule as `verify_sample_match`:
+one draw per depth for the whole batch). Equal siblings are pooled as the per-tree verifiers pool them: a node is
+compared with the output of the first node (in preorder) equal to its parent. Plain torch: no vLLM.
 """
 
 from __future__ import annotations
@@ -110,7 +111,6 @@ def verify_greedy_batch(batch: TreeBatch, argmax: torch.Tensor) -> tuple[torch.T
     depth d + 1 in column d, -1 past the accepted depth; count [R] long: nodes accepted; bonus [R] long: the
     target's token after the last accepted node). Batched tensor ops only: nothing waits for the device."""
     r, n = batch.tokens.shape
-    nodes = torch.arange(n, device=argmax.device)
     # a node matches when its token is the target's argmax at its parent's (representative's) row
     match = batch.valid & (batch.tokens == argmax.gather(1, batch.parent_rows))  # [R, N]
     matched = torch.cat([torch.ones(r, 1, dtype=torch.bool, device=argmax.device), match], 1)  # the root stays
@@ -121,12 +121,45 @@ def verify_greedy_batch(batch: TreeBatch, argmax: torch.Tensor) -> tuple[torch.T
     score = torch.where(accepted, batch.depths * (n + 1) + (n - batch.order), torch.zeros_like(batch.depths))
     best, chosen = score.max(-1)
     chosen = torch.where(best > 0, chosen, torch.full_like(chosen, -1))  # [R] node, -1 = the root
-    count = torch.where(best > 0, batch.depths.gather(1, chosen.clamp(min=0)[:, None])[:, 0], torch.zeros_like(best))
     bonus = argmax.gather(1, (chosen + 1)[:, None])[:, 0]
-    # the path: the chosen node's ancestors-or-self, each in the column of its depth
-    row_words = batch.ancestors.gather(1, (chosen + 1)[:, None, None].expand(-1, 1, batch.ancestors.shape[-1]))
-    on_path = unpack_rows(row_words[:, 0], n + 1)[:, 1:] & (chosen >= 0)[:, None]  # [R, N] (row 0 is the root)
-    path = torch.full((r, n + 1), -1, dtype=torch.long, device=argmax.device)
+    path, count = _path_to(batch, chosen)
+    return path, count, bonus
+
+
+def _path_to(batch: TreeBatch, node: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """node [R] (-1 = the root) -> (path [R, N]: its ancestors-or-self, each in the column of its depth, -1 past it;
+    count [R]: its depth)."""
+    r, n = batch.tokens.shape
+    words = batch.ancestors.gather(1, (node + 1)[:, None, None].expand(-1, 1, batch.ancestors.shape[-1]))[:, 0]
+    on_path = unpack_rows(words, n + 1)[:, 1:] & (node >= 0)[:, None]  # [R, N] (row 0 is the root)
+    path = torch.full((r, n + 1), -1, dtype=torch.long, device=node.device)
     column = torch.where(on_path, batch.depths - 1, torch.full_like(batch.depths, n))  # off the path: a spare column
-    path.scatter_(1, column, nodes.expand(r, n).contiguous())
-    return path[:, :n], count, bonus
+    path.scatter_(1, column, torch.arange(n, device=node.device).expand(r, n).contiguous())
+    count = torch.where(node >= 0, batch.depths.gather(1, node.clamp(min=0)[:, None])[:, 0], torch.zeros_like(node))
+    return path[:, :n], count
+
+
+def verify_sample_batch(batch: TreeBatch, row_probs, max_depth: int,
+                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample-and-match for R trees at once. row_probs(rows [R]) -> [R, V]: the target's (processed) distribution at
+    verification row rows[r] of tree r; max_depth: the deepest node of any tree (a host int). Each round draws one
+    token per tree at its current row and moves into the first child (preorder) carrying it; a tree whose draw
+    matches no child stops, the draw its bonus. max_depth + 1 rounds settle every tree, with no host read between
+    them. Returns (path [R, N], count [R], bonus [R]) as verify_greedy_batch."""
+    r, n = batch.tokens.shape
+    device = batch.tokens.device
+    row = torch.zeros(r, dtype=torch.long, device=device)  # the current (representative) row, 0 = the root
+    node = torch.full((r, ), -1, dtype=torch.long, device=device)  # the deepest accepted node
+    bonus = torch.zeros(r, dtype=torch.long, device=device)
+    active = torch.ones(r, dtype=torch.bool, device=device)
+    for _ in range(max_depth + 1):
+        x = torch.multinomial(row_probs(row), 1, generator=generator)[:, 0]  # [R]
+        children = batch.valid & (batch.parent_rows == row[:, None]) & (batch.tokens == x[:, None])
+        best, child = torch.where(children, n - batch.order, torch.zeros_like(batch.order)).max(-1)
+        moved = active & (best > 0)
+        bonus = torch.where(active & ~moved, x, bonus)
+        node = torch.where(moved, child, node)
+        row = torch.where(moved, child + 1, row)
+        active = moved
+    path, count = _path_to(batch, node)
+    return path, count, bonus
