@@ -91,7 +91,7 @@ class DeviceStep:
 
 @dataclass
 class BatchVerdict:
-    """Plain greedy trees verified in one batch (device tensors, read by the host at the drafter's next call)."""
+    """Plain trees verified in one batch (device tensors, read by the host at the drafter's next call)."""
     path: torch.Tensor  # [Rb, N]
     count: torch.Tensor  # [Rb]
     bonus: torch.Tensor  # [Rb]
@@ -160,8 +160,8 @@ class GPUTreeRuntime(TreeRuntime):
         logit_start = np.concatenate([[0], np.cumsum(step.num_drafts + 1)])
         logit_rows = np.stack([logit_start[reqs[k].row] + np.minimum(np.arange(width + 1), sizes[k])
                                for k in batched]) if batched else np.zeros((0, width + 1), dtype=np.int64)
-        trees = pack_trees([reqs[k].tree for k in batched], [reqs[k].num_verified for k in batched], width=width) \
-            if batched else None
+        trees = pack_trees([reqs[k].tree for k in batched], [reqs[k].num_verified for k in batched], width=width,
+                           masks=[reqs[k].mask for k in batched]) if batched else None
         keep, num, cu_draft, cu_sampled = chain_indices(step.num_drafts, set(rows.tolist()))
         firsts = (np.cumsum(step.num_drafts) - step.num_drafts)[rows]
         longs = [node_rows, node_pos, rows, starts, sizes, np.array(batched, dtype=np.int64), logit_rows,
@@ -230,10 +230,13 @@ class GPUTreeRuntime(TreeRuntime):
         with vLLM's own op on its per-row tensors)."""
         dev = step.device
         g = dev.greedy
-        argmax = logits.argmax(dim=-1)[dev.logit_rows]  # [Rb, N + 1]
-        path, count, bonus = verify_greedy_batch(dev.trees, argmax)
+        argmax = logits.argmax(dim=-1)[dev.logit_rows]  # [Rb, N + 1] (the sampled trees' read-only rows need it too)
+        verdicts = []
+        if g:
+            verdicts.append(verify_greedy_batch(dev.trees.rows(slice(None, g)), argmax[:g]))
         if g < len(dev.batched):
-            path[g:], count[g:], bonus[g:] = self._sample(dev, logits, sampling_metadata)
+            verdicts.append(self._sample(dev, logits, sampling_metadata))
+        path, count, bonus = (torch.cat(parts) for parts in zip(*verdicts))
         width = tokens.shape[1]
         cols = torch.arange(width, device=tokens.device)
         n = min(path.shape[1], width)
@@ -249,8 +252,7 @@ class GPUTreeRuntime(TreeRuntime):
         from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
         g = dev.greedy
-        trees = TreeBatch(*(t[g:] for t in (dev.trees.tokens, dev.trees.parent_rows, dev.trees.depths,
-                                            dev.trees.valid, dev.trees.ancestors, dev.trees.order)))
+        trees = dev.trees.rows(slice(g, None))
         rows = dev.batched_rows[g:]
         logit_rows = dev.logit_rows[g:]
         temperature = sm.temperature[rows].to(torch.float32)[:, None]

@@ -32,6 +32,8 @@ import os
 
 import torch
 
+from vllm_adaspec.trees.tree import DraftTree, ancestor_mask
+
 try:
     import triton
     import triton.language as tl
@@ -319,12 +321,9 @@ def check_on_device(device, dtype: torch.dtype, num_heads: int, num_kv_heads: in
     v = torch.randn(12, bs, num_kv_heads, head_size, generator=g)
     q = torch.randn(sum(rows), num_heads, head_size, generator=g)
     mask = torch.zeros(sum(rows), max(rows), dtype=torch.bool)
-    for c, n, parents in ((0, rows[0], [-1, 0, 0, 1, 3]), (rows[0], rows[1], [-1, -1, 1])):
-        m = torch.eye(n, dtype=torch.bool)
-        m[:, 0] = True
-        for i, p in enumerate(parents):
-            m[i + 1] |= m[p + 1]
-        mask[c:c + n, :n] = m
+    for c, parents in ((0, [-1, 0, 0, 1, 3]), (rows[0], [-1, -1, 1])):
+        m = ancestor_mask(DraftTree(torch.zeros(len(parents), dtype=torch.long), torch.tensor(parents)))
+        mask[c:c + len(m), :len(m)] = m
     args = [x.to(device) for x in (q.to(dtype), k.to(dtype), v.to(dtype), table, torch.tensor(plens, dtype=torch.int32),
                                    cu, ancestor_bits(mask))]
     want = tree_attention_reference(*args, head_size ** -0.5, dtype=torch.float32)

@@ -32,9 +32,10 @@ class TreeBatch:
     ancestors: torch.Tensor
     order: torch.Tensor  # [R, N] long: each node's `preorder` rank (which of equally deep accepted nodes is taken)
 
-    def to(self, device, non_blocking: bool = False) -> "TreeBatch":
-        return TreeBatch(*(t.to(device, non_blocking=non_blocking) for t in (
-            self.tokens, self.parent_rows, self.depths, self.valid, self.ancestors, self.order)))
+    def rows(self, which: slice) -> "TreeBatch":
+        """The trees `which` selects (views)."""
+        return TreeBatch(*(t[which] for t in (self.tokens, self.parent_rows, self.depths, self.valid, self.ancestors,
+                                              self.order)))
 
 
 def pack_words(mask: torch.Tensor) -> torch.Tensor:
@@ -76,9 +77,10 @@ def representative_rows(tree: DraftTree, rank: list[int] | None = None) -> list[
     return [0 if q < 0 else rep[q] + 1 for q in parents]
 
 
-def pack_trees(trees: list[DraftTree], verified: list[int] | None = None, width: int | None = None) -> TreeBatch:
+def pack_trees(trees: list[DraftTree], verified: list[int] | None = None, width: int | None = None,
+               masks: list[torch.Tensor] | None = None) -> TreeBatch:
     """Host tensors for `trees` (verified[r]: how many of tree r's first nodes are verified; the rest are read-only
-    rows; width: N, at least the largest tree)."""
+    rows; width: N, at least the largest tree; masks: their ancestor_mask, when already computed)."""
     r = len(trees)
     n = max([len(t) for t in trees] + [width or 0, 1])
     verified = [len(t) for t in trees] if verified is None else verified
@@ -96,7 +98,7 @@ def pack_trees(trees: list[DraftTree], verified: list[int] | None = None, width:
         parent_rows[i, :k] = torch.tensor(representative_rows(tree, rank), dtype=torch.long)
         depths[i, :k] = torch.tensor(depths_of(tree.parents.tolist()), dtype=torch.long)
         valid[i, :m] = True
-        mask[i, :k + 1, :k + 1] = ancestor_mask(tree)
+        mask[i, :k + 1, :k + 1] = ancestor_mask(tree) if masks is None else masks[i]
     return TreeBatch(tokens, parent_rows, depths, valid, pack_words(mask), order)
 
 
