@@ -321,6 +321,42 @@ def test_requests_only_the_tree_sampler_may_verify_keep_one_token_from_their_roo
     assert out.sampled_token_ids.tolist() == [[9, -1, -1], [7, 8, -1]]
 
 
+def test_vllms_dummy_sampler_run_at_start_up_passes_through_the_tree_sampler_and_the_logits_tap():
+    """vLLM's profile run (every GPU start, and a CPU engine in compiled mode) calls the rejection sampler with
+    dummy drafts `[[0]] * num_reqs` (SpecDecodeMetadata.make_dummy) while the input batch is empty: the tree sampler
+    returns vLLM's result, touches no plan and taps nothing (it used to index the empty batch: IndexError, the
+    worker died at start-up)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from vllm_adaspec.engine.runner_hooks import LogitsTap
+    from vllm_adaspec.engine.tree_runtime import TreeRuntime
+    from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler
+
+    num_reqs, V = 4, 32
+    metadata = SpecDecodeMetadata.make_dummy([[0]] * num_reqs, torch.device("cpu"))
+    logits = torch.randn(2 * num_reqs, V)
+    verdict = torch.full((num_reqs, 2), 5, dtype=torch.int32)
+    stock = lambda *a: SimpleNamespace(sampled_token_ids=verdict.clone(), logprobs_tensors=None)  # noqa: E731
+    batch = SimpleNamespace(req_ids=[], num_reqs=0, token_ids_cpu=np.zeros((0, 8), dtype=np.int64),
+                            num_tokens_no_spec=np.zeros(0, dtype=np.int64))
+    runner = SimpleNamespace(input_batch=batch)
+    taps = SimpleNamespace(logits_topk=[])
+    port = SimpleNamespace(runner=runner, taps=taps, sampling_params=lambda r: None)
+    runtime = TreeRuntime()
+    tap = LogitsTap(runner, port, 4)
+    sampler = TreeRejectionSampler(stock, runtime, on_logits=tap, port=port, tree_only=lambda r: True)
+    sm = SimpleNamespace(all_greedy=True, temperature=None, top_k=None, top_p=None, generators={}, no_penalties=True,
+                         prompt_token_ids=None, allowed_token_ids_mask=None, bad_words_token_ids={},
+                         max_num_logprobs=None, spec_token_ids=None)
+    for _ in range(2):  # vLLM calls it twice (mixed sampling, then all greedy)
+        out = sampler(metadata, None, logits, sm)
+        assert torch.equal(out.sampled_token_ids, verdict)
+    tap(logits[:num_reqs], None)  # the plain sampler's warm-up call
+    assert taps.logits_topk == [] and runtime.faults.count == 0 and runtime.results == {}
+
+
 @pytest.mark.parametrize("k, p", [(40, 0.95), (None, 0.9), (5, None), (None, 0.999999), (1, 0.5), (0, None)])
 def test_top_k_top_p_keeps_what_vllms_sort_keeps(k, p):
     """The tree sampler's top-k / top-p (topk instead of a sort of the vocabulary) keeps exactly vLLM's set, flat

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler
+from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler, dummy_batch
 
 
 def install(runner, drafter, port) -> None:
@@ -120,6 +120,8 @@ class LogitsTap:
     def __call__(self, logits: torch.Tensor, metadata) -> None:
         b = self.runner.input_batch
         n = logits.shape[0]
+        if metadata is not None and dummy_batch(b, len(metadata.cu_num_draft_tokens)):
+            return  # vLLM's profile / warm-up runs: dummy drafts for an empty batch
         roots = [int(b.token_ids_cpu[i, b.num_tokens_no_spec[i] - 1]) for i in range(b.num_reqs)]
         if metadata is None:  # one row per request
             m = min(n, b.num_reqs)

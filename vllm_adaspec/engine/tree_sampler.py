@@ -16,6 +16,12 @@ from vllm_adaspec.trees import DraftTree, verify_greedy, verify_sample_match, ve
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 
 
+def dummy_batch(input_batch, rows: int) -> bool:
+    """Whether a sampler call over `rows` batch rows is one of vLLM's profile / warm-up runs (`_dummy_sampler_run`:
+    dummy drafts for requests the input batch does not hold; at start-up it holds none)."""
+    return len(input_batch.req_ids) != rows
+
+
 def tree_verifiable(sp) -> bool:
     """Which requests the tree sampler verifies exactly: every sampling setting they carry is applied per tree row
     (`row_logits`). Thinking budgets, watermarking and logprob_token_ids need vLLM's own per-request sampler state:
@@ -239,6 +245,9 @@ class TreeRejectionSampler:
         self.tree_only = tree_only or (lambda req_id: False)
 
     def __call__(self, metadata, draft_probs, logits, sampling_metadata):
+        if self.port is not None and dummy_batch(self.port.runner.input_batch, len(metadata.num_draft_tokens)):
+            # vLLM's profile and warm-up runs (`_dummy_sampler_run`): dummy drafts for an empty batch, no plan
+            return self.stock(metadata, draft_probs, logits, sampling_metadata)
         step = self.runtime.take_step() if self.runtime is not None else None
         if step is not None and draft_probs is None:
             # vLLM verifies the chains; each tree request is, to vLLM, a request without drafts sampled at its root
