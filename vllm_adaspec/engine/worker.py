@@ -58,6 +58,18 @@ class AdaspecWorkerMixin:
                                          "got an attention backend without a tree path; token trees cannot run")
         runner_hooks.install(runner, runner.drafter, port)
 
+    def initialize_from_config(self, *args, **kwargs):
+        super().initialize_from_config(*args, **kwargs)
+        # vLLM resolves the CUDA graph mode against the attention backends here; a FULL graph would replay the tree
+        # rows' attention without running it (engine/startup.graph_mode_problem)
+        from vllm_adaspec.config import AdaspecConfigError
+        from vllm_adaspec.engine.startup import graph_mode_problem
+
+        problem = graph_mode_problem(self.vllm_config.compilation_config.cudagraph_mode,
+                                     self.model_runner.drafter.port.runtime is not None)
+        if problem:
+            raise AdaspecConfigError(f"vllm_adaspec: {problem}")
+
     def execute_model(self, scheduler_output):
         drafter = self.model_runner.drafter
         drafter.on_schedule(
