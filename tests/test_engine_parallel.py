@@ -4,7 +4,7 @@ their collectives deadlock. SmolLM2-135M has 9 attention heads (not divisible by
 Llama with SmolLM2's tokenizer (4 heads, 2 KV heads, float32). Greedy output must equal plain TP = 2 decoding for
 MultiBranchProposer (step cost model on: its step times are rank-local, rank 0's are used everywhere; Self-Draft
 branches on, so every step verifies a tree with branch rows), and per-rank drafting statistics, including a digest of every draft proposed, must be equal
-across the ranks."""
+across the ranks, with faults injected on rank 1 alone (contained on both ranks, counted on both)."""
 
 import pytest
 
@@ -19,13 +19,20 @@ RANK_EQUAL = ("propose_calls", "decode_rows", "draft_tokens", "chosen_nodes", "t
               "draft_steps", "branch_rows", "cost_observations", "step_costs")
 
 
-def run(model, engine):
+# Faults injected on rank 1 only (faults.py): in drafting (a pool), planning a step's trees, verifying a tree and
+# compaction. Each must turn that step's drafts (or trees) off on both ranks, counted on both: a rank drafting or
+# verifying alone would make the ranks' attention differ (wrong tokens, or collectives out of step: a hang).
+RANK1_FAULTS = {"VLLM_ADASPEC_INJECT_FAULTS": "context@6,tree_plan@9,tree_verify@14,compaction@20",
+                "VLLM_ADASPEC_INJECT_FAULTS_RANK": "1"}
+
+
+def run(model, engine, env=None):
     from vllm_adaspec.harness import default_env, run_engine
 
     # vLLM's automatic binding wants a NUMA node per CPU worker; this machine has one: a core per rank instead
-    env = {**default_env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env = {**default_env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1", **(env or {})}
     return run_engine({"model": model, "engine": {**ENGINE, **TP, **engine}, "batches": [BATCH], "all_ranks": True},
-                      env=env)["batches"][0]["runs"][0]
+                      env=env, timeout=600)["batches"][0]["runs"][0]
 
 
 def test_tp2_drafts_identically_on_both_ranks_and_output_equals_plain_tp2(tiny_llama):
@@ -36,9 +43,13 @@ def test_tp2_drafts_identically_on_both_ranks_and_output_equals_plain_tp2(tiny_l
     arms = [({"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": 20},
              {"branches": 2, "branch_length": 2})]
     for spec, settings in arms:
-        got = run(tiny_llama, {"speculative_config": spec, "additional_config": {"adaspec": settings}})
+        got = run(tiny_llama, {"speculative_config": spec, "additional_config": {"adaspec": settings}}, RANK1_FAULTS)
         assert_identical(got, plain)
         ranks = got["adaspec_ranks"]
         assert len(ranks) == 2 and ranks[0]["tree_verified"] > 20 and ranks[0]["accepted_drafts"] > 0, ranks[0]
+        # the four faults happened on rank 1 and count on both ranks alike
+        assert ranks[0]["drafter_faults"] == ranks[1]["drafter_faults"] == 4, (ranks[0]["faults_by_place"],
+                                                                               ranks[1]["faults_by_place"])
+        assert ranks[0]["faults_by_place"] == {"on another tensor-parallel rank": 4}, ranks[0]["faults_by_place"]
         for key in RANK_EQUAL:
             assert ranks[0].get(key) == ranks[1].get(key), (spec["model"], key, ranks[0].get(key), ranks[1].get(key))

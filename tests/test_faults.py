@@ -186,3 +186,32 @@ def test_fault_injection_raises_at_the_chosen_pass_and_its_spec_is_strict():
     for bad in ("trie", "trie@0", "nowhere@3", "trie@x"):
         with pytest.raises(ValueError, match=INJECT_ENV):
             parse_injection(bad)
+
+
+def test_tensor_parallel_ranks_agree_on_faults_and_count_them_alike():
+    """Two ranks' guards joined by a stand-in for the host all-reduce: a fault on rank 1 alone is a fault on both
+    (the step's drafts or trees off everywhere), both count it, and both reach the fault limit on the same step;
+    ranks that planned different trees (digests) also fall back together."""
+    from vllm_adaspec.faults import FaultGuard
+
+    ranks = [FaultGuard(limit=2), FaultGuard(limit=2)]
+    inbox: list = []
+
+    def sync(values):  # called by each rank in turn; the second call sees both
+        inbox.append(values)
+        return [max(col) for col in zip(*inbox)]
+
+    for g in ranks:
+        g.sync = sync
+    ranks[1].record("drafting", RuntimeError("rank 1 only"))
+    got = [g.agree(f, "drafting") for g, f in ((ranks[1], True), (ranks[0], False))]
+    assert got[1] is True and ranks[0].count == ranks[1].count == 1
+    assert ranks[0].by_place == {"on another tensor-parallel rank": 1}
+    inbox.clear()
+    ranks[1].record("verifying", RuntimeError("again"))
+    [g.agree(f, "verifying") for g, f in ((ranks[1], True), (ranks[0], False))]
+    assert ranks[0].off and ranks[1].off and ranks[0].count == 2
+    inbox.clear()
+    answers = [g.agree(False, "planning", digest=d) for g, d in ((ranks[1], 7), (ranks[0], 9))]
+    assert answers[1] is True  # the ranks planned different trees: neither verifies them
+    assert FaultGuard(limit=3).agree(True, "x") is True and FaultGuard(limit=3).agree(False, "x") is False

@@ -12,7 +12,7 @@ Fault injection, for tests (the engine runs in another process, so it is asked f
     VLLM_ADASPEC_INJECT_FAULTS="trie@3,suffix@10,tree_verify@20"
 
 raises `InjectedFault` at the 3rd pass through the failpoint "trie", the 10th through "suffix", ... (`place@n`;
-repeat a place for several faults). Failpoints: one per pool ("context", "suffix", "recycled", "corpus", "medusa",
+repeat a place for several faults); with VLLM_ADASPEC_INJECT_FAULTS_RANK=R, only on tensor-parallel rank R. Failpoints: one per pool ("context", "suffix", "recycled", "corpus", "medusa",
 "branches": in the pool set's propose), "trie" (MultiBranchProposer's merge), "draft" (early exit: after its first
 draft pass), "tree_plan" (planning a step's trees), "tree_verify" (verifying a tree request), "compaction" (after
 the paged KV of accepted nodes moved). Unset, `point` is one attribute test.
@@ -23,6 +23,11 @@ The negative control of the sampling tests (they must reject a verifier that is 
 
 makes tree verification of requests seeded with N or more accept, with probability 0.5, one child of the last
 accepted node that the exact rule rejected (`biased`). Unset, nothing changes.
+
+Tensor parallelism: every rank drafts and verifies, and the ranks must do the same or their attention diverges. A
+fault contained on one rank alone would make it draft or verify differently, so under TP each place where a fault
+changes what a step does asks the other ranks (`agree`, one small all-reduce on the host): a fault on any rank turns
+that step's drafts (or trees) off on every rank, and every rank counts it, so the fault limit is reached together.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from collections import Counter
 logger = logging.getLogger("vllm_adaspec")
 
 INJECT_ENV = "VLLM_ADASPEC_INJECT_FAULTS"
+INJECT_RANK_ENV = "VLLM_ADASPEC_INJECT_FAULTS_RANK"
 BIAS_ENV = "VLLM_ADASPEC_BIASED_VERIFIER_SEEDS"
 BIAS = 0.5  # how often a biased verifier accepts a rejected node
 FAILPOINTS = ("context", "suffix", "recycled", "corpus", "medusa", "branches", "trie", "draft", "tree_plan",
@@ -70,11 +76,38 @@ class FaultGuard:
         self.passes: Counter = Counter()
         self.biased_from_seed = biased_from_seed  # the sampling tests' negative control (module docstring)
         self._coin = random.Random(0)
+        self.inject_rank: int | None = None  # injection only on this tensor-parallel rank
+        self.rank = 0  # this worker's tensor-parallel rank (set by the worker)
+        # Tensor parallelism (set by the worker when TP > 1): values -> their largest over the ranks, elementwise
+        self.sync = None
 
     @classmethod
     def from_env(cls, limit: int) -> FaultGuard:
         spec, bias = os.environ.get(INJECT_ENV, ""), os.environ.get(BIAS_ENV, "")
-        return cls(limit, parse_injection(spec) if spec else None, int(bias) if bias else None)
+        guard = cls(limit, parse_injection(spec) if spec else None, int(bias) if bias else None)
+        rank = os.environ.get(INJECT_RANK_ENV, "")
+        guard.inject_rank = int(rank) if rank else None
+        return guard
+
+    def agree(self, faulted: bool, where: str, digest: int = 0) -> bool:
+        """Whether a fault happened at `where` in this step on any tensor-parallel rank (this one: `faulted`), or the
+        ranks' `digest`s of what they are about to do differ; the ranks' fault counts become the largest of them.
+        Every rank must call it at the same places in the same order (a collective). Without TP: `faulted`."""
+        if self.sync is None:
+            return faulted
+        anywhere, count, hi, neg_lo = self.sync([int(faulted), self.count, digest, -digest])
+        if hi != -neg_lo:
+            logger.error("vllm_adaspec: the tensor-parallel ranks planned different things at %s; this step decodes "
+                         "without speculation for the requests concerned on every rank", where)
+            anywhere = 1
+        elif anywhere and not faulted:
+            logger.error("vllm_adaspec: %s failed on another tensor-parallel rank; this step decodes without "
+                         "speculation for the requests concerned on every rank", where)
+        if count > self.count:
+            self.by_place["on another tensor-parallel rank"] += count - self.count
+            self.count = count
+            self._check_limit()
+        return bool(anywhere)
 
     def biased(self, generator) -> bool:
         """Negative control: should this request's verifier (its torch.Generator, or None) accept a rejected node
@@ -85,7 +118,7 @@ class FaultGuard:
 
     def point(self, place: str) -> None:
         """A failpoint: raises InjectedFault when injection asked for this pass through `place`."""
-        if self.inject is None or place not in self.inject:
+        if self.inject is None or place not in self.inject or self.inject_rank not in (None, self.rank):
             return
         self.passes[place] += 1
         if self.passes[place] in self.inject[place]:
@@ -99,6 +132,9 @@ class FaultGuard:
         logger.error("vllm_adaspec: %s failed (%s: %s); this step decodes without speculation for the requests "
                      "concerned (fault %d; drafting stops after %d)", where, type(exc).__name__, exc, self.count,
                      self.limit, exc_info=exc)
+        self._check_limit()
+
+    def _check_limit(self) -> None:
         if self.count >= self.limit and not self.off:
             self.off = True
             logger.error("vllm_adaspec: %d faults in the drafter (fault_limit = %d): speculation is off for the rest "

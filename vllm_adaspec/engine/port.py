@@ -152,6 +152,23 @@ class EnginePort:
 
         return get_tp_group().broadcast_object(value, src=0)
 
+    @staticmethod
+    def largest_over_ranks(values: list[int]) -> list[int]:
+        """Each value's largest over the tensor-parallel ranks (one all-reduce on the host's group: no device
+        wait)."""
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return t.tolist()
+
+    @staticmethod
+    def tp_rank() -> int:
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group().rank_in_group
+
     # --- test instrumentation ---
     def observer_stats(self) -> dict:
         """Copies: in a single-process engine the stats RPC hands back these very objects, and callers diff

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,15 @@ class TreeStep:
     kv_caches: list = field(default_factory=list)  # (cache, isa) of every attention layer in the forward
     num_drafts: np.ndarray | None = None  # [num_reqs] drafts scheduled per batch row (how vLLM lays out the logits)
     device: object = None  # what a device runtime keeps for the step (engine/gpu_tree_runtime.DeviceStep)
+
+    def digest(self) -> int:
+        """A checksum of the planned trees (where they lie, their tokens and shapes): tensor-parallel ranks must
+        plan the same."""
+        parts = [np.array([r.row, r.start, r.root_pos, r.branch_rows, len(r.tree)], dtype=np.int64) for r in
+                 self.requests]
+        parts += [r.tree.tokens.numpy().astype(np.int64) for r in self.requests]
+        parts += [r.tree.parents.numpy().astype(np.int64) for r in self.requests]
+        return zlib.crc32(np.concatenate(parts).tobytes()) + 1  # > 0: a planned step
 
     def depth_positions(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows, positions) of every tree node of the forward: its flattened row and root + depth."""
@@ -172,14 +182,17 @@ class TreeRuntime:
                    resumed: set[str]) -> None:
         """Plan this forward's trees; keep the copies of `holders` (the drafter's tree-mode requests) and of this
         step's tree requests, drop the others' and those of `resumed` requests (their KV was recomputed)."""
-        step = None
+        step, faulted = None, False
         if plans and spec_tokens:
             try:
                 self.faults.point("tree_plan")
                 step = self.prepare(plan_step(req_ids, query_start, roots, spec_tokens, plans, num_tokens))
             except Exception as e:  # nothing written yet: every scheduled draft verifies as a chain (lossless)
                 self.faults.record("planning the step's token trees", e)
-                step = None
+                step, faulted = None, True
+        # tensor parallelism: every rank verifies the same trees or none (faults.py)
+        if self.faults.agree(faulted, "planning the step's token trees", step.digest() if step else 0):
+            step = None
         keep = set(holders) | ({r.req_id for r in step.requests} if step else set())
         self.retain(keep, stale=resumed)
         for obs in self.observers:

@@ -336,6 +336,7 @@ class TreeRejectionSampler:
         cu = np.cumsum(metadata.num_draft_tokens).tolist()  # a host list: no wait for the device
         target_idx, bonus_idx = metadata.target_logits_indices, metadata.bonus_logits_indices
         faults = self.runtime.faults
+        faults_before = faults.count
         want_logprobs = out.logprobs_tensors is not None and sampling_metadata.max_num_logprobs is not None
         results, logprob_rows = {}, []
         # plain trees verified together on the device (engine/gpu_tree_runtime.py; the CPU runtime batches none)
@@ -380,10 +381,19 @@ class TreeRejectionSampler:
             self.runtime.finish_step(step, results, verdict)
         except Exception as e:
             faults.record("compacting the accepted tree nodes' KV", e)
-            for r in step.requests:
-                tokens[r.row, 1:] = -1
-            self.runtime.fail_step(step, tokens[:, 0])
+            self._first_tokens_only(step, tokens)
+            return {r.row for r in step.requests}
+        # tensor parallelism: a fault on any rank, every rank keeps only the step's first tokens, so the ranks'
+        # KV and drafters stay equal (positions past root + 1 are scratch then, whatever compaction moved)
+        if faults.sync is not None and faults.agree(faults.count > faults_before, "verifying the step's token trees"):
+            self._first_tokens_only(step, tokens)
         return {r.row for r in step.requests}
+
+    def _first_tokens_only(self, step, tokens) -> None:
+        """Every tree request of the step keeps only its first token (its root row's: a correct sample)."""
+        for r in step.requests:
+            tokens[r.row, 1:] = -1
+        self.runtime.fail_step(step, tokens[:, 0])
 
     def _rewrite_logprobs(self, lp, k: int, width: int, requests: list) -> None:
         """vLLM computed each request's log-probs at its chain rows (flattened [B * width, k + 1]); a tree request's

@@ -30,6 +30,8 @@ class AdaspecWorkerMixin:
         if runtime is not None:
             runtime.plain = plain_rows_under(drafter.cfg.acceptance.name, port)
         drafter.attach(port)  # before load_model: drafters load through it
+        if self.parallel_config.tensor_parallel_size > 1:  # a fault on one rank is a fault on all (faults.py)
+            drafter.faults.sync, drafter.faults.rank = port.largest_over_ranks, port.tp_rank()
         # One writer per engine: tensor-parallel rank 0 (every rank drafts the same).
         self._adaspec_snapshots = (SnapshotWriter(f"dp{self.parallel_config.data_parallel_rank}")
                                    if self.rank == 0 else None)

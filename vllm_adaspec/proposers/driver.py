@@ -154,15 +154,31 @@ class Driver:
             raise RuntimeError(
                 f"{type(self).__name__} was not attached to the engine: the vllm_adaspec plugin did not install "
                 "its worker (is the package installed in the environment vLLM runs in?)")
+        drafts, account, faulted = None, None, False
         if not self.faults.off:
             try:
-                return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+                drafts, account = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
             except Exception as e:  # our code only saves time: never the engine's fault
                 self.contain("drafting", e)
-        if self.faults.off and not self.stats.drafting_off:  # the limit was reached (here or in the tree path)
-            self.stats.drafting_off = 1
-            self._release_all()
-        return [[] for _ in sampled_token_ids]
+                faulted = True
+        # tensor parallelism: a fault on any rank, none of them drafts this step (faults.py)
+        if self.faults.agree(faulted, "drafting") and drafts is not None:
+            self.plans, self._last_end, self._step_shape, self.grammar_trees = {}, None, None, set()
+            drafts = None
+        if drafts is not None:
+            try:
+                account()
+            except Exception as e:  # the drafts stand; only their statistics are lost
+                self.faults.record("counting the step's drafts", e)
+        if drafts is None:
+            if self.faults.off and not self.stats.drafting_off:  # the limit was reached (here or in the tree path)
+                self.stats.drafting_off = 1
+                self._release_all()
+            drafts = [[] for _ in sampled_token_ids]
+        if self._tp:  # a digest of every draft proposed: the ranks must propose the same (tests compare it)
+            self.stats.draft_digest = zlib.crc32(np.asarray([t for d in drafts for t in d + [-1]], np.int64).tobytes(),
+                                                 self.stats.draft_digest)
+        return drafts
 
     def _route(self, req_ids: list, plans: dict[int, DraftPlan]) -> None:
         """Requests whose settings only the tree sampler applies (min_p, logit_bias) verify every plan in the tree
@@ -263,12 +279,13 @@ class Driver:
         self._route(req_ids, plans)
         self.plans = {req_ids[i]: plan for i, plan in plans.items()}
         drafts = [list(plans[i].tokens) if i in plans else [] for i in range(len(sampled_token_ids))]
+        return drafts, lambda: self._account(view, plans, drafts, rows, decoding, t0, policy_s, now, passes_before)
+
+    def _account(self, view, plans, drafts, rows, decoding, t0, policy_s, now, passes_before) -> None:
+        """The statistics of a propose call whose drafts stand (on every tensor-parallel rank)."""
         st = self.stats
         for obs in self.observers:
             obs.after_propose(view, plans, self.states)
-        if self._tp:  # a digest of every draft proposed: the ranks must propose the same (tests compare it)
-            st.draft_digest = zlib.crc32(np.asarray([t for d in drafts for t in d + [-1]], np.int64).tobytes(),
-                                            st.draft_digest)
         if rows:
             st.propose_calls += 1
             st.draft_tokens += sum(map(len, drafts))
@@ -285,7 +302,6 @@ class Driver:
         st.policy_seconds += policy_s
         self._last_end = time.perf_counter()
         self._last_propose = (decoding, st.draft_passes - passes_before, self._last_end - now)
-        return drafts
 
     def _outcomes(self, view: BatchView) -> tuple[dict[int, Outcome], Taps]:
         """What the last verification made of every decoding row's plan (by batch row), from the engine's feedback:
@@ -318,11 +334,13 @@ class Driver:
         cost what they cost), and only when exactly one step ran in between."""
         step, steps, last = self._step_shape, self._steps, self._last_end
         self._steps, self._step_shape = 0, None
-        if self.costs is None or self.cfg.cost_model != "online" or step is None or steps != 1 or last is None:
+        if self.costs is None or self.cfg.cost_model != "online":
             return
-        batch, rows, tree_requests, tree_rows, attention = step
-        decoding, passes, own = self._last_propose
-        seconds, own = self._same_on_every_rank((now - last, own))
+        seen = (step, now - last, self._last_propose) if step is not None and steps == 1 and last is not None else None
+        seen = self._same_on_every_rank(seen)  # on every call: a rank that saw nothing still takes part
+        if seen is None:
+            return
+        (batch, rows, tree_requests, tree_rows, attention), seconds, (decoding, passes, own) = seen
         self.costs.observe(batch, rows, seconds, tree_requests, tree_rows, attention)
         self.draft_costs.observe(decoding, passes, own)
         self.stats.cost_observations += 1
@@ -369,7 +387,8 @@ class Driver:
 
     def _same_on_every_rank(self, value):
         """Tensor parallelism: every rank drafts, and must draft the same. The cost model's only rank-local inputs
-        are the times each rank measured; rank 0's are used everywhere (one small broadcast per observed step)."""
+        are what each rank measured (and whether it could: a fault contained on one rank resets its step); rank 0's
+        observation is used everywhere (one small broadcast per propose call)."""
         return self.port.from_rank0(value) if self._tp else value
 
     def live_state(self) -> dict:
