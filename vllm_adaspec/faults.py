@@ -89,14 +89,17 @@ class FaultGuard:
         guard.inject_rank = int(rank) if rank else None
         return guard
 
-    def agree(self, faulted: bool, where: str, digest: int = 0) -> bool:
-        """Whether a fault happened at `where` in this step on any tensor-parallel rank (this one: `faulted`), or the
-        ranks' `digest`s of what they are about to do differ; the ranks' fault counts become the largest of them.
-        Every rank must call it at the same places in the same order (a collective). Without TP: `faulted`."""
+    def agree(self, faulted: bool, where: str, digest: int = 0, off: bool = False) -> bool:
+        """Whether a fault happened at `where` in this step on any tensor-parallel rank (this one: `faulted`), or
+        drafting is `off` on one, or the ranks' `digest`s of what they are about to do differ; the ranks' fault
+        counts become the largest of them (so they reach the limit together). Every rank must call it at the same
+        places in the same order (a collective). Without TP: `faulted`."""
         if self.sync is None:
             return faulted
-        anywhere, count, hi, neg_lo = self.sync([int(faulted), self.count, digest, -digest])
-        if hi != -neg_lo:
+        anywhere, count, hi, neg_lo, off_somewhere = self.sync([int(faulted), self.count, digest, -digest, int(off)])
+        if off_somewhere:
+            anywhere = 1
+        elif hi != -neg_lo:
             logger.error("vllm_adaspec: the tensor-parallel ranks planned different things at %s; this step decodes "
                          "without speculation for the requests concerned on every rank", where)
             anywhere = 1

@@ -377,15 +377,18 @@ class TreeRejectionSampler:
         if logprob_rows:
             self._rewrite_logprobs(out.logprobs_tensors, sampling_metadata.max_num_logprobs, tokens.shape[1],
                                    logprob_rows)
+        compacted = True
         try:
             self.runtime.finish_step(step, results, verdict)
         except Exception as e:
             faults.record("compacting the accepted tree nodes' KV", e)
             self._first_tokens_only(step, tokens)
-            return {r.row for r in step.requests}
-        # tensor parallelism: a fault on any rank, every rank keeps only the step's first tokens, so the ranks'
-        # KV and drafters stay equal (positions past root + 1 are scratch then, whatever compaction moved)
-        if faults.sync is not None and faults.agree(faults.count > faults_before, "verifying the step's token trees"):
+            compacted = False
+        # tensor parallelism (every rank, every tree step: a collective): a fault on any rank, every rank keeps only
+        # the step's first tokens, so the ranks' KV and drafters stay equal (positions past root + 1 are scratch
+        # then, whatever compaction moved)
+        if (faults.sync is not None and faults.agree(faults.count > faults_before, "verifying the step's token trees")
+                and compacted):
             self._first_tokens_only(step, tokens)
         return {r.row for r in step.requests}
 

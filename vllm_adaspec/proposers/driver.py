@@ -155,14 +155,19 @@ class Driver:
                 f"{type(self).__name__} was not attached to the engine: the vllm_adaspec plugin did not install "
                 "its worker (is the package installed in the environment vLLM runs in?)")
         drafts, account, faulted = None, None, False
+        now = time.perf_counter()
+        try:
+            self._observe_step(now)  # (on every call: under TP a collective every rank takes part in)
+        except Exception as e:
+            self.contain("measuring the last step", e)
         if not self.faults.off:
             try:
-                drafts, account = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+                drafts, account = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now)
             except Exception as e:  # our code only saves time: never the engine's fault
                 self.contain("drafting", e)
                 faulted = True
-        # tensor parallelism: a fault on any rank, none of them drafts this step (faults.py)
-        if self.faults.agree(faulted, "drafting") and drafts is not None:
+        # tensor parallelism: a fault on any rank (or drafting off there), none of them drafts this step (faults.py)
+        if self.faults.agree(faulted, "drafting", off=self.faults.off) and drafts is not None:
             self.plans, self._last_end, self._step_shape, self.grammar_trees = {}, None, None, set()
             drafts = None
         if drafts is not None:
@@ -229,10 +234,8 @@ class Driver:
         for obs in self.observers:
             obs.forget(held)
 
-    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now: float):
         self.grammar_trees = set()
-        now = time.perf_counter()
-        self._observe_step(now)
         passes_before = self.stats.draft_passes
         view = self.port.view(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         req_ids = view.req_ids
