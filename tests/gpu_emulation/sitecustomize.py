@@ -7,9 +7,11 @@ interpreter), batched greedy verification and compaction on the GPU layout.
 What stands in for the GPU, and why: Triton has no CPU backend (the interpreter runs kernels on CPU tensors, and
 vLLM only uses Triton when a backend is registered: a placeholder one is); vLLM's KV-cache write asks the device's
 compute capability (an H100's is answered); and vLLM's two kernels of the backend, the KV write and the attention
-of every row (their interpreted runs take seconds per step), are replaced by plain torch that computes the same
-(test_gpu_trees.py runs vLLM's real ones, interpreted, on a small batch). Nothing of vllm_adaspec is replaced but
-the CPU worker's choice of tree path."""
+of every row (their interpreted runs take seconds per step), and its sampler's top-k / top-p kernel (met in the
+profile run) are replaced by plain torch that computes the same
+(test_gpu_trees.py runs vLLM's real ones, interpreted, on a small batch). As on a GPU, the engine's start runs
+vLLM's profile run (a dummy forward, dummy drafts through the rejection sampler). Nothing of vllm_adaspec is
+replaced but the CPU worker's choice of tree path."""
 
 import os
 
@@ -57,7 +59,24 @@ if os.environ.get("ADASPEC_EMULATE_GPU") == "1":
 
     triton_attn.unified_attention = unified_attention
     triton_attn.triton_reshape_and_cache_flash = reshape_and_cache
+    # vLLM's Triton top-k / top-p kernel (its sampler's, met in the profile run's dummy sampler run) does not run
+    # under the interpreter: its torch op computes the same
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    topk_topp_sampler.HAS_TRITON = False
     register_backend(AttentionBackendEnum.CPU_ATTN, "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend")
+
+    # vLLM's GPU worker runs its profile run at every start (the CPU worker only in compiled mode): dummy drafts for
+    # an empty batch through the rejection sampler (ours), a dummy forward through the tree backend
+    from vllm.v1.worker import cpu_model_runner
+    from vllm.v1.worker import cpu_worker as vllm_cpu_worker
+
+    def warming_up_model(self):
+        with cpu_model_runner._set_global_compilation_settings(self.vllm_config):
+            self.profile_run()
+
+    cpu_model_runner.CPUModelRunner.warming_up_model = warming_up_model
+    vllm_cpu_worker.CPUWorker._should_warm_up_model = lambda self: True
 
     from vllm_adaspec.engine import cpu_worker
 
