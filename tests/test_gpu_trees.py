@@ -76,8 +76,7 @@ def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, m
     ta = load_interpreted("tree_attention")
     import vllm_adaspec.engine.gpu_tree_runtime as gtr
 
-    monkeypatch.setattr(gtr, "launch", ta.launch)  # the kernel under the interpreter
-    monkeypatch.setattr(gtr, "plan_launch", ta.plan_launch)
+    monkeypatch.setattr(gtr, "kernels", ta)  # the kernel under the interpreter
     g = torch.Generator().manual_seed(0)
     rt, step, qs = planned()
     assert [r.req_id for r in step.requests] == ["tree_a", "tree_b", "tree_c"]  # the chain is vLLM's
@@ -187,11 +186,12 @@ def test_nothing_in_the_gpu_step_reads_a_device_value():
     assert rt.pending is not None
 
 
-def test_tree_drafting_steps_attend_over_the_gpu_layout():
+def test_tree_drafting_steps_attend_over_the_gpu_layout(triton_interpret, monkeypatch):
     """Early exit's tree drafting on the GPU runtime: a draft step's rows see their tree's prefix and their own
-    ancestors-or-self among the nodes already run (engine/tree_runtime.DraftMask, built by the drafter on the host,
-    moved to the device once per step), read from vLLM's GPU paged layout: equal to causal attention along each
-    row's path."""
+    ancestors-or-self among the nodes already run (step.DraftMask, built by the drafter on the host, staged to the
+    device once per step as a launch plan of the tree kernel, which reads vLLM's GPU paged layout in place: no
+    gathered prefix): equal to causal attention along each row's path."""
+    import vllm_adaspec.engine.gpu_tree_runtime as gtr
     from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
     from vllm_adaspec.proposers.early_exit import EarlyExitDrafter
     from vllm_adaspec.trees import GrowingTree, add_children
@@ -219,7 +219,10 @@ def test_tree_drafting_steps_attend_over_the_gpu_layout():
     mask = EarlyExitDrafter._draft_mask(feed, [t, t2], slot_of, roots, prefix)
     q = torch.randn(3, HQ, D, generator=g)
     out = torch.zeros(3, HQ, D)
-    rt = GPUTreeRuntime("cpu")
+    ta = load_interpreted("tree_attention")
+    monkeypatch.setattr(gtr, "kernels", ta)
+    rt = GPUTreeRuntime("cpu", max_rows=6)
+    rt.heads, rt.block_q = (HQ, HKV, D), ta.tile_rows(6, HQ, HKV)
     with rt.drafting(mask):
         rt.attend(None, 0.125, q, None, None, cache, SimpleNamespace(num_actual_tokens=3), out)
     r0, r1 = roots
@@ -417,6 +420,8 @@ def test_a_whole_engine_on_the_gpu_tree_path_equals_plain_decoding(gpu_path_runs
     st = trees["adaspec"]
     assert st["config"]["tree_mode"] and st["drafter_faults"] == 0, st
     assert st["tree_batched"] > 5 and st["tree_verified"] > st["tree_batched"], st  # both verification paths
+    # every kernel launch of the run was a variant compiled at start-up (none compiled while serving), none failed
+    assert st["tree_kernel_cold"] == 0 and st["tree_kernel_fallbacks"] == 0, st
     assert st["accepted_drafts"] > 10 and st["tree_kv_moves"] > 0, st
     assert plain["adaspec"]["verified_drafts"] == 0  # the reference drafted nothing
 
@@ -428,4 +433,90 @@ def test_early_exit_trees_on_the_gpu_tree_path_equal_plain_decoding(gpu_path_run
     st = trees["adaspec"]
     assert st["drafter_faults"] == 0 and st["tree_rounds"] > 20 and st["draft_passes"] > 20, st
     assert st["tree_batched"] > 10 and st["tree_batched_sampled"] > 5 and st["accepted_drafts"] > 0, st
+    assert st["tree_kernel_cold"] == 0 and st["tree_kernel_fallbacks"] == 0, st  # draft steps through the kernel too
     assert plain["adaspec"]["verified_drafts"] == 0
+
+
+def _steps_of_every_width(rt, ta, k: int, g) -> None:
+    """Verification steps of a batch of two trees of every width 1..k, over a short prefix (one split: the kernel
+    writes the output) and a long one (split keys and the reduction), each through one attention layer."""
+    cache = torch.randn(80, HKV, BS, 2 * D, generator=g)
+    table = torch.randperm(80, generator=g)[:2 * 40].view(2, 40).to(torch.int32)
+    for n in range(1, k + 1):
+        for root in (9, 530):
+            parents = [-1] + [int(torch.randint(i + 1, (), generator=g)) - 1 for i in range(n - 1)]
+            plans = {"a": DraftPlan(tuple(range(5, 5 + n)), tuple(parents), tree_path=True),
+                     "b": DraftPlan((7,) * min(n, 2), (-1,) * min(n, 2), tree_path=True)}
+            rows = [len(plans["a"].tokens) + 1, len(plans["b"].tokens) + 1]
+            qs = np.concatenate([[0], np.cumsum(rows)])
+            t = int(qs[-1])
+            rt.begin_step(["a", "b"], qs, np.array([root, 40]), torch.zeros(t, dtype=torch.long),
+                          {r: list(p.tokens) for r, p in plans.items()}, plans, t,
+                          torch.zeros(2, dtype=torch.int32), set(), set())
+            assert rt.step is not None
+            qkv = torch.randn(t, (HQ + 2 * HKV) * D, generator=g)  # vLLM's q: a view of the fused projection
+            out = torch.zeros(t, HQ, D)
+            rt.attend(None, 0.25, qkv[:, :HQ * D].view(t, HQ, D), None, None, cache,
+                      SimpleNamespace(num_actual_tokens=t, slot_mapping=torch.arange(t), block_table=table), out)
+            rt.take_step()
+
+
+def test_no_kernel_variant_compiles_after_start_up(triton_interpret, monkeypatch):
+    """Start-up compiles every variant of the tree kernel a step can launch (kernels/tree_attention.warm_up, on the
+    engine's own caches and block table too): steps of every tree width, with and without the split reduction,
+    launch none other (on a GPU: no compile inside a forward). Triton specializes on pointer alignment: with the
+    staged index arrays at unaligned offsets (as before), steps meet variants start-up never compiled."""
+    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+
+    ta = load_interpreted("tree_attention")
+    monkeypatch.setattr(gtr, "kernels", ta)
+    k = 8
+    impls = [SimpleNamespace(num_heads=HQ, num_kv_heads=HKV, head_size=D)] * 2
+
+    def engine():
+        ta.VARIANTS = ta.KernelVariants()
+        rt = GPUTreeRuntime("cpu", plain=lambda r: None, max_rows=k + 1, block_size=BS, max_blocks=40)
+        rt.attached(impls, torch.float32)
+        rt.ready([torch.zeros(80, HKV, BS, 2 * D)], torch.zeros(64, 40, dtype=torch.int32))
+        return rt
+
+    rt = engine()
+    warm = len(ta.VARIANTS.warm)
+    assert warm == 3, ta.VARIANTS.warm  # split with and without the reduction's scratch, the reduction
+    _steps_of_every_width(rt, ta, k, torch.Generator().manual_seed(0))
+    assert len(ta.VARIANTS.launched) == warm and ta.VARIANTS.cold == 0, ta.VARIANTS.launched - ta.VARIANTS.warm
+    monkeypatch.setattr(gtr, "ALIGN_BYTES", 4)  # the staging buffer as it was: arrays packed end to end
+    rt = engine()
+    _steps_of_every_width(rt, ta, k, torch.Generator().manual_seed(0))
+    assert ta.VARIANTS.cold > 0
+
+
+def test_a_failed_kernel_launch_is_contained_and_the_layer_computed_in_torch(triton_interpret, monkeypatch):
+    """A launch that raises (a resource limit, a driver error) is a contained fault: the layer's tree rows come from
+    the torch fallback (the same attention), the fault is counted, the step goes on."""
+    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+
+    ta = load_interpreted("tree_attention")
+    monkeypatch.setattr(gtr, "kernels", ta)
+    g = torch.Generator().manual_seed(0)
+    rt, step, qs = planned()
+    positions, seq_lens = torch.zeros(int(qs[-1]), dtype=torch.long), torch.zeros(len(REQ_IDS), dtype=torch.int32)
+    rt.begin_step(REQ_IDS, qs, ROOTS, positions, {r: list(p.tokens) for r, p in PLANS.items()}, PLANS, int(qs[-1]),
+                  seq_lens, set(), set())
+    cache, table = paged_cache(g)
+    t = int(qs[-1])
+    query = torch.randn(t, HQ, D, generator=g)
+    md = SimpleNamespace(num_actual_tokens=t, slot_mapping=slots_of(table, qs), block_table=table)
+    want = torch.zeros(t, HQ, D)
+    rt.attend(None, 0.25, query, None, None, cache, md, want)
+
+    def broken(*a, **kw):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(ta, "launch", broken)
+    got = torch.zeros(t, HQ, D)
+    rt.step.kv_caches.clear()
+    rt.attend(None, 0.25, query, None, None, cache, md, got)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert rt.faults.count == 1 and rt.kernel_fallbacks == 1

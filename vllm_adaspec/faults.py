@@ -44,7 +44,7 @@ INJECT_RANK_ENV = "VLLM_ADASPEC_INJECT_FAULTS_RANK"
 BIAS_ENV = "VLLM_ADASPEC_BIASED_VERIFIER_SEEDS"
 BIAS = 0.5  # how often a biased verifier accepts a rejected node
 FAILPOINTS = ("context", "suffix", "recycled", "corpus", "medusa", "branches", "trie", "draft", "tree_plan",
-              "tree_verify", "compaction")
+              "tree_verify", "compaction", "tree_kernel")
 
 
 class InjectedFault(RuntimeError):

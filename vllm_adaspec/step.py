@@ -150,3 +150,5 @@ class DraftMask:
     valid: torch.Tensor  # [R, M] bool
     node_pos: torch.Tensor  # [R, N] slot positions of the tree's drafted nodes (padding: the root, masked off)
     visible: torch.Tensor  # [R, M, P + N] bool
+    roots: torch.Tensor | None = None  # [R] each tree's root position (its prefix: positions 0 .. root)
+    tree_lens: torch.Tensor | None = None  # [R] nodes run so far (at root + 1 ..), the step's own included

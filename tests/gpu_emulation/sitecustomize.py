@@ -83,11 +83,11 @@ if os.environ.get("ADASPEC_EMULATE_GPU") == "1":
     def tree_runtime(self, observers, faults):
         from vllm.v1.attention import selector
 
-        from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+        from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime, tree_kernel_shape
         from vllm_adaspec.engine.tree_backend import GPU_TREE_BACKENDS
 
         register_backend(AttentionBackendEnum.CPU_ATTN, dict(GPU_TREE_BACKENDS)["TRITON_ATTN"])
         selector._cached_get_attn_backend.cache_clear()
-        return GPUTreeRuntime(self.model_runner.device, observers, faults=faults)
+        return GPUTreeRuntime(self.model_runner.device, observers, faults=faults, **tree_kernel_shape(self.vllm_config))
 
     cpu_worker.AdaspecCPUWorker.tree_runtime = tree_runtime

@@ -33,37 +33,44 @@ import torch
 from vllm_adaspec.engine.gpu_kv import compaction_moves, gather_kv_at, kv_views, move_slots
 from vllm_adaspec.engine.tree_runtime import TreeRuntime, TreeStep
 from vllm_adaspec.engine.tree_sampler import chain_indices
-from vllm_adaspec.kernels.tree_attention import TOLERANCE, TreeAttentionLaunch, check_on_device, launch, plan_launch
+from vllm_adaspec.kernels import tree_attention as kernels
 from vllm_adaspec.trees.batch import TreeBatch, pack_trees, pack_words, verify_greedy_batch, verify_sample_batch
+
+ALIGN_BYTES = 16  # Triton specializes a pointer argument on 16-byte alignment: every staged array starts on one
 
 
 class StagingBuffer:
     """Host arrays to the device in one copy, from a pinned buffer kept across steps (a copy from pageable memory
-    would first wait for everything queued on the device)."""
+    would first wait for everything queued on the device). Each array starts 16-byte aligned, so a kernel reading
+    one sees the same alignment every step (kernels/tree_attention.py: no new compile). Two buffers alternate: the
+    copy of step t + 1 does not overwrite host memory the copy of step t may still be reading."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = torch.device(device), dtype
-        self.host = self.dev = None
+        self.host, self.dev = [None, None], [None, None]
+        self.turn = 0
+        self.align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
 
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """Each array's device copy (same shape), all from one transfer."""
+        a_ = self.align
         sizes = [a.size for a in arrays]
-        total = max(1, sum(sizes))
-        if self.host is None or self.host.numel() < total:
+        starts, at = [], 0
+        for n in sizes:
+            starts.append(at)
+            at += -(-n // a_) * a_
+        total = max(1, at)
+        self.turn ^= 1
+        t = self.turn
+        if self.host[t] is None or self.host[t].numel() < total:
             cap = 1 << math.ceil(math.log2(total))
-            self.host = torch.empty(cap, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-            self.dev = torch.empty(cap, dtype=self.dtype, device=self.device)
-        flat = self.host.numpy()
-        at = 0
-        for a, n in zip(arrays, sizes):
-            flat[at:at + n] = a.reshape(-1)
-            at += n
-        self.dev[:at].copy_(self.host[:at], non_blocking=True)
-        out, at = [], 0
-        for a, n in zip(arrays, sizes):
-            out.append(self.dev[at:at + n].view(a.shape))
-            at += n
-        return out
+            self.host[t] = torch.empty(cap, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            self.dev[t] = torch.empty(cap, dtype=self.dtype, device=self.device)
+        flat = self.host[t].numpy()
+        for a, n, s in zip(arrays, sizes, starts):
+            flat[s:s + n] = a.reshape(-1)
+        self.dev[t][:total].copy_(self.host[t][:total], non_blocking=True)
+        return [self.dev[t][s:s + n].view(a.shape) for a, n, s in zip(arrays, sizes, starts)]
 
 
 @dataclass
@@ -106,31 +113,55 @@ class GPUTreeRuntime(TreeRuntime):
     gather_at = staticmethod(gather_kv_at)
     keeps_copies = False
 
-    def __init__(self, device, observers=(), faults=None, plain=None):
+    @property
+    def kernel_cold(self) -> int:
+        return kernels.VARIANTS.cold
+
+    def __init__(self, device, observers=(), faults=None, plain=None, max_rows: int = 6, block_size: int = 16,
+                 max_blocks: int | None = None):
+        """max_rows: the most rows of one tree (K + 1), block_size: the KV cache's page, max_blocks: the width of
+        vLLM's block table: what fixes the kernel variants the engine launches (compiled at start-up)."""
         super().__init__(observers, faults)
         self.device = torch.device(device)
         self.plain = plain or (lambda req_id: None)
         self._long = StagingBuffer(self.device, torch.int64)
         self._int = StagingBuffer(self.device, torch.int32)
+        self._draft_int = StagingBuffer(self.device, torch.int32)
         self.pending = None  # (step, BatchVerdict) until the drafter's next propose reads them
         self._draft_on_device = (None, None)
         self.heads = (0, 0, 0)  # query heads, kv heads, head size of the model's attention layers (this rank's)
+        self.max_rows, self.block_size, self.max_blocks = max_rows, block_size, max_blocks
+        self.block_q = None  # the engine's tile (kernels.tile_rows), fixed once the heads are known
+        self.kernel_fallbacks = 0  # layers computed by the torch fallback after a failed launch
 
     def attached(self, impls: list, dtype: torch.dtype) -> None:
-        """The model's layers are built: their heads, and the kernel checked once on this device in the model's dtype
-        (a kernel that cannot compile or computes wrong here fails start-up, not a request)."""
+        """The model's layers are built: their heads, and every kernel variant a step can launch compiled and checked
+        on this device in the model's dtype (a kernel that cannot compile or computes wrong here fails start-up, not
+        a request; nothing compiles while serving)."""
         shapes = {(impl.num_heads, impl.num_kv_heads, impl.head_size) for impl in impls}
         if len(shapes) != 1:  # one launch plan serves every layer of a forward
             raise ValueError(f"tree attention needs one head layout across the model's layers, got {sorted(shapes)}")
-        self.heads = shapes.pop()
+        self.heads, self.dtype = shapes.pop(), dtype
+        self.block_q = kernels.tile_rows(self.max_rows, self.heads[0], self.heads[1])
         try:
-            err = check_on_device(self.device, dtype, *self.heads)
+            err = kernels.warm_up(self.device, dtype, *self.heads, block_size=self.block_size, max_rows=self.max_rows,
+                                  max_blocks=self.max_blocks)
         except Exception as e:
             raise RuntimeError(f"the tree-attention kernel failed its start-up check on {self.device} "
                                f"({type(e).__name__}: {e})") from e
-        if not err <= TOLERANCE[dtype]:
+        if not err <= kernels.TOLERANCE[dtype]:
             raise RuntimeError(f"the tree-attention kernel is off by {err:.3g} on {self.device} in {dtype} at its "
-                               f"start-up check (at most {TOLERANCE[dtype]} allowed)")
+                               f"start-up check (at most {kernels.TOLERANCE[dtype]} allowed)")
+
+    def ready(self, kv_caches: list, block_table: torch.Tensor) -> None:
+        """vLLM allocated the KV cache and the block table: the kernel's variants launched once more on the engine's
+        own tensors (their page size, strides and alignment), still at start-up."""
+        if not kv_caches:
+            return
+        k, v = kv_views(kv_caches[0])
+        self.block_size = k.shape[1]
+        kernels.warm_up(self.device, self.dtype, *self.heads, block_size=self.block_size, max_rows=self.max_rows,
+                        k_cache=k, v_cache=v, block_table=block_table)
 
     # --- planning ---
     def prepare(self, step: TreeStep | None) -> TreeStep | None:
@@ -180,8 +211,9 @@ class GPUTreeRuntime(TreeRuntime):
             tok, par, dep, val, anc, order = dev[11:]
             d_trees = TreeBatch(tok, par, dep, val.bool(), anc, order)
         hq, hkv, d = self.heads
-        plan = plan_launch(d_roots, d_cu, d_bits.view(len(q_rows), words), d_q_rows, d_bt_rows, hq, hkv, d,
-                           max_rows=width + 1, longest=int((roots + sizes + 1).max()))
+        plan = kernels.plan_launch(d_roots, d_cu, d_bits.view(len(q_rows), words), d_q_rows, d_bt_rows, hq, hkv, d,
+                                   max_rows=width + 1, longest=int((roots + sizes + 1).max()), tree_lens=d_seq,
+                                   block_q=self.block_q)
         step.device = DeviceStep(plan, d_node_rows, d_node_pos, d_rows, d_seq, d_starts, d_sizes, width, batched,
                                  len(greedy), d_batched, d_rows[d_batched] if batched else d_rows[:0], d_logit_rows,
                                  d_trees, sampled_depth, (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num))
@@ -202,21 +234,62 @@ class GPUTreeRuntime(TreeRuntime):
     def verify_layer(self, step: TreeStep, isa, scale: float, query, key, value, kv_cache, block_table,
                      output) -> None:
         step.kv_caches.append(kv_cache)
+        self._launch(step.device.launch, query, kv_cache, block_table, scale, output)
+
+    def _launch(self, plan, query, kv_cache, block_table, scale: float, output) -> None:
+        """One layer's tree rows by the kernel; a launch that fails is contained: the layer's rows are computed by the
+        torch fallback (the same attention; it waits for the device), and the fault is counted."""
         k, v = kv_views(kv_cache)
-        launch(step.device.launch, query, k, v, block_table, scale, output)
+        try:
+            self.faults.point("tree_kernel")
+            kernels.launch(plan, query, k, v, block_table, scale, output)
+        except Exception as e:
+            self.faults.record("launching the tree-attention kernel (this layer's tree rows computed in torch)", e)
+            self.kernel_fallbacks += 1
+            kernels.launch_reference(plan, query, k, v, block_table, scale, output)
 
     def on_device(self, draft):
-        """A draft step's mask (host tensors, built by the drafter) on the device, once per draft step."""
+        """A draft step of tree drafting as a kernel launch plan (its rows, the trees' prefixes and the nodes run so
+        far, each row's ancestors-or-self as bits), staged to the device in one copy, once per draft step: the
+        kernel reads the paged cache in place (no gathered prefix K/V: no memory vLLM's profile did not see)."""
         held, moved = self._draft_on_device
         if held is draft:
             return moved
         pre = draft.prefix
-        if pre.block_rows.device != self.device:  # the prefix outlives the step: moved in place, once
-            pre.block_rows, pre.positions = pre.block_rows.to(self.device), pre.positions.to(self.device)
-        moved = type(draft)(draft.num_tokens, pre, *(t.to(self.device) for t in (
-            draft.trees, draft.rows, draft.valid, draft.node_pos, draft.visible)))
+        valid = draft.valid.cpu().numpy()
+        rows = draft.rows.cpu().numpy()
+        counts = valid.sum(1)
+        lens = draft.tree_lens.numpy().astype(np.int64)
+        p = draft.visible.shape[2] - draft.node_pos.shape[1]  # prefix columns of the mask
+        n = max(1, int(lens.max()))
+        vis = draft.visible[:, :, p:p + n]  # [R, M, n]: each row's tree keys
+        words = max(1, -(-n // 32))
+        mask = torch.zeros(int(counts.sum()), words * 32, dtype=torch.bool)
+        mask[:, :n] = vis[draft.valid]
+        bits = pack_words(mask).numpy()
+        bits = np.where(bits >= 2**31, bits - 2**32, bits)
+        q_rows = rows[valid]
+        cu = np.concatenate([[0], np.cumsum(counts)])
+        prefix_lens = draft.roots.numpy().astype(np.int64) + 1
+        blocks = pre.block_rows.numpy() if pre.block_rows.device.type == "cpu" else None
+        arrays = [q_rows, cu, prefix_lens, lens, bits, draft.trees.numpy()]
+        if blocks is not None:  # the prefix outlives the step: its block rows go to the device once
+            arrays.append(blocks)
+        staged = self._draft_int.upload([np.ascontiguousarray(a).astype(np.int32) for a in arrays])
+        d_q_rows, d_cu, d_plen, d_tlen, d_bits, d_trees = staged[:6]
+        if blocks is not None:
+            pre.block_rows = staged[6].clone()  # (a device copy: the staging buffer is reused next step)
+        hq, hkv, d = self.heads
+        plan = kernels.plan_launch(d_plen, d_cu, d_bits.view(len(q_rows), words), d_q_rows, d_trees, hq, hkv, d,
+                                   max_rows=int(counts.max()), longest=int((prefix_lens + lens).max()),
+                                   tree_lens=d_tlen, block_q=self.block_q)
+        moved = (plan, pre.block_rows)
         self._draft_on_device = (draft, moved)
         return moved
+
+    def _attend_draft(self, draft, isa: str, scale: float, query, kv_cache, output) -> None:
+        plan, block_rows = draft  # (on_device's)
+        self._launch(plan, query, kv_cache, block_rows, scale, output)
 
     # --- verification (the tree sampler) ---
     def batched(self, step: TreeStep) -> list[int]:
@@ -280,14 +353,14 @@ class GPUTreeRuntime(TreeRuntime):
             path[dev.batched_index] = verdict.path
             count[dev.batched_index] = verdict.count
         host = [k for k, r in enumerate(step.requests) if r.row in results]
-        if host:
-            hp = torch.full((len(host), dev.width), -1, dtype=torch.long)
+        if host:  # their paths, staged (pinned, no wait for the device)
+            hp = np.full((len(host), dev.width), -1, dtype=np.int64)
             for j, k in enumerate(host):
                 nodes = results[step.requests[k].row][0]
-                hp[j, :len(nodes)] = torch.tensor(nodes, dtype=torch.long)
-            at = torch.tensor(host, device=self.device)
-            path[at] = hp.to(self.device)
-            count[at] = (hp >= 0).sum(1).to(self.device)
+                hp[j, :len(nodes)] = nodes
+            at, d_hp, d_count = self._long.upload([np.array(host, dtype=np.int64), hp, (hp >= 0).sum(1)])
+            path[at] = d_hp
+            count[at] = d_count
         src, dst = compaction_moves(dev.starts, dev.sizes, path, count)
         move_slots(step.kv_caches, step.slot_mapping[src], step.slot_mapping[dst])
         self.faults.point("compaction")
@@ -311,6 +384,16 @@ class GPUTreeRuntime(TreeRuntime):
             self.batched_total += len(step.device.batched)
             self.batched_sampled_total += len(step.device.batched) - step.device.greedy
         return super().take_results()
+
+
+def tree_kernel_shape(vllm_config) -> dict:
+    """What fixes the tree kernel's compiled variants before the KV cache exists: the largest tree (K + 1 rows),
+    the page size and the block table's width as vLLM will likely make them (GPUTreeRuntime.ready launches them again
+    on the real ones)."""
+    k = vllm_config.speculative_config.num_speculative_tokens
+    block_size = vllm_config.cache_config.block_size or 16
+    return {"max_rows": k + 1, "block_size": block_size,
+            "max_blocks": -(-vllm_config.model_config.max_model_len // block_size)}
 
 
 def _moves(path: list[int]) -> int:

@@ -18,6 +18,7 @@ from vllm_adaspec.engine.worker import AdaspecWorkerMixin
 
 class AdaspecGPUWorker(AdaspecWorkerMixin, Worker):
     def tree_runtime(self, observers, faults):
-        from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+        from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime, tree_kernel_shape
 
-        return GPUTreeRuntime(self.model_runner.device, observers, faults=faults)
+        return GPUTreeRuntime(self.model_runner.device, observers, faults=faults, **tree_kernel_shape(self.vllm_config))
+

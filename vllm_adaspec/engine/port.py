@@ -140,10 +140,15 @@ class EnginePort:
         return self.runtime is not None and self.runtime.keeps_copies
 
     def tree_counts(self) -> dict:
-        """Trees verified on the device in one batch so far (the GPU runtime's plain trees), and of them sampled."""
+        """Trees verified on the device in one batch so far (the GPU runtime's plain trees), and of them sampled; the
+        tree kernel's cold launches and fallbacks."""
         rt = self.runtime
         return {"tree_batched": rt.batched_total if rt is not None else 0,
-                "tree_batched_sampled": rt.batched_sampled_total if rt is not None else 0}
+                "tree_batched_sampled": rt.batched_sampled_total if rt is not None else 0,
+                # tree-kernel launches of a variant start-up did not compile (a compile while serving), and layers
+                # computed by the torch fallback after a failed launch
+                "tree_kernel_cold": rt.kernel_cold if rt is not None else 0,
+                "tree_kernel_fallbacks": rt.kernel_fallbacks if rt is not None else 0}
 
     # --- tensor parallelism ---
     @staticmethod

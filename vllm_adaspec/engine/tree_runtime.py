@@ -158,6 +158,7 @@ class TreeRuntime:
 
     gather_at = staticmethod(gather_cpu_kv_at)  # K, V of (block, offset) pairs in this runtime's KV layout
     keeps_copies = True  # each tree request's KV copied contiguously (capped by tree.kv_copy_tokens)
+    kernel_cold = kernel_fallbacks = 0  # a device kernel's launches of a variant not compiled at start-up, fallbacks
 
     def __init__(self, observers=(), faults: FaultGuard | None = None):
         self.step: TreeStep | None = None
@@ -175,6 +176,9 @@ class TreeRuntime:
     def attached(self, impls: list, dtype: torch.dtype) -> None:
         """The attention impls that call this runtime (engine/tree_backend.attach_runtime), once the model is built
         (`dtype`: the model's)."""
+
+    def ready(self, kv_caches: list, block_table) -> None:
+        """vLLM allocated the KV cache (kv_caches: one per attention layer) and the block table, at start-up."""
 
     # --- planning (the runner's _prepare_inputs hook) ---
     def begin_step(self, req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, positions: torch.Tensor,

@@ -67,10 +67,13 @@ class AdaspecWorkerMixin:
         from vllm_adaspec.config import AdaspecConfigError
         from vllm_adaspec.engine.startup import graph_mode_problem
 
-        problem = graph_mode_problem(self.vllm_config.compilation_config.cudagraph_mode,
-                                     self.model_runner.drafter.port.runtime is not None)
+        runtime = self.model_runner.drafter.port.runtime
+        problem = graph_mode_problem(self.vllm_config.compilation_config.cudagraph_mode, runtime is not None)
         if problem:
             raise AdaspecConfigError(f"vllm_adaspec: {problem}")
+        if runtime is not None:  # the tree kernel's variants on the engine's own caches (nothing compiles later)
+            runner = self.model_runner
+            runtime.ready(runner.kv_caches, runner.input_batch.block_table[0].block_table.gpu)
 
     def execute_model(self, scheduler_output):
         drafter = self.model_runner.drafter

@@ -1,34 +1,45 @@
 """Tree-mask attention over a paged KV cache, for the decode shape: the attention of a verification pass over a
-tree of drafts, split over the prefix keys (flash-decoding) and reduced.
+tree of drafts (and of early exit's draft steps over a growing tree), split over the keys (flash-decoding) and
+reduced.
 
-Each request verifies `rows` query rows: row 0 is its root (the last committed token), rows 1.. its draft nodes.
-Their keys/values were written to the paged cache in this pass at positions P .. P + rows - 1 (P = the request's
-cached prefix length). Row i sees every prefix position (< P) and tree row j iff j is i or an ancestor of i: bit j
-of `ancestor_bits[row0 + i]` (int32 words, bit j % 32 of word j // 32). GQA: query head h reads kv head
-h // (Hq / Hkv). fp16 / bf16 / fp32 in, fp32 math; fp32 products are exact IEEE (`input_precision="ieee"`), never
-TF32.
+Each request has `rows` query rows and `prefix_len + tree_len` keys in its paged cache. Every row sees every prefix
+key (positions < prefix_len); tree key j (position prefix_len + j) is seen by row i iff bit j of
+`ancestor_bits[row0 + i]` is set (int32 words, bit j % 32 of word j // 32). Verification: row 0 is the root (the
+last committed token), rows 1.. the draft nodes, and the tree keys are the rows' own keys, written in this pass
+(tree_len = rows, bits = ancestors-or-self). A draft step of tree drafting: the rows are the nodes run now, the tree
+keys every node run so far (the root is the prefix's last key). GQA: query head h reads kv head h // (Hq / Hkv).
+fp16 / bf16 / fp32 in, fp32 math; fp32 products are exact IEEE (`input_precision="ieee"`), never TF32.
 
 Layouts (vLLM's GPU layout, FlashAttention / Triton backends: a layer's cache is [2, num_blocks, block_size, Hkv, D],
-K = cache[0], V = cache[1]): q [T, Hq, D] (requests' rows packed, offsets `cu_rows` [B + 1]); k_cache, v_cache
-[num_blocks, block_size, Hkv, D]; block_table [B, max_blocks]; prefix_lens [B]; ancestor_bits [T, W] int32.
+K = cache[0], V = cache[1]): q [T, Hq, D] (requests' rows packed, offsets `cu_rows` [B + 1], at rows `q_rows` of the
+layer's q and output); k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table [*, max_blocks] (request b
+reads row `bt_rows[b]`); prefix_lens, tree_lens [B]; ancestor_bits [T, W] int32.
 
-Work split: one program per (request, kv head, block of query rows, split of the keys). The request's query rows x
-the kv head's query heads form the M side of each tile (GQA: a key tile loaded once serves every query head that
-reads it, and every row of the tree), so each key is read once per split. The keys 0 .. P + rows - 1 are cut into
-`splits` contiguous chunks (more programs than requests x kv heads when the batch is small and the prefix long:
-flash-decoding); each program keeps flash attention's online softmax and writes its unnormalised partial output,
-running max and sum; `_tree_attention_reduce_kernel` combines the splits per (row, head). With one split (a full
-batch, or short prefixes) the split kernel writes the output itself and there is no second launch.
+Work split: one program per (request, kv head, block of query rows, split of the keys). The M side of a tile is the
+request's query rows x the kv head's query heads (all of a tree's rows where they fit one tile, `MAX_TILE_M`), so a
+key tile is read once and serves every row of the tree and every query head that reads it. Prefix keys are visible
+to every row: their loop reads no mask; only the last tile(s) over the tree keys read the ancestor bits. The keys
+are cut into `splits` contiguous chunks when the batch alone would leave the device idle; each program keeps flash
+attention's online softmax and writes its unnormalised partial output, running max and sum, which
+`_tree_attention_reduce_kernel` combines per (row, head). With one split the split kernel writes the output itself.
 
-Contents: `_tree_attention_split_kernel`, `_tree_attention_reduce_kernel`, `tree_attention_triton` (launcher),
-`ancestor_bits` (bool mask -> bits), `tree_attention_reference` (torch, any dtype; float64 in the tests).
+Compiled variants: an engine fixes the dtype, the heads, the page size, `BLOCK_N` and the tile (`tile_rows`, from
+its largest tree), so a step launches one of three kernels (split with and without the reduction's scratch, the
+reduction); every integer that changes from step to step is kept out of Triton's specialization
+(`do_not_specialize`) and every index array is 16-byte aligned (engine/gpu_tree_runtime.StagingBuffer). `warm_up`
+compiles and checks each variant at start-up; `VARIANTS` records what was compiled and counts launches of anything
+else (`cold`): a compile in the middle of serving.
+
+Contents: `_tree_attention_split_kernel`, `_tree_attention_reduce_kernel`, `plan_launch` / `launch` (launcher),
+`launch_reference` (the torch fallback a runtime uses when a launch fails), `warm_up`, `ancestor_bits` (bool mask ->
+bits), `tree_attention_reference` (torch, any dtype; float64 in the tests).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,12 +51,17 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["TOLERANCE", "TreeAttentionLaunch", "ancestor_bits", "check_on_device", "launch", "plan_launch",
-           "tree_attention_reference", "tree_attention_triton"]
+__all__ = ["MAX_TILE_M", "TOLERANCE", "TreeAttentionLaunch", "VARIANTS", "ancestor_bits", "check_on_device", "launch",
+           "launch_reference", "plan_launch", "tile_rows", "tree_attention_reference", "tree_attention_triton",
+           "warm_up"]
+
+MAX_TILE_M = 128  # query rows x query heads of one tile (FlashAttention's M for head size 128, 8 warps)
+MAX_SPLITS = 64  # key chunks of one request (the reduction's BLOCK_S)
+BLOCK_N = 64  # keys per tile
 
 
 def ancestor_bits(tree_mask: torch.Tensor) -> torch.Tensor:
-    """tree_mask [T, max_rows] bool (row i sees tree row j) -> [T, ceil(max_rows / 32)] int32 words."""
+    """tree_mask [T, max_keys] bool (row i sees tree key j) -> [T, ceil(max_keys / 32)] int32 words."""
     t, n = tree_mask.shape
     words = max(1, math.ceil(n / 32))
     padded = torch.zeros(t, words * 32, dtype=torch.int64, device=tree_mask.device)
@@ -56,9 +72,9 @@ def ancestor_bits(tree_mask: torch.Tensor) -> torch.Tensor:
 
 
 def tree_attention_reference(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, bits, scale,
-                             dtype=torch.float64) -> torch.Tensor:
+                             dtype=torch.float64, tree_lens=None) -> torch.Tensor:
     """Plain torch, request by request: gather the request's keys, unpack its rows' ancestor bits,
-    softmax(QK^T) V."""
+    softmax(QK^T) V. tree_lens: tree keys per request (default: its rows)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     bs = k_cache.shape[1]
@@ -67,15 +83,18 @@ def tree_attention_reference(q, k_cache, v_cache, block_table, prefix_lens, cu_r
     for b in range(len(prefix_lens)):
         r0, r1 = int(cu_rows[b]), int(cu_rows[b + 1])
         n, p = r1 - r0, int(prefix_lens[b])
-        pos = torch.arange(p + n, device=q.device)
+        if n == 0:
+            continue
+        nt = n if tree_lens is None else int(tree_lens[b])
+        pos = torch.arange(p + nt, device=q.device)
         slots = block_table[b, pos // bs].long() * bs + pos % bs
-        k = k_cache.reshape(-1, hkv, d)[slots].to(dtype)  # [p + n, Hkv, D]
+        k = k_cache.reshape(-1, hkv, d)[slots].to(dtype)  # [p + nt, Hkv, D]
         v = v_cache.reshape(-1, hkv, d)[slots].to(dtype)
         rep = hq // hkv
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [p + n, Hq, D]
-        tree = ((bits[r0:r1].long().unsqueeze(-1) >> shifts) & 1).bool().reshape(n, -1)[:, :n]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [p + nt, Hq, D]
+        tree = ((bits[r0:r1].long().unsqueeze(-1) >> shifts) & 1).bool().reshape(n, -1)[:, :nt]
         visible = torch.cat([torch.ones(n, p, dtype=torch.bool, device=q.device), tree], 1)
-        s = torch.einsum("ihd,jhd->hij", q[r0:r1].to(dtype), k) * scale  # [Hq, n, p + n]
+        s = torch.einsum("ihd,jhd->hij", q[r0:r1].to(dtype), k) * scale  # [Hq, n, p + nt]
         s = s.masked_fill(~visible[None], float("-inf"))
         out[r0:r1] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v)
     return out
@@ -84,23 +103,59 @@ def tree_attention_reference(q, k_cache, v_cache, block_table, prefix_lens, cu_r
 if triton is not None:
 
     @triton.jit
+    def _attend_tile(q, acc, m_i, l_i, start, end, table, k_ptr, v_ptr, kvh, bits_ptr, bits_rows, m_valid, p_len,
+                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bits, scale,
+                     TREE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+        """One tile of keys start .. start + BLOCK_N (those < end) into the online softmax of the tile's rows. Prefix
+        tiles (TREE False) are visible to every row; tree tiles read each row's ancestor bits."""
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        offs_d = tl.arange(0, BLOCK_D)
+        page = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        k_off = page * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+        v_off = page * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kvh * stride_vh
+        kv_mask = valid[:, None] & (offs_d < D)[None, :]
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [M, N]
+        if TREE:
+            j = pos - p_len  # the tree key's index
+            word = tl.load(bits_ptr + bits_rows[:, None] * stride_bits + (j // 32)[None, :],
+                           mask=m_valid[:, None] & valid[None, :], other=0)
+            visible = valid[None, :] & (((word >> (j % 32)[None, :]) & 1) != 0)
+        else:
+            visible = valid[None, :] & m_valid[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        return acc, m_new, l_i
+
+    @triton.jit(do_not_specialize=["chunk", "n_qb", "stride_as", "stride_at", "stride_ms", "stride_mt",
+                                   "stride_bits"])
     def _tree_attention_split_kernel(
-            q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr, o_ptr, bt_ptr, plen_ptr, cu_ptr, bits_ptr, qrows_ptr,
-            btrows_ptr, scale, chunk,
+            q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr, o_ptr, bt_ptr, plen_ptr, tlen_ptr, cu_ptr, bits_ptr,
+            qrows_ptr, btrows_ptr, scale, chunk, n_qb,
             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_bt, stride_bits, stride_ot, stride_oh,
-            DIRECT: tl.constexpr, QB: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+            DIRECT: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
             DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
         b = tl.program_id(0)
-        kvh = tl.program_id(1) // QB
-        qb = tl.program_id(1) % QB
+        kvh = tl.program_id(1) // n_qb
+        qb = tl.program_id(1) % n_qb
         split = tl.program_id(2)
         row0 = tl.load(cu_ptr + b)
         n_rows = tl.load(cu_ptr + b + 1) - row0
         if qb * BLOCK_Q < n_rows:
             p_len = tl.load(plen_ptr + b)
-            total = p_len + n_rows
+            total = p_len + tl.load(tlen_ptr + b)
             lo = split * chunk
             hi = tl.minimum(lo + chunk, total)
             offs_m = tl.arange(0, BLOCK_Q * GROUP_P)
@@ -120,50 +175,36 @@ if triton is not None:
                             mask=m_valid[:, None] & d_valid[None, :], other=0.0)
                 if DOT_F32:
                     q = q.to(tl.float32)
-                for start in range(lo, hi, BLOCK_N):
-                    pos = start + tl.arange(0, BLOCK_N)
-                    valid = pos < hi
-                    page = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-                    k_off = page * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-                    v_off = page * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kvh * stride_vh
-                    kv_mask = valid[:, None] & d_valid[None, :]
-                    k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-                    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-                    if DOT_F32:
-                        k, v = k.to(tl.float32), v.to(tl.float32)
-                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [M, N]
-                    j = pos - p_len  # tree row of a key position (>= 0 inside the tree)
-                    in_tree = (j >= 0) & valid
-                    word = tl.load(bits_ptr + (row0 + qi)[:, None] * stride_bits + (j // 32)[None, :],
-                                   mask=m_valid[:, None] & in_tree[None, :], other=0)
-                    anc = (word >> (j % 32)[None, :]) & 1
-                    visible = valid[None, :] & ((j < 0)[None, :] | (anc != 0))
-                    s = tl.where(visible, s, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(s, 1))
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    p = tl.exp(s - m_safe[:, None])
-                    alpha = tl.exp(m_i - m_safe)
-                    l_i = l_i * alpha + tl.sum(p, 1)
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-                    m_i = m_new
+                bits_rows = (row0 + qi).to(tl.int64)
+                prefix_end = tl.minimum(hi, p_len)
+                for start in range(lo, prefix_end, BLOCK_N):  # prefix keys: no mask to read
+                    acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, prefix_end, table, k_ptr, v_ptr, kvh,
+                                                 bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks, stride_kh,
+                                                 stride_vb, stride_vs, stride_vh, stride_bits, scale, False,
+                                                 BLOCK_SIZE, BLOCK_N, BLOCK_D, D, DOT_F32, PRECISION)
+                for start in range(tl.maximum(lo, p_len), hi, BLOCK_N):  # tree keys: ancestors-or-self
+                    acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, hi, table, k_ptr, v_ptr, kvh,
+                                                 bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks, stride_kh,
+                                                 stride_vb, stride_vs, stride_vh, stride_bits, scale, True,
+                                                 BLOCK_SIZE, BLOCK_N, BLOCK_D, D, DOT_F32, PRECISION)
             if DIRECT:  # one split holds every key: the output itself, no partials and no reduce launch
                 out = acc / tl.maximum(l_i, 1e-30)[:, None]
                 tl.store(o_ptr + q_at[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                          out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
             else:
-                rows_at = row0 + qi
+                rows_at = (row0 + qi).to(tl.int64)
                 tl.store(acc_ptr + split * stride_as + rows_at[:, None] * stride_at + head[:, None] * stride_ah
                          + offs_d[None, :], acc, mask=m_valid[:, None] & d_valid[None, :])
                 tl.store(m_ptr + split * stride_ms + rows_at * stride_mt + head, m_i, mask=m_valid)
                 tl.store(l_ptr + split * stride_ms + rows_at * stride_mt + head, l_i, mask=m_valid)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["splits", "stride_as", "stride_at", "stride_ms", "stride_mt"])
     def _tree_attention_reduce_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, qrows_ptr, splits, stride_as, stride_at, stride_ah,
                                       stride_ms, stride_mt, stride_ot, stride_oh,
                                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
         """One program per (tree row, query head): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, written at
         the row's place in the output (q_rows)."""
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
         s_valid = offs_s < splits
@@ -183,11 +224,27 @@ if triton is not None:
 
 def choose_splits(batch: int, kv_heads: int, q_blocks: int, longest: int, block_n: int, programs: int) -> int:
     """How many chunks to cut the keys into: enough programs to fill `programs` slots (about two per SM), never a
-    chunk shorter than 4 key tiles, at most 64."""
+    chunk shorter than 4 key tiles, at most MAX_SPLITS."""
     base = batch * kv_heads * q_blocks
     want = max(1, math.ceil(programs / base))
     most = max(1, longest // (4 * block_n))
-    return int(min(want, most, 64))
+    return int(min(want, most, MAX_SPLITS))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def tile_rows(max_rows: int, num_heads: int, num_kv_heads: int) -> int:
+    """Query rows of one tile (BLOCK_Q): all of a tree's rows (up to `max_rows`) x the kv head's query heads in one
+    tile where they fit MAX_TILE_M, at least 16 (tl.dot's smallest M). An engine fixes it from its largest tree:
+    every step then launches the same compiled kernel."""
+    group_p = _next_pow2(num_heads // num_kv_heads)
+    return max(1, max(16, min(MAX_TILE_M, _next_pow2(max_rows * group_p))) // group_p)
 
 
 @dataclass
@@ -195,10 +252,11 @@ class TreeAttentionLaunch:
     """What every attention layer of one forward shares: the trees' rows and masks, the work split, the scratch.
     Built once per step (`plan_launch`), launched per layer (`launch`) with no host work beyond the two launches.
 
-    prefix_lens [B], cu_rows [B + 1] (tree rows packed: tree b's rows are cu_rows[b] .. cu_rows[b + 1] - 1),
-    bits [T, W] ancestor bits, q_rows [T] (each tree row's row in the layer's q and output), bt_rows [B] (each tree's
+    prefix_lens, tree_lens [B], cu_rows [B + 1] (request b's query rows are cu_rows[b] .. cu_rows[b + 1] - 1),
+    bits [T, W] ancestor bits, q_rows [T] (each row's row in the layer's q and output), bt_rows [B] (each request's
     row of the layer's block table): int32, on the device. acc [splits, T, Hq, D], m / l [splits, T, Hq]: fp32."""
     prefix_lens: torch.Tensor
+    tree_lens: torch.Tensor
     cu_rows: torch.Tensor
     bits: torch.Tensor
     q_rows: torch.Tensor
@@ -217,9 +275,12 @@ class TreeAttentionLaunch:
 
 
 def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num_kv_heads: int, head_size: int,
-                max_rows: int, longest: int, block_n: int = 64, splits: int | None = None) -> TreeAttentionLaunch:
-    """max_rows: the most rows of one tree, longest: the most keys of one (prefix + rows): host ints, so nothing here
-    waits for the device. splits: key chunks (default `choose_splits` for the device's SM count)."""
+                max_rows: int, longest: int, block_n: int = BLOCK_N, splits: int | None = None, tree_lens=None,
+                block_q: int | None = None) -> TreeAttentionLaunch:
+    """max_rows: the most query rows of one request, longest: the most keys of one (prefix + tree keys): host ints,
+    so nothing here waits for the device. splits: key chunks (default `choose_splits` for the device's SM count).
+    tree_lens: tree keys per request (default: its rows, as in verification). block_q: the engine's tile
+    (`tile_rows` of its largest tree; default: this step's)."""
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
     if num_heads % num_kv_heads:
@@ -227,29 +288,80 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     t = q_rows.shape[0]
     if bits.shape[0] != t or bits.dtype != torch.int32:
         raise ValueError(f"ancestor_bits must be int32 [{t}, words]; got {bits.dtype} {tuple(bits.shape)}")
-    if bits.shape[1] * 32 < max_rows:
-        raise ValueError(f"ancestor_bits has {bits.shape[1]} words for trees of {max_rows} rows")
-    group_p = triton.next_power_of_2(num_heads // num_kv_heads)
-    # M = block_q * group_p rows per program: >= 16 for tl.dot, up to 64 so that a whole tree's rows (and every
-    # query head of the kv head) share each key tile
-    block_q = max(1, max(16, min(64, triton.next_power_of_2(max_rows * group_p))) // group_p)
-    q_blocks = triton.cdiv(max_rows, block_q)
+    if tree_lens is None:
+        if bits.shape[1] * 32 < max_rows:
+            raise ValueError(f"ancestor_bits has {bits.shape[1]} words for trees of {max_rows} rows")
+        tree_lens = cu_rows[1:] - cu_rows[:-1]
+    block_q = block_q or tile_rows(max_rows, num_heads, num_kv_heads)
+    q_blocks = _cdiv(max_rows, block_q)
     if splits is None:
         dev = bits.device
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n, 2 * sms)
-    chunk = triton.cdiv(triton.cdiv(longest, splits), block_n) * block_n
-    splits = triton.cdiv(longest, chunk)
+    splits = min(int(splits), MAX_SPLITS)
+    chunk = _cdiv(_cdiv(longest, splits), block_n) * block_n
+    splits = _cdiv(longest, chunk)
     rows = t if splits > 1 else 1  # one split writes the output directly: no scratch
     acc = torch.empty(splits, rows, num_heads, head_size, dtype=torch.float32, device=bits.device)
     m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
-    return TreeAttentionLaunch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads, head_size,
-                               block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m))
+    return TreeAttentionLaunch(prefix_lens, tree_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads,
+                               head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m))
+
+
+# --- compiled variants ------------------------------------------------------------------------------------------
+
+_NO_SPECIALIZE = {
+    "split": {"chunk", "n_qb", "stride_as", "stride_at", "stride_ms", "stride_mt", "stride_bits"},
+    "reduce": {"splits", "stride_as", "stride_at", "stride_ms", "stride_mt"},
+}
+
+
+def _arg_key(name: str, value, kernel: str):
+    """What Triton specializes a launch on for one argument (its rules as of 3.x): a tensor by dtype and 16-byte
+    alignment, an integer by width and, unless kept out (`do_not_specialize`), whether it is 1 or a multiple of 16;
+    a constexpr by its value."""
+    if isinstance(value, torch.Tensor):
+        return (name, str(value.dtype), value.data_ptr() % 16 == 0)
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return (name, value)
+    if isinstance(value, int):
+        width = "i32" if -2**31 <= value < 2**31 else "i64"
+        if name in _NO_SPECIALIZE[kernel]:
+            return (name, width)
+        return (name, width, value == 1, value % 16 == 0)
+    if isinstance(value, float):
+        return (name, "fp32")
+    return (name, repr(value))
+
+
+@dataclass
+class KernelVariants:
+    """The kernel variants compiled at start-up (`warm_up`) and every launch's variant since: `cold` counts launches
+    of a variant start-up did not compile (on a GPU: a compile inside a forward)."""
+    warm: set = field(default_factory=set)
+    launched: set = field(default_factory=set)
+    cold: int = 0
+    warming: bool = False
+
+    def seen(self, key: tuple) -> None:
+        if self.warming:
+            self.warm.add(key)
+        elif key not in self.warm:
+            self.cold += 1
+        self.launched.add(key)
+
+
+VARIANTS = KernelVariants()
+
+
+def _launch_kernel(kernel, name: str, grid, args: dict) -> None:
+    VARIANTS.seen((name, tuple(_arg_key(k, v, name) for k, v in args.items())))
+    kernel[grid](**args)
 
 
 def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: float, out) -> torch.Tensor:
-    """Tree attention of one layer: q [*, Hq, D] (the tree rows at plan.q_rows), k_cache / v_cache [num_blocks,
-    block_size, Hkv, D] (any strides, the last dimension contiguous), block_table [*, max_blocks]; the tree rows of
+    """Tree attention of one layer: q [*, Hq, D] (the rows at plan.q_rows), k_cache / v_cache [num_blocks,
+    block_size, Hkv, D] (any strides, the last dimension contiguous), block_table [*, max_blocks]; the plan's rows of
     `out` [*, Hq, D] are written, nothing else."""
     nb, bs, hkv, d = k_cache.shape
     if (q.shape[1], hkv, d) != (plan.num_heads, plan.num_kv_heads, plan.head_size) or v_cache.shape != k_cache.shape:
@@ -262,39 +374,57 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
     grid = (len(plan.prefix_lens), hkv * plan.q_blocks, plan.splits)
     group = plan.num_heads // hkv
     direct = plan.splits == 1
-    _tree_attention_split_kernel[grid](
-        q, k_cache, v_cache, acc, m, l_, out, block_table, plan.prefix_lens, plan.cu_rows, plan.bits, plan.q_rows,
-        plan.bt_rows, scale, plan.chunk,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), acc.stride(0), acc.stride(1), acc.stride(2),
-        m.stride(0), m.stride(1), block_table.stride(0), plan.bits.stride(0), out.stride(0), out.stride(1),
-        DIRECT=direct, QB=plan.q_blocks, BLOCK_SIZE=bs, GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=plan.block_q,
-        BLOCK_N=plan.block_n, D=d, BLOCK_D=triton.next_power_of_2(d),
+    _launch_kernel(_tree_attention_split_kernel, "split", grid, dict(
+        q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, bt_ptr=block_table,
+        plen_ptr=plan.prefix_lens, tlen_ptr=plan.tree_lens, cu_ptr=plan.cu_rows, bits_ptr=plan.bits,
+        qrows_ptr=plan.q_rows, btrows_ptr=plan.bt_rows, scale=scale, chunk=plan.chunk, n_qb=plan.q_blocks,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1),
+        stride_kh=k_cache.stride(2), stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1),
+        stride_vh=v_cache.stride(2), stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2),
+        stride_ms=m.stride(0), stride_mt=m.stride(1), stride_bt=block_table.stride(0),
+        stride_bits=plan.bits.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        DIRECT=direct, BLOCK_SIZE=bs, GROUP=group, GROUP_P=_next_pow2(group), BLOCK_Q=plan.block_q,
+        BLOCK_N=plan.block_n, D=d, BLOCK_D=_next_pow2(d),
         # Triton's interpreter multiplies bf16 tl.dot operands wrongly (as of 3.9); it gets fp32 operands there
         DOT_F32=interpret and q.dtype == torch.bfloat16,
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
-        PRECISION="ieee" if q.dtype == torch.float32 or interpret else None)
+        PRECISION="ieee" if q.dtype == torch.float32 or interpret else None,
+        num_warps=4 if plan.block_q * _next_pow2(group) <= 64 else 8))
     if direct:
         return out
-    _tree_attention_reduce_kernel[(plan.q_rows.shape[0], plan.num_heads)](
-        acc, m, l_, out, plan.q_rows, plan.splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
-        m.stride(1), out.stride(0), out.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_S=triton.next_power_of_2(plan.splits))
+    _launch_kernel(_tree_attention_reduce_kernel, "reduce", (plan.q_rows.shape[0], plan.num_heads), dict(
+        acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, qrows_ptr=plan.q_rows, splits=plan.splits,
+        stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2), stride_ms=m.stride(0),
+        stride_mt=m.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1), D=d, BLOCK_D=_next_pow2(d),
+        BLOCK_S=MAX_SPLITS))
+    return out
+
+
+def launch_reference(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: float, out) -> torch.Tensor:
+    """What `launch` computes, in torch (float32): the fallback of a runtime whose launch failed. It reads the plan's
+    indices on the host (a wait for the device: a fault path only)."""
+    q_rows, bt_rows = plan.q_rows.long(), plan.bt_rows.long()
+    got = tree_attention_reference(q[q_rows], k_cache, v_cache, block_table[bt_rows], plan.prefix_lens.cpu(),
+                                   plan.cu_rows.cpu(), plan.bits, scale, dtype=torch.float32,
+                                   tree_lens=plan.tree_lens.cpu())
+    out[q_rows] = got.to(out.dtype)
     return out
 
 
 def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, bits, scale,
-                          max_rows: int | None = None, longest: int | None = None, block_n: int = 64,
-                          splits: int | None = None, q_rows=None, bt_rows=None, out=None) -> torch.Tensor:
-    """Plan and launch in one call. Without q_rows / bt_rows, q holds exactly the tree rows (packed as cu_rows) and
-    block_table one row per tree; returns the output [T, Hq, D] in q's dtype (`out`, or a new tensor). max_rows /
+                          max_rows: int | None = None, longest: int | None = None, block_n: int = BLOCK_N,
+                          splits: int | None = None, q_rows=None, bt_rows=None, out=None, tree_lens=None,
+                          block_q: int | None = None) -> torch.Tensor:
+    """Plan and launch in one call. Without q_rows / bt_rows, q holds exactly the plan's rows (packed as cu_rows) and
+    block_table one row per request; returns the output [T, Hq, D] in q's dtype (`out`, or a new tensor). max_rows /
     longest are computed from the tensors when not given (a device sync)."""
     t = int(cu_rows[-1]) if q_rows is None else q_rows.shape[0]
     rows = cu_rows[1:] - cu_rows[:-1]
+    keys = rows if tree_lens is None else tree_lens
     if max_rows is None:
         max_rows = int(rows.max())
     if longest is None:
-        longest = int((prefix_lens + rows).max())
+        longest = int((prefix_lens + keys).max())
     if q_rows is None:
         q_rows = torch.arange(t, dtype=torch.int32, device=q.device)
     if bt_rows is None:
@@ -304,36 +434,83 @@ def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows
         raise ValueError(f"q head size {q.shape[2]} and caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do "
                          "not fit")
     plan = plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, q.shape[1], hkv, d, max_rows, longest,
-                       block_n=block_n, splits=splits)
+                       block_n=block_n, splits=splits, tree_lens=tree_lens, block_q=block_q)
     return launch(plan, q, k_cache, v_cache, block_table, scale, torch.empty_like(q) if out is None else out)
 
 
-def check_on_device(device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> float:
-    """Run the kernel once on a small random case (two trees over paged prefixes, one split and three) on `device`
-    in `dtype` and return the largest difference from the float32 reference: a start-up check that the kernel
-    compiles and computes on this device for this model's heads (TOLERANCE[dtype] bounds a correct run)."""
-    g = torch.Generator().manual_seed(0)
-    bs, plens, nodes = 16, [70, 5], [5, 3]
+# --- start-up -----------------------------------------------------------------------------------------------------
+
+def _small_case(g, device, dtype, num_heads, num_kv_heads, head_size, block_size, plens, nodes, blocks):
+    """A random case in vLLM's layouts: q a view of a fused qkv buffer, K / V views of one [blocks, Hkv,
+    block_size, 2 D] cache (engine/gpu_kv.kv_views)."""
     rows = [n + 1 for n in nodes]
-    cu = torch.tensor([0, rows[0], rows[0] + rows[1]], dtype=torch.int32)
-    table = torch.randperm(12, generator=g)[:12].view(2, 6).to(torch.int32)
-    k = torch.randn(12, bs, num_kv_heads, head_size, generator=g)
-    v = torch.randn(12, bs, num_kv_heads, head_size, generator=g)
-    q = torch.randn(sum(rows), num_heads, head_size, generator=g)
-    mask = torch.zeros(sum(rows), max(rows), dtype=torch.bool)
-    for c, parents in ((0, [-1, 0, 0, 1, 3]), (rows[0], [-1, -1, 1])):
-        m = ancestor_mask(DraftTree(torch.zeros(len(parents), dtype=torch.long), torch.tensor(parents)))
-        mask[c:c + len(m), :len(m)] = m
-    args = [x.to(device) for x in (q.to(dtype), k.to(dtype), v.to(dtype), table, torch.tensor(plens, dtype=torch.int32),
-                                   cu, ancestor_bits(mask))]
-    want = tree_attention_reference(*args, head_size ** -0.5, dtype=torch.float32)
+    cu = torch.tensor([0] + torch.tensor(rows).cumsum(0).tolist(), dtype=torch.int32)
+    table = torch.randperm(blocks, generator=g).view(len(rows), -1).to(torch.int32)
+    cache = torch.randn(blocks, num_kv_heads, block_size, 2 * head_size, generator=g).to(dtype).to(device)
+    k, v = cache.transpose(1, 2).split(head_size, dim=-1)
+    qkv = torch.randn(sum(rows), (num_heads + 2 * num_kv_heads) * head_size, generator=g).to(dtype).to(device)
+    q = qkv[:, :num_heads * head_size].view(sum(rows), num_heads, head_size)
+    words = max(1, -(-max(rows) // 32))
+    mask = torch.zeros(sum(rows), words * 32, dtype=torch.bool)
+    for b, n in enumerate(nodes):
+        parents = [-1] + [int(torch.randint(i + 1, (), generator=g)) - 1 for i in range(n - 1)] if n else []
+        m = ancestor_mask(DraftTree(torch.zeros(n, dtype=torch.long), torch.tensor(parents, dtype=torch.long)))
+        c = int(cu[b])
+        mask[c:c + n + 1, :n + 1] = m
+    return q, k, v, table.to(device), torch.tensor(plens, dtype=torch.int32, device=device), cu.to(device), \
+        ancestor_bits(mask).to(device)
+
+
+def warm_up(device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int, block_size: int = 16,
+            max_rows: int = 6, block_n: int = BLOCK_N, max_blocks: int | None = None, k_cache=None, v_cache=None,
+            block_table=None) -> float:
+    """Compile every variant a step of this engine can launch (the tile `tile_rows(max_rows)`, with and without
+    the split reduction, the reduction) on `device` in `dtype`, run each on a small random case (trees over paged
+    prefixes in vLLM's layouts, the engine's page size, a block table `max_blocks` wide as the engine's) and return
+    the largest difference from the float32 reference (TOLERANCE[dtype] bounds a correct kernel). Given the
+    engine's own caches and block table (after vLLM allocated them), the same variants are launched once more on
+    those (read only; the output is scratch), so their strides and alignment are what steps will meet. The variants
+    are recorded in VARIANTS.warm: any later launch of another is counted as cold."""
+    g = torch.Generator().manual_seed(0)
+    block_q = tile_rows(max_rows, num_heads, num_kv_heads)
+    nodes = [max(0, min(max_rows - 1, 5)), max(0, min(max_rows - 1, 2))]
+    plens = [block_n * 4 + 7, 5]
+    longest = max(p + n + 1 for p, n in zip(plens, nodes))
+    if block_table is not None:
+        max_blocks = block_table.shape[1]
+    per_req = _cdiv(longest, block_size)
+    if max_blocks is not None and max_blocks < per_req:  # a short max_model_len: shorter prefixes
+        plens = [max(1, max_blocks * block_size - n - 1) for n in nodes]
+        longest = max(p + n + 1 for p, n in zip(plens, nodes))
+        per_req = _cdiv(longest, block_size)
+    width = max(per_req, max_blocks or 0)
+    q, k, v, table, plen, cu, bits = _small_case(g, device, dtype, num_heads, num_kv_heads, head_size, block_size,
+                                                 plens, nodes, 2 * per_req)
+    wide = torch.zeros(2, width, dtype=torch.int32, device=table.device)  # the engine's block-table stride
+    wide[:, :per_req] = table
+    scale = head_size ** -0.5
+    want = tree_attention_reference(q, k, v, table, plen, cu, bits, scale, dtype=torch.float32)
     err = 0.0
-    for splits in (1, 3):
-        got = tree_attention_triton(*args, head_size ** -0.5, max_rows=max(rows), longest=max(p + r for p, r in
-                                                                                               zip(plens, rows)),
-                                    block_n=32, splits=splits)
-        err = max(err, float((got.float() - want).abs().max()))
+    VARIANTS.warming = True
+    try:
+        for splits in (1, 3):
+            got = tree_attention_triton(q, k, v, wide, plen, cu, bits, scale, max_rows=max(nodes) + 1,
+                                        longest=longest, block_n=block_n, splits=splits, block_q=block_q,
+                                        out=torch.empty_like(q))
+            err = max(err, float((got.float() - want).abs().max()))
+            if k_cache is not None:  # the engine's own tensors (its block table's first rows: zeros at start-up)
+                tree_attention_triton(q, k_cache, v_cache, block_table[:2], plen, cu, bits, scale,
+                                      max_rows=max(nodes) + 1, longest=longest, block_n=block_n, splits=splits,
+                                      block_q=block_q, out=torch.empty_like(q))
+    finally:
+        VARIANTS.warming = False
     return err
+
+
+def check_on_device(device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> float:
+    """`warm_up` for a small engine (6-row trees, 16-token pages): the kernel compiles and computes on this device
+    for these heads."""
+    return warm_up(device, dtype, num_heads, num_kv_heads, head_size, block_size=16, max_rows=6)
 
 
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}

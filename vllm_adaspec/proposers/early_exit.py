@@ -376,7 +376,9 @@ class EarlyExitDrafter(Drafter):
                 while node >= 0:
                     visible[t, i, p + slot_of[e][node] - 1] = True
                     node = grown[e].parents[node]
-        return DraftMask(len(feed), prefix, torch.tensor(trees), rows, valid, node_pos, visible)
+        return DraftMask(len(feed), prefix, torch.tensor(trees), rows, valid, node_pos, visible,
+                         roots=torch.tensor([int(root[e]) for e in trees]),
+                         tree_lens=torch.tensor([len(slot_of[e]) for e in trees]))
 
     def _confidence(self, logits, temps, rows: int) -> list:
         """[(top probability, entropy)] of each row's draft distribution at its temperature, for policies that
