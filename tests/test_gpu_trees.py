@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ENGINE, PROMPTS, load_interpreted
 from vllm_adaspec.engine.gpu_kv import compaction_moves, kv_views, move_slots
@@ -152,13 +153,41 @@ def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, m
     assert rt.batched_total == 2
 
 
+class HostToDevice(TorchDispatchMode):
+    """Every copy from host memory to the device made under it: (op, non_blocking). A blocking one (or a copy from
+    pageable memory) waits for everything queued on the device first."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device, self.copies = device, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__
+        if name.startswith("_to_copy") and args[0].device.type == "cpu" and str(kwargs.get("device")) == self.device:
+            self.copies.append((name, bool(kwargs.get("non_blocking", False))))
+        elif name.startswith("copy_") and args[1].device.type == "cpu" and args[0].device.type == self.device:
+            self.copies.append((name, bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))))
+        return func(*args, **kwargs)
+
+
 def test_nothing_in_the_gpu_step_reads_a_device_value():
     """On the meta device (tensors without values) a host read of a device value raises: the step from planning to
-    compaction, with vLLM's chain indices, runs without one (on a GPU: no wait for the device in the hot path)."""
+    compaction, with vLLM's chain indices, greedy and sampled trees verified in the batch, a tree verified on the host
+    and an early-exit draft step's plan, runs without one (on a GPU: no wait for the device in the hot path). And
+    every copy from the host to the device in it is non-blocking, out of the runtime's staging buffers (pinned on a
+    GPU): a blocking copy (`.to(device)` of a host tensor, as the draft step and the host-verified path made) would
+    wait for the device too."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from vllm_adaspec.engine.tree_sampler import chains_only
 
+    with HostToDevice("meta") as h2d:
+        _meta_step(chains_only, SpecDecodeMetadata)
+    assert h2d.copies and all(blocking is True for _, blocking in h2d.copies), h2d.copies
+
+
+def _meta_step(chains_only, SpecDecodeMetadata):
     rt, step, qs = planned("meta", plain={"tree_a": "greedy", "tree_b": "sampled"}.get)  # both batched kinds
     t = int(qs[-1])
     positions = torch.zeros(t, dtype=torch.int64, device="meta")
@@ -182,8 +211,24 @@ def test_nothing_in_the_gpu_step_reads_a_device_value():
     verdict = rt.verify_batched(step, logits, tokens, sm)
     step.slot_mapping = torch.empty(t, dtype=torch.long, device="meta")
     step.kv_caches = [torch.empty(20, HKV, BS, 2 * D, device="meta") for _ in range(3)]
+    written = rt.write_rows(tokens, {4: [32, 33, 3]})  # tree_c's committed tokens, verified on the host
+    assert written[4].device.type == "meta"
     rt.finish_step(step, {4: ([0, 1], 3, [])}, verdict)  # tree_c verified on the host: its path is copied in
     assert rt.pending is not None
+    # an early-exit draft step over two trees: its launch plan staged to the device
+    from vllm_adaspec.proposers.early_exit import EarlyExitDrafter
+    from vllm_adaspec.trees import GrowingTree, add_children
+
+    t1, t2 = GrowingTree(), GrowingTree()
+    add_children(t1, -1, [5, 6], [0.6, 0.3])
+    add_children(t1, 0, [7, 8], [0.5, 0.4])
+    add_children(t2, -1, [3, 4], [0.7, 0.2])
+    roots = np.array([40, 9])
+    prefix = EarlyExitDrafter._draft_prefix(roots, torch.arange(8).view(2, 4))
+    mask = EarlyExitDrafter._draft_mask([(0, 2), (1, 0), (0, 3)], [t1, t2], [{0: 1, 1: 2, 2: 3, 3: 4}, {0: 1}],
+                                        roots, prefix)
+    plan, block_rows = rt.on_device(mask)
+    assert plan.bits.device.type == "meta" and block_rows.device.type == "meta" and plan.q_rows.shape == (3,)
 
 
 def test_tree_drafting_steps_attend_over_the_gpu_layout(triton_interpret, monkeypatch):

@@ -127,6 +127,7 @@ class GPUTreeRuntime(TreeRuntime):
         self._long = StagingBuffer(self.device, torch.int64)
         self._int = StagingBuffer(self.device, torch.int32)
         self._draft_int = StagingBuffer(self.device, torch.int32)
+        self._rows = StagingBuffer(self.device, torch.int64)  # host-verified requests' committed tokens
         self.pending = None  # (step, BatchVerdict) until the drafter's next propose reads them
         self._draft_on_device = (None, None)
         self.heads = (0, 0, 0)  # query heads, kv heads, head size of the model's attention layers (this rank's)
@@ -223,6 +224,15 @@ class GPUTreeRuntime(TreeRuntime):
         dev = step.device
         positions[dev.node_rows] = dev.node_positions.to(positions.dtype)
         seq_lens[dev.seq_rows] = dev.seq_lens.to(seq_lens.dtype)
+
+    def write_rows(self, tokens: torch.Tensor, rows: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        at = sorted(rows)
+        host = np.full((len(at), tokens.shape[1]), -1, dtype=np.int64)
+        for j, i in enumerate(at):
+            host[j, :len(rows[i])] = rows[i]
+        d_at, d_rows = self._rows.upload([np.array(at, dtype=np.int64), host])
+        tokens[d_at] = d_rows.to(tokens.dtype)
+        return {i: tokens[i] for i in at}
 
     def staged_chains(self, step: TreeStep):
         return step.device.chains

@@ -332,6 +332,14 @@ class TreeRuntime:
     def batched(self, step: TreeStep) -> list[int]:
         return []
 
+    def write_rows(self, tokens: torch.Tensor, rows: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Committed tokens of requests verified on the host into vLLM's sampled tokens [B, width] (-1 padded), by
+        batch row; each row's written tokens back (where tokens are)."""
+        for i, row in rows.items():
+            tokens[i].fill_(-1)
+            tokens[i, :len(row)] = torch.tensor(row, dtype=tokens.dtype)
+        return {i: tokens[i] for i in rows}
+
     def staged_chains(self, step: TreeStep):
         """tree_sampler.chains_only's indices already on the device (a device runtime stages them when it plans)."""
         return None

@@ -338,7 +338,7 @@ class TreeRejectionSampler:
         faults = self.runtime.faults
         faults_before = faults.count
         want_logprobs = out.logprobs_tensors is not None and sampling_metadata.max_num_logprobs is not None
-        results, logprob_rows = {}, []
+        results, logprob_rows, committed = {}, [], {}
         # plain trees verified together on the device (engine/gpu_tree_runtime.py; the CPU runtime batches none)
         batched, verdict = set(self.runtime.batched(step)), None
         if batched:
@@ -364,19 +364,23 @@ class TreeRejectionSampler:
                 if faults.biased(s.generator):  # the sampling tests' negative control only (faults.py)
                     path, bonus = accept_one_more(tree, path, bonus, logits[rows[:m + 1]])
                 predicted = logits[rows[m + 1:]].argmax(dim=-1).tolist() if m < len(r.tree) else []
-                row = torch.tensor(r.tree.tokens[path].tolist() + [bonus], dtype=tokens.dtype)
+                row = r.tree.tokens[path].tolist() + [bonus]
                 if want_logprobs:  # committed token j was sampled at the root's row (j = 0) or node path[j-1]'s
                     at = [0] + [1 + node for node in path]
-                    logprob_rows.append((i, logits[rows[at]], processed[at], row))
+                    logprob_rows.append((i, logits[rows[at]], processed[at], len(row)))
             except Exception as e:  # vLLM's first token stands, nothing more
                 faults.record(f"verifying request {r.req_id}'s token tree", e)
-                path, row, predicted = [], tokens[i, :1].clone(), []  # a copy: the row is refilled below
-            tokens[i].fill_(-1)
-            tokens[i, :len(row)] = row.to(tokens.device)
-            results[i] = (path, int(row[-1]), predicted)
+                tokens[i, 1:] = -1
+                results[i] = ([], int(tokens[i, 0]), [])  # (a read of the device: a fault path only)
+                continue
+            committed[i] = row
+            results[i] = (path, row[-1], predicted)
+        # the host-verified requests' tokens into vLLM's sampled tokens, in one staged copy (no wait for the device)
+        written = self.runtime.write_rows(tokens, committed) if committed else {}
         if logprob_rows:
             self._rewrite_logprobs(out.logprobs_tensors, sampling_metadata.max_num_logprobs, tokens.shape[1],
-                                   logprob_rows)
+                                   [(i, raw, processed, written[i][:n]) for i, raw, processed, n in logprob_rows
+                                    if i in written])
         compacted = True
         try:
             self.runtime.finish_step(step, results, verdict)
