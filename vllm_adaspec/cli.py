@@ -361,6 +361,32 @@ def add_serve(sub) -> None:
     p.add_argument("vllm_args", nargs=argparse.REMAINDER)
 
 
+def add_smoke(sub) -> None:
+    p = sub.add_parser("smoke", help="first run on a new machine (a GPU): the tree kernel checked on the device, "
+                       "plain and MultiBranch engines in vLLM's default mode, outputs compared; paste the output")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
+    p.add_argument("--dtype", default="float32", help="float32 (default: identity is exact), bfloat16, float16")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=16)
+    p.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode)")
+    p.add_argument("--json", default=None, help="also write the report here")
+    p.set_defaults(func=cmd_smoke)
+
+
+def cmd_smoke(args) -> int:
+    import json
+
+    from vllm_adaspec.models import resolve_model
+    from vllm_adaspec.smoke import print_report, run_smoke
+
+    report = run_smoke(resolve_model(args.model), args.dtype, args.max_tokens, args.num_speculative_tokens,
+                       args.eager)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if print_report(report) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaspec", description="self-speculative decoding for vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -370,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_distill(sub)
     add_train(sub)
     add_build(sub)
+    add_smoke(sub)
     return parser
 
 
