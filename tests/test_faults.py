@@ -215,3 +215,21 @@ def test_tensor_parallel_ranks_agree_on_faults_and_count_them_alike():
     answers = [g.agree(False, "planning", digest=d) for g, d in ((ranks[1], 7), (ranks[0], 9))]
     assert answers[1] is True  # the ranks planned different trees: neither verifies them
     assert FaultGuard(limit=3).agree(True, "x") is True and FaultGuard(limit=3).agree(False, "x") is False
+
+
+def test_the_smoke_report_fails_on_a_difference_a_fault_or_a_cold_kernel(capsys):
+    """`adaspec smoke` (vllm_adaspec/smoke.py) exits 1 unless every output is identical, nothing faulted and every
+    kernel launch was compiled at start-up (its engines run for real on a GPU; here its verdict logic)."""
+    from vllm_adaspec.smoke import compare, print_report
+
+    assert compare([[1, 2], [3]], [[1, 2], [3]]) == [] and compare([[1, 2], [3]], [[1, 5], [3], [4]]) == [0, 2]
+    run = {"token_ids": [[1, 2]], "seconds": 1.0, "tokens": 2, "tau": 1.5, "start_seconds": 3.0,
+           "drafter_faults": 0, "tree_kernel_cold": 0}
+    report = {"machine": {"device": "cpu"}, "engines": {"plain": dict(run), "multibranch": dict(run)}, "differ": []}
+    assert print_report(report) is True
+    for bad in ({"differ": [0]}, {"engines": {"plain": run, "multibranch": {**run, "tree_kernel_cold": 2}}},
+                {"engines": {"plain": run, "multibranch": {**run, "drafter_faults": 1}}},
+                {"engines": {"plain": run, "multibranch": {"error": "boom"}}},
+                {"kernel": [{"dtype": "torch.bfloat16", "error": 0.5, "ok": False, "seconds": 1.0}]}):
+        assert print_report({**report, **bad}) is False
+    assert "result: FAIL" in capsys.readouterr().out
