@@ -316,6 +316,12 @@ def main(argv=None) -> int:
     p.add_argument("--unpruned", action="store_true",
                    help="with --structured: each multibranch row again with grammar pruning off")
     p.add_argument("--dtype", default="float32", help="float32: this CPU has no native bf16 (AVX2), where bf16 is several times slower")
+    p.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode, as users run)")
+    p.add_argument("--interleave", action="store_true",
+                   help="every method's engine kept alive side by side; each call (a batch of prompts) runs through "
+                        "every engine in turn, the order alternating from call to call; every round new prompts "
+                        "(--num-prompts per type and round); per type the median over rounds of each round's "
+                        "ratio to plain, and its range")
     p.add_argument("--out", default="benchmarks/out/bench_e2e.json")
     args = p.parse_args(argv)
 
@@ -324,6 +330,8 @@ def main(argv=None) -> int:
 
     tok = AutoTokenizer.from_pretrained(model)
     datasets = [d for ds in args.datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
+    if args.interleave:
+        return interleaved(args, model, tok, datasets)
     prompts = {ds: load_prompts(ds, args.num_prompts, tokenizer=tok) for ds in datasets}
     if args.repeats > 1:
         print("warning: --repeats > 1 runs every prompt again in the same engine, where vLLM's suffix cache and "
@@ -337,7 +345,7 @@ def main(argv=None) -> int:
     plans = {bs: calls(prompts, [bs], args.repeats, args.max_tokens, args.temperature, extra)
              for bs in args.batch_sizes}
     tags = {bs: [c.pop("tag") for c in plan] for bs, plan in plans.items()}
-    engine = {"dtype": args.dtype, "max_model_len": 2048, "seed": 0, "enforce_eager": True}
+    engine = engine_settings(args)
     warmup = {"prompts": ["Hello"], "params": [{"temperature": 0.0, "max_tokens": 8}]}
 
     # Rounds: every method once per round, in alternating order, each in a fresh engine. This machine's speed
@@ -380,19 +388,90 @@ def main(argv=None) -> int:
     if any(" branches N=" in name for name in results):
         table += "\n\nSelf-Draft branches (tau: tokens per target forward; extra rows: branch rows per forward):\n\n"
         table += branch_table(results)
+    write(args, results, table)
+    if len(args.ks) > 1 or args.policies:
+        plot_k_sweep(results, Path(args.out).with_suffix(".png"))
+    if any(name.startswith(("adaspec tree", "adaspec c2t")) for name in results):
+        plot_tau_gamma(results, Path(args.out).with_name(Path(args.out).stem + "_tau_gamma.png"))
+    if any(" branches N=" in name for name in results):
+        plot_branch_heatmap(results, Path(args.out).with_name(Path(args.out).stem + "_branches.png"))
+    print(table)
+    return 0
+
+
+def engine_settings(args) -> dict:
+    return {"dtype": args.dtype, "max_model_len": 2048, "seed": 0, **({"enforce_eager": True} if args.eager else {})}
+
+
+def write(args, results: dict, table: str) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for rows in results.values():
         for row in rows.values():
-            row.pop("ids")
+            row.pop("ids", None)
     out.write_text(json.dumps({"args": vars(args), "command": " ".join(sys.argv), "results": results}, indent=1))
     out.with_suffix(".md").write_text(table + "\n")
-    if len(args.ks) > 1 or args.policies:
-        plot_k_sweep(results, out.with_suffix(".png"))
-    if any(name.startswith(("adaspec tree", "adaspec c2t")) for name in results):
-        plot_tau_gamma(results, out.with_name(out.stem + "_tau_gamma.png"))
-    if any(" branches N=" in name for name in results):
-        plot_branch_heatmap(results, out.with_name(out.stem + "_branches.png"))
+
+
+def interleaved(args, model: str, tok, datasets: list[str]) -> int:
+    """--interleave: one engine per method kept alive (harness.EngineSession), each call through every engine in
+    turn (the order alternating call by call), new prompts every round (suffix caches never replay a prompt), per
+    (type, batch size) each round's ratio to the same round's plain run; the table reports medians over rounds and
+    their range (merge_rounds)."""
+    from vllm_adaspec.harness import EngineSession, default_env
+
+    todo = methods(args)
+    need = args.num_prompts * args.rounds
+    prompts = {ds: load_prompts(ds, need * len(args.batch_sizes), tokenizer=tok) for ds in datasets}
+    for ds, ps in prompts.items():
+        if len(ps) < need * len(args.batch_sizes):
+            raise SystemExit(f"prompt set {ds!r} has {len(ps)} prompts; --interleave needs "
+                             f"{need * len(args.batch_sizes)} (num-prompts x rounds x batch sizes)")
+    engine = engine_settings(args)
+    sessions = {}
+    t0 = time.perf_counter()
+    for name, spec in todo.items():  # built one after another: compiles of several at once would thrash 2 cores
+        spec = dict(spec)
+        env = spec.pop("env", {})
+        sessions[name] = EngineSession(model, {**engine, **spec}, env={**default_env(), **env} if env else None)
+        sessions[name].wait()
+        tqdm.write(f"engine {name}: ready after {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    warm = {"prompts": ["Hello"], "params": [{"temperature": 0.0, "max_tokens": 8}]}
+    try:
+        for s in sessions.values():
+            s.generate(warm)
+        per_round = []
+        total = args.rounds * sum(len(calls({ds: ps[:args.num_prompts]}, [bs], 1, 1)) for ds, ps in prompts.items()
+                                  for bs in args.batch_sizes)
+        bar = tqdm(total=total * len(sessions), desc="calls", file=sys.stderr)
+        turn = 0
+        for rnd in range(args.rounds):
+            runs = {name: [] for name in sessions}
+            tags = []
+            for b_i, bs in enumerate(args.batch_sizes):
+                at = (b_i * args.rounds + rnd) * args.num_prompts
+                this = {ds: ps[at:at + args.num_prompts] for ds, ps in prompts.items()}
+                for call in calls(this, [bs], 1, args.max_tokens, args.temperature):
+                    tags.append(call.pop("tag"))
+                    order = list(sessions) if turn % 2 == 0 else list(reversed(sessions))
+                    turn += 1
+                    for name in order:
+                        runs[name].append(sessions[name].generate(call))
+                        bar.update()
+            plain = summarize(runs["plain"], tags, None)
+            plain_ids = {k: v["ids"] for k, v in plain.items()}
+            per_round.append({name: summarize(r, tags, plain_ids) for name, r in runs.items()})
+            tqdm.write(f"round {rnd + 1}: " + ", ".join(
+                f"{name} {statistics.median(v['tok_s'] / per_round[-1]['plain'][k]['tok_s'] for k, v in rows.items()):.2f}x"
+                for name, rows in per_round[-1].items() if name != "plain"), file=sys.stderr)
+        bar.close()
+    finally:
+        for s in sessions.values():
+            s.close()
+    results = merge_rounds(per_round, todo)
+    table = mix_table(results) if len(datasets) > 1 else ""
+    table += "\n\nEvery cell:\n\n" + markdown(results, args)
+    write(args, results, table)
     print(table)
     return 0
 
@@ -403,16 +482,21 @@ def geomean(values) -> float:
 
 
 def mix_table(results: dict) -> str:
-    """Per batch size: each task type's speedup over plain and tau for every method, then the geometric mean over
-    the types (speedup; tau), and each method's geometric-mean ratio to vLLM's `suffix` when it ran."""
+    """Per batch size: each task type's speedup over plain (median over rounds, and its range) and tau for every
+    method, then the geometric mean over the types (speedup; tau), and each method's geometric-mean ratio to vLLM's
+    `suffix` when it ran."""
     names = [n for n in results if n != "plain"]
     out = []
     for bs in sorted({int(k.split("|")[1]) for k in results["plain"]}):
         keys = [k for k in results["plain"] if int(k.split("|")[1]) == bs]
         lines = [f"batch {bs}: speedup over plain / tau (tokens per target forward); plain in tok/s", "",
                  "| task type | plain | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        def spread(row) -> str:
+            r = row.get("speedup_rounds") or []
+            return f" ({min(r):.2f}-{max(r):.2f})" if len(r) > 1 else ""
+
         for key in keys:
-            cells = [f"{results[n][key]['speedup']:.2f}x / {results[n][key]['tau']:.2f}"
+            cells = [f"{results[n][key]['speedup']:.2f}x{spread(results[n][key])} / {results[n][key]['tau']:.2f}"
                      + ("" if results[n][key]["identical"] in (None, results[n][key]["n"]) else
                         f" ({results[n][key]['identical']}/{results[n][key]['n']} identical)") for n in names]
             lines.append(f"| {key.split('|')[0]} | {results['plain'][key]['tok_s']:.1f} | " + " | ".join(cells) + " |")

@@ -1,68 +1,132 @@
-"""GPU timing of the tree-mask attention kernel, and the verification cost curve of a SmolLM2-shaped model on GPU.
+"""GPU timing of the tree-mask attention kernel against FlashAttention over the same rows, and verification cost
+curves of whole decoder forwards captured in CUDA graphs.
 
-    python benchmarks/bench_tree_attention.py --out benchmarks/out/tree_attention.json
+    python benchmarks/bench_tree_attention.py --cost-curve --out benchmarks/out/tree_attention.json
 
-Per shape (batch, prefix length, tree nodes, heads): the kernel on the paged cache (flash-decoding splits, ancestor
-bits), timed as each attention layer of the engine pays it (`launch` with the step's plan, built once per step by the
-GPU tree runtime; the plan's own cost is reported apart), against (a) torch's scaled_dot_product_attention over the same keys already gathered into contiguous
-[B, Hq, P + rows, D] tensors with the tree mask (the gather is not timed: the baseline is favoured), (b) the same SDPA
-for a chain of as many rows (a causal mask: what decode attention over a chain of drafts costs; vLLM's own kernels
-cannot be carried to the device), and (c) one read of each request's prefix + tree K and V at the measured copy
-bandwidth (the issue's target: kernel <= 1.5x that for prefix >= 2048, <= 1.2x the chain). Outputs are checked
-against the float32 reference first. `--cost-curve`: seconds of one verification forward of a SmolLM2-135M-shaped
-model (random weights, plain torch, bf16) at 1-64 rows per request for batch 1 and 8: the GPU prior of the step
-cost model. Needs CUDA.
+Per shape (heads, batch, prefix length, tree nodes): the kernel as each attention layer of an engine pays it
+(`launch` with the step's plan and the engine's tile for trees of that size; the plan's host cost apart), against
+
+- the anchor: torch's FlashAttention-2 backend (`sdpa_kernel(SDPBackend.FLASH_ATTENTION)`), no mask, the query
+  heads of each kv head folded into the rows: q [B, Hkv, rows x group, D] over contiguous K / V [B, Hkv, P + rows,
+  D]: what a dense kernel pays for the same keys and rows;
+- one read of every request's K and V (prefix + tree) at the device's measured copy bandwidth.
+
+It prints kernel / anchor and kernel / one KV read per shape (issue targets: <= 1.2x the anchor at nodes <= 16,
+<= 1.5x at 64; <= 1.5x one KV read for prefix >= 8192 at nodes <= 16). Outputs are checked against the float32
+reference first where the case is small. `--cost-curve`: milliseconds of one decoder forward (random weights, bf16,
+plain torch, captured in one CUDA graph: what a graphed engine pays, not Python's launches) over `rows` new tokens
+per request on a 1024-token context, for SmolLM2-135M, Qwen2.5-1.5B and Llama-3-8B shapes at batch 1, 8, 32: the
+GPU prior of the step cost model (policies/cost_model.py). Needs CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from vllm_adaspec.kernels.tree_attention import (ancestor_bits, launch, plan_launch,  # noqa: E402
-                                                 tree_attention_reference, tree_attention_triton)
-from test_kernel_tree_attention import make_case  # noqa: E402
+from vllm_adaspec.kernels.tree_attention import (ancestor_bits, launch, plan_launch, tile_rows,  # noqa: E402
+                                                 tree_attention_reference)
+from vllm_adaspec.trees import DraftTree, ancestor_mask  # noqa: E402
+
+# name -> (layers, hidden, query heads, kv heads, head size, MLP, vocabulary)
+MODELS = {"smollm2-135m": (30, 576, 9, 3, 64, 1536, 49152),
+          "qwen2.5-1.5b": (28, 1536, 12, 2, 128, 8960, 151936),
+          "llama-3-8b": (32, 4096, 32, 8, 128, 14336, 128256)}
 
 
-def sdpa_inputs(case, hq, chain: bool = False):
-    q, k_cache, v_cache, table, plen, cu, mask = case
-    bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    qs, ks, vs, ms = [], [], [], []
-    longest = max(int(plen[b]) + int(cu[b + 1] - cu[b]) for b in range(len(plen)))
-    rows = int((cu[1:] - cu[:-1]).max())
-    for b in range(len(plen)):
-        r0, r1 = int(cu[b]), int(cu[b + 1])
-        n, p = r1 - r0, int(plen[b])
-        pos = torch.arange(p + n, device=q.device)
-        slots = table[b, pos // bs].long() * bs + pos % bs
-        k = k_cache.reshape(-1, hkv, d)[slots].repeat_interleave(hq // hkv, 1)
-        v = v_cache.reshape(-1, hkv, d)[slots].repeat_interleave(hq // hkv, 1)
-        pad = longest - (p + n)
-        ks.append(torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).transpose(0, 1))
-        vs.append(torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).transpose(0, 1))
-        qs.append(torch.nn.functional.pad(q[r0:r1], (0, 0, 0, 0, 0, rows - n)).transpose(0, 1))
-        m = torch.zeros(rows, longest, dtype=torch.bool, device=q.device)
-        m[:n, :p] = True
-        m[:n, p:p + n] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril() if chain else mask[r0:r1, :n]
-        m[n:, 0] = True  # padding rows see something (no NaN)
-        ms.append(m)
-    return torch.stack(qs), torch.stack(ks), torch.stack(vs), torch.stack(ms)[:, None]
+def random_tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
+    """[n + 1, n + 1] ancestor-or-self mask of a random breadth-first tree of n nodes."""
+    parents, prev, cur = [], [-1], []
+    for i in range(n):
+        if cur and torch.rand((), generator=g) < 0.4:
+            prev, cur = cur, []
+        parents.append(prev[int(torch.randint(len(prev), (), generator=g))])
+        cur.append(i)
+    return ancestor_mask(DraftTree(torch.zeros(n, dtype=torch.long), torch.tensor(parents, dtype=torch.long)))
 
 
-def verify_cost_curve(rows_list, batches, dtype) -> dict:
-    """{batch: {rows: ms}}: one forward of a SmolLM2-135M-shaped decoder (30 layers, hidden 576, 9 / 3 heads of 64,
-    MLP 1536, vocabulary 49152; random weights, plain torch) over `rows` new tokens per request on a 512-token
-    cached context (SDPA over the cached keys), the LM head on every row."""
-    import triton.testing
+def make_case(batch: int, prefix: int, nodes: int, hq: int, hkv: int, d: int, dtype, block_size: int = 16, seed=0):
+    """A batch of trees over paged prefixes, made on the device: (q, k_cache, v_cache, block_table, prefix_lens,
+    cu_rows, bits)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = nodes + 1
+    per_req = math.ceil((prefix + rows) / block_size)
+    blocks = batch * per_req
+    table = torch.randperm(blocks, device="cuda").view(batch, per_req).to(torch.int32)
+    k_cache = torch.randn(blocks, block_size, hkv, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn(blocks, block_size, hkv, d, device="cuda", dtype=dtype)
+    q = torch.randn(batch * rows, hq, d, device="cuda", dtype=dtype)
+    mask = torch.cat([random_tree_mask(nodes, g) for _ in range(batch)])
+    cu = torch.arange(0, batch * rows + 1, rows, dtype=torch.int32, device="cuda")
+    plen = torch.full((batch,), prefix, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, table, plen, cu, ancestor_bits(mask).cuda()
 
+
+def bench_shapes(args, copy_gbs: float, do_bench) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dtype = getattr(torch, args.dtype)
+    results = []
+    for heads in args.heads:
+        hq, hkv, d = map(int, heads.split(","))
+        group = hq // hkv
+        for b in args.batch:
+            for prefix in args.prefix:
+                for nodes in args.nodes:
+                    rows = nodes + 1
+                    if b * (prefix + rows) * hkv * d * 2 * 2 > 8 << 30:
+                        continue  # keep the caches under 8 GiB
+                    case = make_case(b, prefix, nodes, hq, hkv, d, dtype)
+                    q, k_cache, v_cache, table, plen, cu, bits = case
+                    scale = d ** -0.5
+                    t = q.shape[0]
+                    plan_args = (plen, cu, bits, torch.arange(t, dtype=torch.int32, device="cuda"),
+                                 torch.arange(b, dtype=torch.int32, device="cuda"), hq, hkv, d)
+                    kw = {"max_rows": rows, "longest": prefix + rows, "block_q": tile_rows(rows, hq, hkv)}
+                    plan = plan_launch(*plan_args, **kw)
+                    out = torch.empty_like(q)
+                    launch(plan, q, k_cache, v_cache, table, scale, out)
+                    if b * prefix <= 65536:
+                        want = tree_attention_reference(q, k_cache, v_cache, table, plen, cu, bits, scale,
+                                                        dtype=torch.float32)
+                        torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+                    t_kernel = do_bench(lambda: launch(plan, q, k_cache, v_cache, table, scale, out))
+                    t_plan = do_bench(lambda: plan_launch(*plan_args, **kw))
+                    # the anchor: dense FlashAttention over the same keys and rows, GQA folded into the rows
+                    aq = torch.randn(b, hkv, rows * group, d, device="cuda", dtype=dtype)
+                    ak = torch.randn(b, hkv, prefix + rows, d, device="cuda", dtype=dtype)
+                    av = torch.randn_like(ak)
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        t_anchor = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(aq, ak, av,
+                                                                                                    scale=scale))
+                    kv_bytes = 2 * b * (prefix + rows) * hkv * d * k_cache.element_size()
+                    one_read_ms = kv_bytes / (copy_gbs * 1e9) * 1e3
+                    row = {"heads": [hq, hkv, d], "batch": b, "prefix": prefix, "nodes": nodes, "dtype": args.dtype,
+                           "splits": plan.splits, "block_q": plan.block_q, "q_blocks": plan.q_blocks,
+                           "kernel_us": t_kernel * 1e3, "anchor_us": t_anchor * 1e3, "plan_us": t_plan * 1e3,
+                           "over_anchor": t_kernel / t_anchor, "over_one_kv_read": t_kernel / one_read_ms,
+                           "anchor_over_one_kv_read": t_anchor / one_read_ms}
+                    results.append(row)
+                    print(f"heads {heads:9s} batch {b:2d} prefix {prefix:5d} nodes {nodes:2d}: kernel "
+                          f"{row['kernel_us']:8.1f} us ({plan.splits} splits), FlashAttention {row['anchor_us']:8.1f} "
+                          f"us: {row['over_anchor']:.2f}x; {row['over_one_kv_read']:.2f}x one KV read "
+                          f"(anchor {row['anchor_over_one_kv_read']:.2f}x); plan {row['plan_us']:.1f} us", flush=True)
+                    del case, q, k_cache, v_cache, aq, ak, av
+    return results
+
+
+def verify_cost_curve(model: str, rows_list, batches, dtype, do_bench, ctx: int = 1024) -> dict:
+    """{batch: {rows: ms}}: one decoder forward of `model`'s shape (random weights, plain torch) over `rows` new
+    tokens per request on a `ctx`-token cached context (SDPA over the cached keys), the LM head on every row,
+    captured in one CUDA graph and replayed."""
+    layers, h, hq, hkv, hd, inter, vocab = MODELS[model]
     torch.manual_seed(0)
-    h, layers, hq, hkv, hd, inter, vocab, ctx = 576, 30, 9, 3, 64, 1536, 49152, 512
     dev = "cuda"
     w = [{k: torch.randn(*shape, device=dev, dtype=dtype) * 0.02 for k, shape in
           {"qkv": (h, (hq + 2 * hkv) * hd), "o": (hq * hd, h), "up": (h, 2 * inter), "down": (inter, h)}.items()}
@@ -91,8 +155,21 @@ def verify_cost_curve(rows_list, batches, dtype) -> dict:
                 return torch.nn.functional.rms_norm(y, (h,)) @ head
 
             with torch.no_grad():
-                out[b][r] = triton.testing.do_bench(forward, return_mode="median")
-            print(f"verify cost: batch {b} rows {r:3d}: {out[b][r]:.3f} ms", flush=True)
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    forward()  # warm-up outside the graph (cuBLAS workspaces)
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    forward()
+                out[b][r] = do_bench(graph.replay)
+            print(f"verify cost {model}: batch {b:2d} rows {r:3d}: {out[b][r]:.3f} ms "
+                  f"({out[b][r] / out[b][rows_list[0]]:.2f}x rows {rows_list[0]})", flush=True)
+            del graph
+        del kv
+    del w, head
+    torch.cuda.empty_cache()
     return out
 
 
@@ -102,9 +179,10 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     p.add_argument("--nodes", type=int, nargs="+", default=[4, 16, 64])
     p.add_argument("--heads", nargs="+", default=["32,8,128", "9,3,64"],
-                   help="query heads,kv heads,head size (32/8 as Llama-3-8B, 9/3 as SmolLM2)")
+                   help="query heads,kv heads,head size (32/8/128 as Llama-3-8B, 9/3/64 as SmolLM2)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--cost-curve", action="store_true", help="also the SmolLM2-shaped verification cost curve")
+    p.add_argument("--cost-curve", action="store_true", help="also the models' verification cost curves")
+    p.add_argument("--curve-models", nargs="+", default=list(MODELS))
     p.add_argument("--out", default="benchmarks/out/tree_attention.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -112,59 +190,23 @@ def main(argv=None) -> int:
         return 2
     import triton.testing
 
-    dtype = getattr(torch, args.dtype)
+    def do_bench(fn) -> float:
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
     buf = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    copy_ms = triton.testing.do_bench(lambda: buf.clone(), return_mode="median")
+    copy_ms = do_bench(lambda: buf.clone())
     copy_gbs = 2 * buf.numel() / (copy_ms * 1e-3) / 1e9  # read + write
-    results = []
-    for heads in args.heads:
-        hq, hkv, hd = map(int, heads.split(","))
-        for b in args.batch:
-            for prefix in args.prefix:
-                for nodes in args.nodes:
-                    if b * (prefix + nodes + 1) * hkv * hd * 2 * 2 > 8 << 30:
-                        continue  # keep the caches under 8 GiB
-                    *head, mask = [x.cuda() for x in make_case([prefix] * b, [nodes] * b, hq, hkv, hd, 16, dtype)]
-                    case = (*head, ancestor_bits(mask))
-                    scale = hd ** -0.5
-                    kw = {"max_rows": nodes + 1, "longest": prefix + nodes + 1}
-                    got = tree_attention_triton(*case, scale, **kw)
-                    if b * prefix <= 65536:
-                        want = tree_attention_reference(*case, scale, dtype=torch.float32)
-                        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
-                    q, k_cache, v_cache, table, plen, cu, bits = case
-                    t = q.shape[0]
-                    plan_args = (plen, cu, bits, torch.arange(t, dtype=torch.int32, device="cuda"),
-                                 torch.arange(b, dtype=torch.int32, device="cuda"), hq, hkv, hd)
-                    plan = plan_launch(*plan_args, max_rows=nodes + 1, longest=prefix + nodes + 1)
-                    out = torch.empty_like(q)
-                    t_kernel = triton.testing.do_bench(lambda: launch(plan, q, k_cache, v_cache, table, scale, out),
-                                                       return_mode="median")
-                    t_plan = triton.testing.do_bench(
-                        lambda: plan_launch(*plan_args, max_rows=nodes + 1, longest=prefix + nodes + 1),
-                        return_mode="median")
-                    sdpa = {}
-                    for name, chain in (("tree", False), ("chain", True)):
-                        sq, sk, sv, sm = sdpa_inputs((*head, mask), hq, chain=chain)
-                        sdpa[name] = triton.testing.do_bench(
-                            lambda: torch.nn.functional.scaled_dot_product_attention(sq, sk, sv, attn_mask=sm,
-                                                                                     scale=scale),
-                            return_mode="median")
-                    kv_bytes = 2 * b * (prefix + nodes + 1) * hkv * hd * case[1].element_size()
-                    ideal_ms = kv_bytes / (copy_gbs * 1e9) * 1e3
-                    row = {"batch": b, "prefix": prefix, "nodes": nodes, "heads": [hq, hkv, hd], "dtype": args.dtype,
-                           "splits": plan.splits, "plan_us": t_plan * 1e3, "kernel_us": t_kernel * 1e3, "sdpa_tree_us": sdpa["tree"] * 1e3,
-                           "sdpa_chain_us": sdpa["chain"] * 1e3, "over_chain": t_kernel / sdpa["chain"],
-                           "kernel_GBps": kv_bytes / (t_kernel * 1e-3) / 1e9, "over_one_kv_read": t_kernel / ideal_ms}
-                    results.append(row)
-                    print(f"heads {heads} b {b:2d} prefix {prefix:5d} nodes {nodes:2d}: kernel {row['kernel_us']:8.1f} "
-                          f"us, sdpa tree {row['sdpa_tree_us']:8.1f} us, chain {row['sdpa_chain_us']:8.1f} us "
-                          f"({row['over_chain']:.2f}x), {row['over_one_kv_read']:.2f}x one KV read", flush=True)
-    curve = verify_cost_curve([1, 2, 4, 8, 16, 32, 64], [1, 8], dtype) if args.cost_curve else None
+    del buf
+    print(f"device {torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    results = bench_shapes(args, copy_gbs, do_bench)
+    curves = {}
+    if args.cost_curve:
+        for model in args.curve_models:
+            curves[model] = verify_cost_curve(model, [1, 2, 4, 8, 16, 32, 64], [1, 8, 32], torch.bfloat16, do_bench)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbs, "results": results,
-                               "verify_cost_ms": curve}, indent=1))
+                               "verify_cost_ms": curves}, indent=1))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Runs one engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), wraps the functions a step goes through with
 timers (inclusive wall time; nested parts are inside their callers), generates a warm-up batch, then the measured
-batch, and prints milliseconds per engine step for each part. Methods in one call run one after another in fresh
+batch, and prints milliseconds per engine step for each part, in vLLM's default (compiled) mode unless --eager. Methods in one call run one after another in fresh
 processes; compare them at equal work (same prompts, same tokens). Run alone: timings of a shared CPU mean nothing.
 
     .venv/bin/python benchmarks/profile_step.py --methods suffix '{"pools": ["suffix"]}' --batch-size 1
@@ -93,8 +93,9 @@ def child(args) -> dict:
     sets = [d for ds in args.datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
     prompts = [p for ds in sets for p in load_prompts(ds, args.num_prompts, tokenizer=tok)]
     install(acc)
-    llm = LLM(model=model, dtype="float32", max_model_len=2048, seed=0, enforce_eager=True,
-              kv_cache_memory_bytes=2**30, disable_log_stats=False, **method_config(args.method))
+    # vLLM's default mode (compiled) unless --eager
+    llm = LLM(model=model, dtype="float32", max_model_len=2048, seed=0, kv_cache_memory_bytes=2**30,
+              disable_log_stats=False, **({"enforce_eager": True} if args.eager else {}), **method_config(args.method))
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     for label, where, name in PARTS:
         if where is None:
@@ -133,6 +134,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", default=None, help="JSON of every method's parts")
     p.add_argument("--cprofile", default=None, help="also write a cProfile of the measured generate to this file")
+    p.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode)")
     p.add_argument("--method", help=argparse.SUPPRESS)  # child side
     args = p.parse_args()
     if args.method is not None:
@@ -142,7 +144,7 @@ def main() -> None:
     for m in args.methods:
         cmd = [sys.executable, __file__, "--method", m, "--model", args.model, "--datasets", *args.datasets,
                "--num-prompts", str(args.num_prompts), "--batch-size", str(args.batch_size),
-               "--max-tokens", str(args.max_tokens)]
+               "--max-tokens", str(args.max_tokens)] + (["--eager"] if args.eager else [])
         if args.cprofile:
             cmd += ["--cprofile", f"{args.cprofile}.{len(results)}"]
         out = subprocess.run(cmd, capture_output=True, text=True)

@@ -116,3 +116,34 @@ def test_attention_over_long_contexts_is_priced_per_row():
         m.observe(2, rows, machine(rows, 2) + 0.0015 * load, attention=load)
     assert m.attention_seconds(2) == pytest.approx(0.0015, rel=0.15)
     assert m.predict(2, 8, attention=16) - m.predict(2, 8, attention=1.6) == pytest.approx(0.0015 * 14.4, rel=0.15)
+
+
+def test_a_cuda_engine_starts_from_the_measured_gpu_curve_for_its_size():
+    """CUDA engines start from GPU_VERIFY_COST (forwards captured in CUDA graphs on an H100), between its two
+    measured model sizes by log(parameters); CPU engines from the CPU curve. The driver picks by the engine's device
+    and its model's config (what a CUDA engine's drafter is built with)."""
+    from types import SimpleNamespace
+
+    from vllm_adaspec.policies.cost_model import GPU_VERIFY_COST, VERIFY_COST, model_parameters, prior_for
+    from vllm_adaspec.proposers.driver import engine_prior
+
+    llama8b = SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                              head_dim=128, intermediate_size=14336, vocab_size=128256)
+    smol = SimpleNamespace(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)
+    assert 7.9e9 < model_parameters(llama8b) < 8.2e9 and 1.2e8 < model_parameters(smol) < 1.5e8
+
+    def config(device, hf):
+        return SimpleNamespace(device_config=SimpleNamespace(device_type=device),
+                               model_config=SimpleNamespace(hf_text_config=hf))
+
+    big = engine_prior(config("cuda", llama8b))
+    assert big.curve == pytest.approx(GPU_VERIFY_COST[8.0e9]) and big.tree_request < 0.05
+    small = engine_prior(config("cuda", smol))  # below the smallest measured size: its curve, not extrapolated
+    assert small.curve == pytest.approx(GPU_VERIFY_COST[1.5e9])
+    mid = prior_for("cuda", 3.5e9)
+    assert GPU_VERIFY_COST[8.0e9][2] < mid.curve[2] < GPU_VERIFY_COST[1.5e9][2]
+    assert engine_prior(config("cpu", smol)).curve == VERIFY_COST
+    # a CUDA engine's model prices 64 rows near its one-row step; the CPU's prices them at several steps
+    gpu, cpu = StepCostModel(big), StepCostModel(engine_prior(config("cpu", smol)))
+    assert gpu.predict(1, 64) / gpu.predict(1, 1) < 1.25 < 3.0 < cpu.predict(1, 64) / cpu.predict(1, 1)

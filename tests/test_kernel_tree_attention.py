@@ -2,6 +2,7 @@
 against the float64 torch reference and against the CPU tree path's attention for the same trees."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -156,3 +157,19 @@ def test_the_start_up_check_passes_here_and_catches_a_wrong_kernel(triton_interp
         assert ta.check_on_device("cpu", dtype, 9, 3, 64) <= ta.TOLERANCE[dtype]
     monkeypatch.setattr(ta, "tree_attention_triton", lambda q, *a, **k: torch.zeros_like(q))
     assert ta.check_on_device("cpu", torch.float32, 9, 3, 64) > 0.1
+
+
+def test_the_device_script_runs_here_on_cpu_tensors():
+    """benchmarks/device_check.py, what a session lent a GPU runs first (benchmarks/device_check.sh), run here on CPU
+    tensors under the interpreter with tiny shapes: every check it makes on a device passes here, so a lent device's
+    minutes are not lost to a script that could not have run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "device_check.py"), "--cpu"], capture_output=True,
+                          text=True, timeout=300, env={**env, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0 and "device check: PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "0 cold launches (ok)" in proc.stdout and "no device wait" in proc.stdout

@@ -53,6 +53,7 @@ def add_demo(sub) -> None:
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="default: the best measured")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=6, help="rounds of prompts (each: new prompts of 3 task types)")
+    p.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode, as users run)")
     p.set_defaults(func=cmd_demo)
 
 
@@ -64,7 +65,7 @@ def cmd_demo(args) -> int:
         print("adaspec demo: --rounds and --max-tokens must be >= 1", file=sys.stderr)
         return 2
     res = run_demo(args.model, args.exit_layer, k, args.max_tokens, exit_head=args.exit_head,
-                   proposer=args.proposer, rounds=args.rounds)
+                   proposer=args.proposer, rounds=args.rounds, eager=args.eager)
     print_demo(res, k)
     return 0
 

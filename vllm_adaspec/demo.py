@@ -53,9 +53,11 @@ def demo_rounds(model_path: str, rounds: int) -> list[list[tuple[str, str]]]:
 
 
 def run_demo(model: str, exit_layer: int | None, k: int, max_tokens: int, dtype: str = "float32",
-             exit_head: str = "auto", proposer: str = "multibranch", rounds: int = 6) -> dict:
+             exit_head: str = "auto", proposer: str = "multibranch", rounds: int = 6, eager: bool = False) -> dict:
+    """Every engine in vLLM's default mode (compiled: what `LLM(...)` and `vllm serve` give a user who passes no
+    flag) unless `eager`."""
     path = resolve_model(model)
-    engine = {"dtype": dtype, "max_model_len": 2048, "seed": 0, "enforce_eager": True}
+    engine = {"dtype": dtype, "max_model_len": 2048, "seed": 0, **({"enforce_eager": True} if eager else {})}
     plan = demo_rounds(path, rounds)
     print(f"[demo] starting {len(METHODS)} engines ...", file=sys.stderr, flush=True)
     sessions = {name: EngineSession(path, {**engine, **extra})

@@ -332,8 +332,6 @@ class GPUTreeRuntime(TreeRuntime):
 
     @staticmethod
     def _sample(dev: DeviceStep, logits: torch.Tensor, sm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-
         g = dev.greedy
         trees = dev.trees.rows(slice(g, None))
         rows = dev.batched_rows[g:]
@@ -341,10 +339,14 @@ class GPUTreeRuntime(TreeRuntime):
         temperature = sm.temperature[rows].to(torch.float32)[:, None]
         top_k = None if sm.top_k is None else sm.top_k[rows]
         top_p = None if sm.top_p is None else sm.top_p[rows]
+        if top_k is not None or top_p is not None:
+            from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+        else:
+            apply_top_k_top_p = None
 
         def row_probs(at: torch.Tensor) -> torch.Tensor:  # at [Rs]: each tree's current row
             x = logits[logit_rows.gather(1, at[:, None])[:, 0]].to(torch.float32) / temperature
-            return torch.softmax(apply_top_k_top_p(x, top_k, top_p), dim=-1)
+            return torch.softmax(x if apply_top_k_top_p is None else apply_top_k_top_p(x, top_k, top_p), dim=-1)
 
         return verify_sample_batch(trees, row_probs, dev.sampled_depth)
 

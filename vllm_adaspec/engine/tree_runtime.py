@@ -195,7 +195,8 @@ class TreeRuntime:
                 self.faults.record("planning the step's token trees", e)
                 step, faulted = None, True
         # tensor parallelism: every rank verifies the same trees or none (faults.py)
-        if self.faults.agree(faulted, "planning the step's token trees", step.digest() if step else 0):
+        digest = step.digest() if step is not None and self.faults.sync is not None else 0
+        if self.faults.agree(faulted, "planning the step's token trees", digest):
             step = None
         keep = set(holders) | ({r.req_id for r in step.requests} if step else set())
         self.retain(keep, stale=resumed)

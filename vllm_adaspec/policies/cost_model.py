@@ -31,7 +31,8 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["VERIFY_COST", "DraftCost", "StepCostModel", "attention_load", "prior_curve"]
+__all__ = ["GPU_VERIFY_COST", "VERIFY_COST", "DraftCost", "Prior", "StepCostModel", "attention_load", "prior_curve",
+           "prior_for"]
 
 # Relative time of a verification step by the rows it verifies in all (the batch's requests + their drafts; 1 = a
 # plain decoding step of one request), SmolLM2-135M float32 on the 2-core CPU of benchmarks/RESULTS.md
@@ -43,7 +44,8 @@ VERIFY_COST = {1: 1.0, 2: 1.05, 4: 1.05, 8: 1.08, 12: 1.15, 16: 1.3, 24: 1.65, 3
 PER_REQUEST_PRIOR = 0.02  # what each decoding request adds besides its rows, relative
 
 # Anchor row counts of the fitted curve (total rows of a forward): dense where CPU matrix libraries switch paths.
-ANCHORS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512)
+ANCHORS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 1024,
+           2048)
 STEP_COST_ROWS = (1, 2, 4, 8, 16, 32)  # the table's points: 1 + drafted rows above the batch's own
 UNIT_STEPS = 31  # steps whose median sets the prior's scale in seconds
 # Tree verification over chain verification, prior: per tree request a fifth of a plain step, per tree row 1%
@@ -52,6 +54,59 @@ TREE_REQUEST_PRIOR, TREE_ROW_PRIOR = 0.2, 0.01
 ATTENTION_PRIOR = 0.03  # attention per row and 1000 tokens of its context, relative (30 layers at ~50 us)
 EXTRA = 4  # features past the anchors: requests - 1, attention load, tree requests, tree rows
 OPTIMISM = 0.15  # decisions see an untried row count this much cheaper than the fit (the prior's own uncertainty)
+
+
+# GPU: one decoder forward over R rows in all, relative to a forward over 1 row (bf16, random weights, captured in a
+# CUDA graph, a 1024-token context; one H100, torch 2.11: ../shared/notes/gpu-physics.md, issue 41's table). Rows
+# up to 64 from batch 1, 128-512 from batch 8, 1024-2048 from batch 32 (the batch sizes a step of that many rows
+# has). Measured for two model sizes; a model's prior lies between them by the log of its parameter count
+# (`prior_for`). Nearly flat until the matrix products turn compute-bound: on a GPU extra rows are almost free.
+GPU_VERIFY_COST = {
+    1.5e9: {1: 1.0, 2: 1.30, 4: 1.29, 8: 1.31, 16: 1.33, 32: 1.35, 64: 1.40, 128: 1.47, 256: 1.70, 512: 2.28,
+            1024: 4.21, 2048: 6.75},  # Qwen2.5-1.5B (28 x 1536, GQA 12 / 2)
+    8.0e9: {1: 1.0, 2: 1.11, 4: 1.11, 8: 1.13, 16: 1.15, 32: 1.15, 64: 1.18, 128: 1.39, 256: 1.62, 512: 2.44,
+            1024: 5.06, 2048: 9.58},  # Llama-3-8B (32 x 4096, GQA 32 / 8)
+}
+
+
+@dataclass(frozen=True)
+class Prior:
+    """What a step cost model starts from, relative to a plain step of one request: the curve by total rows, what
+    each request adds besides its rows, attention per row and 1000 tokens of context, tree verification's extra
+    per tree request and per tree row."""
+    curve: dict
+    per_request: float = 0.02
+    attention: float = 0.03
+    tree_request: float = 0.2
+    tree_row: float = 0.01
+
+
+def prior_for(device: str, params: float | None = None) -> Prior:
+    """The prior of an engine on `device` ("cpu", "cuda") for a model of `params` parameters. CPU: the curve
+    measured on this project's CPU. CUDA: GPU_VERIFY_COST between its two measured sizes by log(params) (clamped:
+    no extrapolation), with GPU-sized extras (a request's bookkeeping and a tree's kernel are small against a
+    graphed forward; attention per 1000 tokens of context as reading that KV costs an 8B model)."""
+    if device != "cuda":
+        return Prior(VERIFY_COST, PER_REQUEST_PRIOR, ATTENTION_PRIOR, TREE_REQUEST_PRIOR, TREE_ROW_PRIOR)
+    (small, lo), (big, hi) = sorted(GPU_VERIFY_COST.items())
+    w = 0.5 if not params else min(1.0, max(0.0, math.log(params / small) / math.log(big / small)))
+    curve = {r: (1 - w) * lo[r] + w * hi[r] for r in lo}
+    return Prior(curve, per_request=0.003, attention=0.005, tree_request=0.02, tree_row=0.002)
+
+
+def model_parameters(hf_config) -> float | None:
+    """About how many parameters a decoder has, from its config (layers x (attention + MLP) + the embeddings and
+    an untied LM head)."""
+    try:
+        h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
+        heads = hf_config.num_attention_heads
+        kv = getattr(hf_config, "num_key_value_heads", None) or heads
+        d = getattr(hf_config, "head_dim", None) or h // heads
+        inter = getattr(hf_config, "intermediate_size", 4 * h)
+        embeddings = (1 if getattr(hf_config, "tie_word_embeddings", False) else 2) * hf_config.vocab_size * h
+        return float(layers * (h * d * (2 * heads + 2 * kv) + 3 * h * inter) + embeddings)
+    except (AttributeError, TypeError):
+        return None
 
 
 def attention_load(rows: int, context: int) -> float:
@@ -98,7 +153,7 @@ class StepCostModel:
 
     prior: {rows: relative time}, 1 = a plain step of one request; strength: the prior's weight, in observations per
     anchor; smooth: weight of the first-difference penalty; forget: per-observation forgetting factor of a bucket."""
-    prior: dict[int, float]
+    prior: dict[int, float] | Prior
     strength: float = 0.5
     smooth: float = 0.5
     forget: float = 0.998
@@ -110,9 +165,11 @@ class StepCostModel:
     observations: int = 0
 
     def __post_init__(self):
-        rel = prior_curve(self.prior)
+        p = self.prior if isinstance(self.prior, Prior) else Prior(self.prior, PER_REQUEST_PRIOR, ATTENTION_PRIOR,
+                                                                   TREE_REQUEST_PRIOR, TREE_ROW_PRIOR)
+        rel = prior_curve(p.curve)
         self._prior_rel = np.asarray([rel(a) for a in self.anchors]
-                                     + [PER_REQUEST_PRIOR, ATTENTION_PRIOR, TREE_REQUEST_PRIOR, TREE_ROW_PRIOR])
+                                     + [p.per_request, p.attention, p.tree_request, p.tree_row])
         a = len(self.anchors)
         d = np.zeros((a - 1, a + EXTRA))
         d[np.arange(a - 1), np.arange(a - 1)] = -1.0

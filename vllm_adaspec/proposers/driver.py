@@ -27,7 +27,8 @@ import torch
 from vllm_adaspec.faults import FaultGuard
 from vllm_adaspec.metrics import observe
 from vllm_adaspec.policies import make_policy
-from vllm_adaspec.policies.cost_model import VERIFY_COST, DraftCost, StepCostModel, attention_load
+from vllm_adaspec.policies.cost_model import (DraftCost, Prior, StepCostModel, attention_load, model_parameters,
+                                              prior_for)
 from vllm_adaspec.requests import RequestStates, bonus_rows
 from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, RequestTraits, Taps
 from vllm_adaspec.proposers.drafter import Drafter
@@ -37,6 +38,13 @@ from vllm_adaspec.trees import admit_within, copy_capacity
 def request_seed(req_id: str, base_seed: int) -> int:
     """Same on every tensor-parallel rank (unlike hash()), so adaptive draws agree across ranks."""
     return (int.from_bytes(hashlib.sha256(req_id.encode()).digest()[:8], "little") ^ base_seed) & (2**63 - 1)
+
+
+def engine_prior(vllm_config) -> Prior:
+    """The step cost model's prior for this engine: its device's curve, for its model's size."""
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu")
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    return prior_for(device, model_parameters(hf) if hf is not None else None)
 
 
 class Driver:
@@ -65,7 +73,7 @@ class Driver:
         self._tp = vllm_config.parallel_config.tensor_parallel_size > 1
         # What a step costs by its rows (policies/cost_model.py): fitted online from the engine's own step times
         # ("online"), the shipped curve only ("prior"), or none ("off": drafts are not sized by cost).
-        self.costs = StepCostModel(VERIFY_COST) if self.cfg.cost_model != "off" else None
+        self.costs = StepCostModel(engine_prior(vllm_config)) if self.cfg.cost_model != "off" else None
         self._last_end = None  # perf_counter when the previous propose call returned
         self._step_shape = None  # (decoding requests, rows, tree requests, tree rows) of the pure decode step since
         self._steps = 0  # engine steps since the previous propose call (an observation needs exactly one)

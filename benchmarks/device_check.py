@@ -1,0 +1,251 @@
+"""The device checks a session lent a GPU runs first, in one script (benchmarks/device_check.sh: this, then
+bench_tree_attention.py; under 6 minutes on an H100). What it prints goes into benchmarks/RESULTS.md.
+
+1. kernel: the tree-attention kernel on the device (no interpreter) against the float64 reference, on the shapes of
+   tests/test_kernel_tree_attention.py and a draft step's (more tree keys than rows), in fp32 / fp16 / bf16.
+2. compiles: the GPU tree runtime's start-up warm-up, then verification steps of every tree width 1..K over short
+   and long prefixes and draft steps: Triton's own caches of the two kernels must gain no entry after start-up
+   (and the plugin's own count, tree_kernel_cold, must stay 0).
+3. the step's other pieces at Llama-3-8B shapes (32 layers, 8 kv heads of 128, vocabulary 128256; 8 trees of 16
+   and of 64 nodes over 8k prefixes): planning (host + staged copies), batched greedy verification, batched
+   sample-and-match, compaction of every layer, an early-exit draft step's plan; each run under
+   torch.cuda.set_sync_debug_mode("error") (a wait for the device raises) and timed (CUDA events, median).
+
+    python benchmarks/device_check.py            # on a GPU
+    python benchmarks/device_check.py --cpu      # the same code on CPU tensors, tiny shapes, Triton interpreted
+                                                 # (the suite runs this: the script cannot fail on a device for a
+                                                 # reason this machine could have shown)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu", action="store_true", help="CPU tensors, tiny shapes, Triton's interpreter")
+    return p.parse_args(argv)
+
+
+ARGS = parse(sys.argv[1:] if __name__ == "__main__" else [])
+if ARGS.cpu:
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton decorates the kernels
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from vllm_adaspec.engine import gpu_tree_runtime as gtr  # noqa: E402
+from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime  # noqa: E402
+from vllm_adaspec.kernels import tree_attention as ta  # noqa: E402
+from vllm_adaspec.step import DraftPlan  # noqa: E402
+
+DEVICE = "cpu" if ARGS.cpu else "cuda"
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def compiled_entries() -> int | None:
+    """Entries in Triton's compile caches of the two tree kernels (None under the interpreter)."""
+    total = 0
+    for fn in (ta._tree_attention_split_kernel, ta._tree_attention_reduce_kernel):
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            return None
+        for entry in caches.values():
+            total += len(entry[0] if isinstance(entry, tuple) else entry)
+    return total
+
+
+def check_kernel() -> bool:
+    from test_kernel_tree_attention import make_case
+
+    shapes = [([0], [1], 4, 4, 16, 16), ([5, 17, 0], [3, 8, 0], 9, 3, 64, 16), ([5, 170, 0], [3, 8, 0], 9, 3, 64, 16),
+              ([33, 300], [16, 33], 14, 2, 64, 32), ([700], [64], 8, 2, 64, 16), ([4000, 90], [16, 5], 32, 8, 128, 16)]
+    if ARGS.cpu:
+        shapes = shapes[:3]
+    ok = True
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)):
+        worst = 0.0
+        for plens, sizes, hq, hkv, d, bs in shapes:
+            *head, mask = make_case(plens, sizes, hq, hkv, d, bs, dtype)
+            case = [x.to(DEVICE) for x in head] + [ta.ancestor_bits(mask).to(DEVICE)]
+            for splits in (1, 3):
+                got = ta.tree_attention_triton(*case, d ** -0.5, splits=splits)
+                want = ta.tree_attention_reference(*case, d ** -0.5)
+                worst = max(worst, float((got.double() - want).abs().max()))
+        say(f"kernel {dtype}: max error {worst:.2e} over {len(shapes)} shapes x 2 splits "
+            f"({'ok' if worst <= tol else 'FAILED'}, tolerance {tol})")
+        ok &= worst <= tol
+    return ok
+
+
+def engine_shape():
+    """(heads, layers, vocab, prefix, block_size, K)."""
+    if ARGS.cpu:
+        return (4, 2, 16), 2, 64, 70, 16, 8
+    return (32, 8, 128), 32, 128256, 8192, 16, 64
+
+
+def make_runtime(heads, k, block_size, max_blocks, dtype, caches, table):
+    rt = GPUTreeRuntime(DEVICE, plain=lambda r: "greedy" if r.startswith("g") else "sampled", max_rows=k + 1,
+                        block_size=block_size, max_blocks=max_blocks)
+    rt.attached([SimpleNamespace(num_heads=heads[0], num_kv_heads=heads[1], head_size=heads[2])], dtype)
+    rt.ready(caches, table)
+    return rt
+
+
+def random_plan(n: int, g) -> DraftPlan:
+    parents = [-1] + [int(torch.randint(i + 1, (), generator=g)) - 1 for i in range(n - 1)]
+    return DraftPlan(tuple(int(t) for t in torch.randint(1000, (n,), generator=g)), tuple(parents), tree_path=True)
+
+
+def step_batch(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, heads, vocab, dtype, time_it=False):
+    """One verification step of `trees` trees of `nodes` nodes: plan, attention in every layer, batched
+    verification (half greedy, half sampled), compaction. Returns {piece: seconds} when timed."""
+    req_ids = [("g" if i % 2 == 0 else "s") + str(i) for i in range(trees)]
+    plans = {r: random_plan(nodes, g) for r in req_ids}
+    rows = [nodes + 1] * trees
+    qs = np.concatenate([[0], np.cumsum(rows)])
+    t = int(qs[-1])
+    roots = np.full(trees, prefix)
+    positions = torch.zeros(t, dtype=torch.long, device=DEVICE)
+    seq_lens = torch.zeros(trees, dtype=torch.int32, device=DEVICE)
+    spec = {r: list(p.tokens) for r, p in plans.items()}
+    hq, hkv, d = heads
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEVICE, dtype=dtype)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    out = torch.empty(t, hq, d, device=DEVICE, dtype=dtype)
+    logits = torch.randn(t, vocab, device=DEVICE, dtype=torch.float32)
+    tokens = torch.full((trees, nodes + 2), -1, dtype=torch.int32, device=DEVICE)
+    sm = SimpleNamespace(temperature=torch.full((trees,), 0.8, device=DEVICE), top_k=None, top_p=None)
+    slot_mapping = torch.arange(t, device=DEVICE)
+    timings = {}
+
+    def timed(name, fn):
+        if not time_it:
+            return fn()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            r = fn()
+            b.record()
+            host = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            timings[name] = (max(a.elapsed_time(b) / 1e3, host), host)
+            return r
+        t0 = time.perf_counter()
+        r = fn()
+        timings[name] = (time.perf_counter() - t0,) * 2
+        return r
+
+    timed("plan", lambda: rt.begin_step(req_ids, qs, roots, positions, spec, plans, t, seq_lens, set(), set()))
+    step = rt.step
+    assert step is not None and len(step.requests) == trees
+    md = SimpleNamespace(num_actual_tokens=t, slot_mapping=slot_mapping, block_table=table)
+    timed("attention, every layer", lambda: [rt.attend(None, d ** -0.5, q, None, None, kv, md, out)
+                                            for kv in layers_kv])
+    verdict = timed("verification", lambda: rt.verify_batched(step, logits, tokens, sm))
+    timed("compaction, every layer", lambda: rt.finish_step(step, {}, verdict))
+    rt.take_step()
+    rt.take_results()
+    return timings
+
+
+def draft_step(rt, g, prefix: int, table) -> None:
+    """An early-exit draft step's plan (two trees, a few nodes run): staged as a kernel plan."""
+    from vllm_adaspec.proposers.early_exit import EarlyExitDrafter
+    from vllm_adaspec.trees import GrowingTree, add_children
+
+    t1, t2 = GrowingTree(), GrowingTree()
+    add_children(t1, -1, [5, 6], [0.6, 0.3])
+    add_children(t1, 0, [7, 8], [0.5, 0.4])
+    add_children(t2, -1, [3, 4], [0.7, 0.2])
+    roots = np.array([prefix, prefix // 2])
+    pre = EarlyExitDrafter._draft_prefix(roots, table[:2].cpu())
+    mask = EarlyExitDrafter._draft_mask([(0, 2), (1, 0), (0, 3)], [t1, t2], [{0: 1, 1: 2, 2: 3, 3: 4}, {0: 1}],
+                                        roots, pre)
+    rt.on_device(mask)
+
+
+def check_step() -> bool:
+    heads, layers, vocab, prefix, bs, k = engine_shape()
+    dtype = torch.float32 if ARGS.cpu else torch.bfloat16
+    hq, hkv, d = heads
+    g = torch.Generator().manual_seed(0)
+    trees = 8
+    per_req = -(-(prefix + k + 2) // bs)
+    blocks = trees * per_req + 4
+    table = torch.randperm(blocks, generator=g)[:trees * per_req].view(trees, per_req).to(torch.int32).to(DEVICE)
+    layers_kv = [torch.randn(blocks, hkv, bs, 2 * d, device=DEVICE, dtype=dtype) for _ in range(layers)]
+    ta.VARIANTS = ta.KernelVariants()  # the engine's count starts at its start-up (the kernel check ran others)
+    before = compiled_entries()
+    rt = make_runtime(heads, k, bs, per_req, dtype, layers_kv, table)
+    after_start = compiled_entries()
+    say(f"compiles at start-up: {after_start if after_start is None else after_start - (before or 0)} kernel "
+        f"entries; plugin's warm variants: {len(ta.VARIANTS.warm)}")
+    # every tree width, short and long prefixes (one split and the reduction), and draft steps
+    for n in range(1, k + 1):
+        for p in (9, prefix):
+            step_batch(rt, 2, n, p, g, layers_kv[:1], table, heads, min(vocab, 1024), dtype)
+    draft_step(rt, g, prefix, table)
+    after = compiled_entries()
+    cold = ta.VARIANTS.cold
+    ok = cold == 0 and (after is None or after == after_start)
+    say(f"compiles after start-up over {2 * k} verification steps (widths 1..{k}) and a draft step: "
+        f"{'n/a (interpreter)' if after is None else after - after_start} Triton cache entries, {cold} cold "
+        f"launches ({'ok' if ok else 'FAILED'})")
+    for key in list(ta.VARIANTS.launched - ta.VARIANTS.warm)[:3]:  # what differs from the nearest warm variant
+        near = min((w for w in ta.VARIANTS.warm if w[0] == key[0]),
+                   key=lambda w: sum(a != b for a, b in zip(w[1], key[1])))
+        say(f"  cold {key[0]} variant: " + ", ".join(f"{a} (warm: {b})" for a, b in zip(key[1], near[1]) if a != b))
+    # the step's pieces at the engine's shapes, no wait for the device, timed
+    if DEVICE == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for nodes in ((4,) if ARGS.cpu else (16, 64)):
+            runs = [step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype,
+                               time_it=True) for _ in range(1 if ARGS.cpu else 7)]
+            for piece in runs[0]:
+                dev = statistics.median(r[piece][0] for r in runs) * 1e3
+                host = statistics.median(r[piece][1] for r in runs) * 1e3
+                say(f"step piece, {trees} trees x {nodes} nodes, {layers} layers: {piece:24s} {dev:7.3f} ms "
+                    f"(host {host:6.3f} ms), no device wait")
+            draft_step(rt, g, prefix, table)
+    except RuntimeError as e:
+        say(f"step pieces: FAILED ({e})")
+        ok = False
+    finally:
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    return ok
+
+
+def main() -> int:
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        say("needs a CUDA GPU (or --cpu)")
+        return 2
+    say(f"device: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu (interpreter)'}, torch "
+        f"{torch.__version__}, triton {__import__('triton').__version__}")
+    ok = check_kernel()
+    ok &= check_step()
+    say(f"device check: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The device checks of a session lent a GPU, as one command (the `device` tool runs it first; under 6 minutes on an
+# H100): the tree kernel on the device, no compile after start-up, the step's pieces without a device wait and their
+# times (benchmarks/device_check.py), then the kernel against FlashAttention and the verification cost curves
+# (benchmarks/bench_tree_attention.py). What it prints goes into benchmarks/RESULTS.md.
+#   bash benchmarks/device_check.sh            # results also under $OUT (the device tool's folder) if set
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+out="${OUT:-benchmarks/out}"
+mkdir -p "$out"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+timeout 150 python benchmarks/device_check.py 2>&1 | tee "$out/device_check.txt"; a=${PIPESTATUS[0]}
+timeout 180 python benchmarks/bench_tree_attention.py --cost-curve --out "$out/tree_attention.json" 2>&1 \
+  | tee "$out/bench_tree_attention.txt"; b=${PIPESTATUS[0]}
+echo "device_check.py exit $a, bench_tree_attention.py exit $b"
+exit $(( a != 0 || b != 0 ))
