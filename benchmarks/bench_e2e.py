@@ -56,19 +56,23 @@ def methods(args) -> dict[str, dict]:
                                                      "num_speculative_tokens": k}}
     if "multibranch" in args.methods:
         for spec in args.mb:
-            # MultiBranchProposer: K = the node budget; cost model as given (default online).
+            # MultiBranchProposer: K = the node budget; cost model as given (default online). "requests": per-request
+            # controls every request of the row carries (controls.py), e.g. {"adaspec_speculation": "chain"}.
             settings = json.loads(spec)
+            requests = settings.pop("requests", None)
             budget = settings.get("tree", {}).get("budget", 16)
             n, length = settings.get("branches", 0), settings.get("branch_length", 4)
             label = "multibranch " + "+".join(settings.get("pools", ["default"])) + f" B={budget}" + (
                 " guard off" if settings.get("speed_guard") is False else "") + (
                 f" cost {settings['cost_model']}" if "cost_model" in settings else "") + (
                 f" branches N={n} L={length}" + (" random" if settings.get("branch_init") == "random" else "")
-                if n else "")
+                if n else "") + ("".join(f" {k.removeprefix('adaspec_')}={v}" for k, v in requests.items())
+                                 if requests else "")
             # Self-Draft branch rows are drafts to vLLM's scheduler: K = node budget + N * L
             out[label] = {"speculative_config": {"model": "vllm_adaspec.MultiBranchProposer",
                                                  "num_speculative_tokens": budget + n * length},
-                          "additional_config": {"adaspec": settings}}
+                          "additional_config": {"adaspec": settings},
+                          **({"requests": requests} if requests else {})}
             if args.unpruned:  # the same, structured-output requests' candidates not checked against the grammar
                 out[label + " unpruned"] = {**out[label], "env": {"VLLM_ADASPEC_GRAMMAR_PRUNING": "0"}}
     if "adaspec" in args.methods:
@@ -317,6 +321,8 @@ def main(argv=None) -> int:
                    help="with --structured: each multibranch row again with grammar pruning off")
     p.add_argument("--dtype", default="float32", help="float32: this CPU has no native bf16 (AVX2), where bf16 is several times slower")
     p.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode, as users run)")
+    p.add_argument("--offset", type=int, default=0,
+                   help="--interleave: skip each set's first prompts (earlier benchmarks ran the first 8)")
     p.add_argument("--interleave", action="store_true",
                    help="every method's engine kept alive side by side; each call (a batch of prompts) runs through "
                         "every engine in turn, the order alternating from call to call; every round new prompts "
@@ -364,7 +370,10 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 spec = dict(todo[name])
                 env = spec.pop("env", {})
-                res = run_engine({"model": model, "engine": {**engine, **spec}, "batches": [warmup] + plan,
+                requests = spec.pop("requests", None)
+                batches = plan if not requests else [{**c, "params": [{**p_, "extra_args": requests}
+                                                                      for p_ in c["params"]]} for c in plan]
+                res = run_engine({"model": model, "engine": {**engine, **spec}, "batches": [warmup] + batches,
                                   "env": env})
                 runs = [b["runs"][0] for b in res["batches"][1:]]
                 rows.update(summarize(runs, tags[bs], plain_ids))
@@ -422,17 +431,20 @@ def interleaved(args, model: str, tok, datasets: list[str]) -> int:
 
     todo = methods(args)
     need = args.num_prompts * args.rounds
-    prompts = {ds: load_prompts(ds, need * len(args.batch_sizes), tokenizer=tok) for ds in datasets}
+    prompts = {ds: load_prompts(ds, args.offset + need * len(args.batch_sizes), tokenizer=tok)[args.offset:]
+               for ds in datasets}
     for ds, ps in prompts.items():
         if len(ps) < need * len(args.batch_sizes):
-            raise SystemExit(f"prompt set {ds!r} has {len(ps)} prompts; --interleave needs "
-                             f"{need * len(args.batch_sizes)} (num-prompts x rounds x batch sizes)")
+            raise SystemExit(f"prompt set {ds!r} has {len(ps)} prompts past --offset {args.offset}; --interleave "
+                             f"needs {need * len(args.batch_sizes)} (num-prompts x rounds x batch sizes)")
     engine = engine_settings(args)
     sessions = {}
     t0 = time.perf_counter()
+    extras = {}
     for name, spec in todo.items():  # built one after another: compiles of several at once would thrash 2 cores
         spec = dict(spec)
         env = spec.pop("env", {})
+        extras[name] = spec.pop("requests", None)
         sessions[name] = EngineSession(model, {**engine, **spec}, env={**default_env(), **env} if env else None)
         sessions[name].wait()
         tqdm.write(f"engine {name}: ready after {time.perf_counter() - t0:.0f}s", file=sys.stderr)
@@ -456,7 +468,9 @@ def interleaved(args, model: str, tok, datasets: list[str]) -> int:
                     order = list(sessions) if turn % 2 == 0 else list(reversed(sessions))
                     turn += 1
                     for name in order:
-                        runs[name].append(sessions[name].generate(call))
+                        this_call = call if not extras[name] else {**call, "params": [
+                            {**p_, "extra_args": extras[name]} for p_ in call["params"]]}
+                        runs[name].append(sessions[name].generate(this_call))
                         bar.update()
             plain = summarize(runs["plain"], tags, None)
             plain_ids = {k: v["ids"] for k, v in plain.items()}
