@@ -7,7 +7,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "vllm_adaspec"
 # No vLLM, no glue: the algorithms, the step contract, settings and instrumentation.
-PURE = ["step.py", "requests.py", "metrics.py", "observers.py", "config.py", "trees", "pools", "policies",
+PURE = ["step.py", "requests.py", "metrics.py", "observers.py", "config.py", "errors.py", "trees", "pools", "policies",
         "kernels", "heads/__init__.py", "heads/medusa.py", "heads/c2t.py"]
 DRAFTERS = ["proposers"]
 TREE_PATH = ["engine/tree_runtime.py", "engine/tree_sampler.py", "engine/tree_backend.py", "engine/cpu_kv.py",
@@ -65,3 +65,44 @@ def test_attention_is_a_registered_backend_not_a_patched_class():
                         assert "Attention" not in t.value.id, (f.name, ast.unparse(node))
     text = (PKG / "engine" / "tree_backend.py").read_text()
     assert "register_backend(AttentionBackendEnum.CPU_ATTN" in text
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports, at any depth (`from a.b import c`: a.b.c where that is a module)."""
+    files = {}
+    for f in PKG.rglob("*.py"):
+        parts = f.relative_to(PKG.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {}
+    for name, f in files.items():
+        out = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                        for a in node.names}
+        graph[name] = {m for m in out if m in files and m != name}
+    return graph
+
+
+def test_the_package_has_no_import_circle():
+    """No module reaches itself through the package's imports (function-local ones included): each concept's folder
+    can be read, tested and replaced from the bottom up (the settings' error helpers live in errors.py, which imports
+    nothing of the package; data/ does not import training/)."""
+    graph = _module_graph()
+    assert "vllm_adaspec.errors" in graph and not graph["vllm_adaspec.errors"]
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            assert state.get(n) != 1, "import circle: " + " -> ".join(path[path.index(n):] + [n] if n in path
+                                                                       else path + [n])
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])

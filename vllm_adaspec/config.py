@@ -10,11 +10,12 @@ engine/startup.py, which runs all of them once.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-SECTION = "adaspec"
+from vllm_adaspec.errors import (SECTION, AdaspecConfigError, Interval, is_number, one_line, show,  # noqa: F401
+                                 typed)
+
 # Decoder-only models whose vLLM implementation exposes embed_tokens / layers / norm / lm_head and
 # whose decoder layers take (positions, hidden_states, residual).
 SUPPORTED_ARCHITECTURES = (
@@ -24,8 +25,6 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
-class AdaspecConfigError(ValueError):
-    """A bad `adaspec` setting, a bad speculative config, or an unsupported model."""
 
 
 # Which settings each proposer reads: a common part (draft-length policy, speed guard, token trees) and a part of
@@ -79,51 +78,6 @@ MAX_SUFFIX_CACHE_REQUESTS = 10**6
 
 # --- numbers: finite, in a stated range -------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Interval:
-    """A closed, open or half-open range of numbers, printed the way errors state it: [0, 1), (0, 1e6]."""
-    lo: float
-    hi: float
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def __contains__(self, v) -> bool:  # v: an int (compared exactly, however large) or a finite float
-        return (self.lo < v if self.lo_open else self.lo <= v) and (v < self.hi if self.hi_open else v <= self.hi)
-
-    def __str__(self) -> str:
-        return f"{'(' if self.lo_open else '['}{_fmt(self.lo)}, {_fmt(self.hi)}{')' if self.hi_open else ']'}"
-
-
-def _fmt(x: float) -> str:
-    if isinstance(x, int) or float(x).is_integer() and abs(x) < 1e5:
-        return str(int(x))
-    return format(x, "g").replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
-
-
-def show(value: Any, limit: int = 80) -> str:
-    """A value as an error shows it (its repr), never more than `limit` characters and never an exception (a
-    5000-digit int has no repr in Python 3.11, a very deep list none either)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        return f"an integer of {value.bit_length()} bits"
-    try:
-        text = repr(value)
-    except (ValueError, RecursionError):
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def one_line(e: BaseException) -> str:
-    """An exception raised while reading a user's file, as the tail of a one-line error (type: message)."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"
-
-
-def typed(value: Any) -> str:
-    """show(value), with its type unless it is a number: what a type error prints (str '6', bool True, 6)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return show(value)
-    return f"{type(value).__name__} {show(value)}"
-
-
 def key_name(path: tuple[str, ...] | str) -> str:
     """additional_config['adaspec']['tree']['budget'] for ("tree", "budget")."""
     path = (path,) if isinstance(path, str) else path
@@ -132,13 +86,6 @@ def key_name(path: tuple[str, ...] | str) -> str:
 
 def _fail(path: tuple[str, ...] | str, msg: str) -> AdaspecConfigError:
     return AdaspecConfigError(f"{key_name(path)}: {msg}")
-
-
-def is_number(value: Any) -> bool:
-    """An int or a finite float; bool is an int subclass, but `true` is never a count or a threshold."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return isinstance(value, int) or math.isfinite(value)
 
 
 def check_number(path, value: Any, interval: Interval) -> float:

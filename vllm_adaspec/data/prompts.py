@@ -72,7 +72,7 @@ REPETITIVE_INSTRUCTION = ("Add type hints to this Python function and rewrite it
 def load_repetitive(n: int | None = None) -> list[str]:
     """A copy-heavy, repetitive workload, as an agent pipeline sends it: one instruction applied to many different
     functions of this Python's standard library (short ones, spread over the library, in a fixed order)."""
-    from vllm_adaspec.training.corpus import stdlib_functions
+    from vllm_adaspec.data.stdlib import stdlib_functions
 
     funcs = [f for f in stdlib_functions() if len(f[3]) <= 1200]
     step = max(1, len(funcs) // 200)

@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from vllm_adaspec.config import AdaspecConfigError, one_line
+from vllm_adaspec.errors import AdaspecConfigError, one_line
 
 __all__ = ["FORMAT", "config_hash", "weights_fingerprint", "fingerprint_mismatch", "fingerprint_names", "save_exit_head", "load_exit_head",
            "check_against_model", "find_shipped", "SHIPPED_DIR", "exit_head_hash", "check_calibration"]

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from vllm_adaspec.config import SECTION, AdaspecConfigError
+from vllm_adaspec.errors import SECTION, AdaspecConfigError
 
 FORMAT = "vllm-adaspec/c2t/1"
 KEYS = ("w1", "b1", "w2", "b2")

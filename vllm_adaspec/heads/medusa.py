@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from vllm_adaspec.config import SECTION, AdaspecConfigError
+from vllm_adaspec.errors import SECTION, AdaspecConfigError
 
 FORMAT = "vllm-adaspec/medusa/1"
 

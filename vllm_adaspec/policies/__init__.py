@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 
-from vllm_adaspec.config import Interval, is_number, show, typed
+from vllm_adaspec.errors import Interval, is_number, show, typed
 from vllm_adaspec.policies.fixed import FixedPolicy
 from vllm_adaspec.policies.thompson import ThompsonBetaPolicy, ThompsonCaliPolicy
 from vllm_adaspec.policies.threshold import AdaEDLPolicy, MaxConfidencePolicy

@@ -157,7 +157,7 @@ def find_corpus(tokenizer_path: str, setting: str = "auto") -> str:
     missing or mismatched."""
     from transformers import AutoTokenizer
 
-    from vllm_adaspec.config import SECTION, AdaspecConfigError
+    from vllm_adaspec.errors import SECTION, AdaspecConfigError
 
     want = tokenizer_fingerprint(AutoTokenizer.from_pretrained(tokenizer_path))
     key = f"additional_config['{SECTION}']"
