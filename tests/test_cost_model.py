@@ -147,3 +147,28 @@ def test_a_cuda_engine_starts_from_the_measured_gpu_curve_for_its_size():
     # a CUDA engine's model prices 64 rows near its one-row step; the CPU's prices them at several steps
     gpu, cpu = StepCostModel(big), StepCostModel(engine_prior(config("cpu", smol)))
     assert gpu.predict(1, 64) / gpu.predict(1, 1) < 1.25 < 3.0 < cpu.predict(1, 64) / cpu.predict(1, 1)
+
+
+def test_the_audit_records_predictions_against_outcomes():
+    """observers.CostAudit (VLLM_ADASPEC_AUDIT=1, benchmarks/audit_cost_model.py): steps as (shape, predicted,
+    measured), proposals as (expected tokens, committed, nodes, tree), nodes binned by calibrated probability per
+    pool and for all pools."""
+    import os
+
+    from vllm_adaspec.observers import CostAudit, from_env
+
+    a = CostAudit()
+    a.step_cost((1, 5, 1, 4, 0.3), 0.031, 0.029)
+    a.proposal_outcome("r", 2.2, 3, [(0.95, ("context",), True), (0.62, ("context", "suffix"), True),
+                                     (0.05, ("suffix",), False)], True)
+    st = a.stats()
+    assert st["audit_steps"] == [[1, 5, 1, 4, 0.3, 0.031, 0.029]]
+    assert st["audit_rounds"] == {"r": [[2.2, 3, 3, True]]}
+    rel = st["audit_reliability"]
+    assert rel["all"][9] == [1, 1] and rel["all"][6] == [1, 1] and rel["all"][0] == [1, 0]
+    assert rel["suffix"][6] == [1, 1] and rel["suffix"][0] == [1, 0] and rel["context"][9] == [1, 1]
+    os.environ["VLLM_ADASPEC_AUDIT"] = "1"
+    try:
+        assert any(isinstance(o, CostAudit) for o in from_env())
+    finally:
+        del os.environ["VLLM_ADASPEC_AUDIT"]

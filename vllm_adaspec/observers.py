@@ -7,6 +7,10 @@ hands them to the drafter and the tree runtime. With none attached, each hook po
     VLLM_ADASPEC_CHECK_TARGET_ROWS=1   TargetRowCheck: the target row a drafter reads re-produces its token (greedy)
     VLLM_ADASPEC_RECORD_TREES=1        TreeRecorder: features and accepted labels of every verified tree (C2T data)
     VLLM_ADASPEC_CHECK_BRANCH_SLOTS=1  BranchSlotCheck: no committed position is ever read from a branch row's KV
+    VLLM_ADASPEC_AUDIT=1               CostAudit: the step cost model's prediction of every pure decode step against
+                                       its measured time, each proposal's expected tokens against what it committed,
+                                       and the calibrated node probabilities against acceptance, per pool
+                                       (benchmarks/audit_cost_model.py)
 
 Each observer's counters come back in the drafter's statistics (`LLM.collective_rpc("adaspec_stats")`).
 """
@@ -30,6 +34,8 @@ class Observer:
     def tree_outcome(self, req_id: str, accepted: tuple[int, ...]) -> None: ...
     def before_forward(self, req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, step) -> None: ...
     def forget(self, req_ids) -> None: ...
+    def step_cost(self, shape: tuple, predicted: float, measured: float) -> None: ...
+    def proposal_outcome(self, req_id: str, expected: float, committed: int, nodes: list, tree: bool) -> None: ...
 
     def stats(self) -> dict:
         return {}
@@ -155,6 +161,40 @@ class BranchSlotCheck(Observer):
         return {"branch_slot_records": len(self.dirty)}
 
 
+RELIABILITY_BINS = 10  # calibrated probability in tenths
+
+
+class CostAudit(Observer):
+    """What the cost model and the calibration predicted against what happened (benchmarks/audit_cost_model.py):
+
+    audit_steps: [batch, rows, tree requests, tree rows, attention load, predicted s, measured s] per pure decode
+    step the cost model observed (at most MAX entries); audit_rounds: per request, [expected committed tokens (1 +
+    the chosen nodes' path probabilities), committed, nodes, tree] per verified proposal; audit_reliability: per
+    pool (and "all"), per tenth of calibrated path probability, [nodes verified, accepted]."""
+    MAX = 50000
+
+    def __init__(self):
+        self.steps: list = []
+        self.rounds: dict[str, list] = {}
+        self.reliability: dict[str, list] = {}
+
+    def step_cost(self, shape, predicted, measured) -> None:
+        if len(self.steps) < self.MAX:
+            self.steps.append([*shape, predicted, measured])
+
+    def proposal_outcome(self, req_id, expected, committed, nodes, tree) -> None:
+        self.rounds.setdefault(req_id, []).append([expected, committed, len(nodes), tree])
+        for prob, pools, accepted in nodes:
+            b = min(RELIABILITY_BINS - 1, int(prob * RELIABILITY_BINS))
+            for pool in ("all", *pools):
+                cell = self.reliability.setdefault(pool, [[0, 0] for _ in range(RELIABILITY_BINS)])[b]
+                cell[0] += 1
+                cell[1] += int(accepted)
+
+    def stats(self) -> dict:
+        return {"audit_steps": self.steps, "audit_rounds": self.rounds, "audit_reliability": self.reliability}
+
+
 def from_env(compute_logits=None) -> list[Observer]:
     """The observers the environment asks for. compute_logits: the target's LM head (TargetRowCheck)."""
     on = lambda name: os.environ.get(f"VLLM_ADASPEC_{name}") == "1"  # noqa: E731
@@ -167,4 +207,6 @@ def from_env(compute_logits=None) -> list[Observer]:
         out.append(TreeRecorder())
     if on("CHECK_BRANCH_SLOTS"):
         out.append(BranchSlotCheck())
+    if on("AUDIT"):
+        out.append(CostAudit())
     return out

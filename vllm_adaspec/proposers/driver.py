@@ -352,6 +352,9 @@ class Driver:
         if seen is None:
             return
         (batch, rows, tree_requests, tree_rows, attention), seconds, (decoding, passes, own) = seen
+        for obs in self.observers:  # (the audit: what the model predicted for this step before learning from it)
+            obs.step_cost((batch, rows, tree_requests, tree_rows, attention),
+                          self.costs.predict(batch, rows, tree_requests, tree_rows, attention), seconds)
         self.costs.observe(batch, rows, seconds, tree_requests, tree_rows, attention)
         self.draft_costs.observe(decoding, passes, own)
         self.stats.cost_observations += 1

@@ -159,6 +159,11 @@ class MultiBranchDrafter(Drafter):
         if not verified:
             return
         path = [verified[j] for j in outcome.accepted]
+        for obs in self.driver.observers:  # the audit: what calibration expected of these nodes, what came of them
+            accepted = set(path)
+            obs.proposal_outcome(st.req_id, 1.0 + sum(st.trie.path[n] for n in verified), 1 + len(path),
+                                 [(st.trie.path[n], tuple(st.trie.keys[n][0][0]), n in accepted) for n in verified],
+                                 outcome.tree)
         feedback(st.trie, verified, path, self.calibration)
         st.accepted_last = len(path)
         for node in path:
