@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         session = EngineSession(model, engine, env={**default_env(), "VLLM_ADASPEC_AUDIT": "1"})
         try:
             session.generate({"prompts": ["Hello"], "params": [{"temperature": 0.0, "max_tokens": 8}]})
-            before = {}
+            before, seen = {}, set()
             for ds in datasets:
                 ps = prompts[ds][b_i * args.num_prompts:(b_i + 1) * args.num_prompts]
                 steps, rounds, seconds, tokens = [], [], 0.0, 0
@@ -143,8 +143,10 @@ def main(argv=None) -> int:
                                             "params": [{"temperature": 0.0, "max_tokens": args.max_tokens}]})
                     st = run["adaspec"]
                     steps += st["audit_steps"]  # (appended meanwhile: harness.diff_metrics)
-                    for rid in run["request_ids"]:
-                        rounds += st["audit_rounds"].get(rid, [])
+                    # this call's requests: the ids the drafter saw first now (vLLM's engine ids, not the outputs')
+                    for rid in set(st["audit_rounds"]) - seen:
+                        rounds += st["audit_rounds"][rid]
+                    seen |= set(st["audit_rounds"])
                     rel = diff_reliability(st["audit_reliability"], before)
                     before = st["audit_reliability"]
                     add_reliability(total_rel, rel)
