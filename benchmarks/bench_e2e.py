@@ -60,6 +60,7 @@ def methods(args) -> dict[str, dict]:
             # controls every request of the row carries (controls.py), e.g. {"adaspec_speculation": "chain"}.
             settings = json.loads(spec)
             requests = settings.pop("requests", None)
+            env = settings.pop("env", None)  # variables for this row's engine (e.g. a VLLM_ADASPEC_* switch)
             budget = settings.get("tree", {}).get("budget", 16)
             n, length = settings.get("branches", 0), settings.get("branch_length", 4)
             label = "multibranch " + "+".join(settings.get("pools", ["default"])) + f" B={budget}" + (
@@ -67,12 +68,13 @@ def methods(args) -> dict[str, dict]:
                 f" cost {settings['cost_model']}" if "cost_model" in settings else "") + (
                 f" branches N={n} L={length}" + (" random" if settings.get("branch_init") == "random" else "")
                 if n else "") + ("".join(f" {k.removeprefix('adaspec_')}={v}" for k, v in requests.items())
-                                 if requests else "")
+                                 if requests else "") + ("".join(f" {k.removeprefix('VLLM_ADASPEC_')}={v}"
+                                                                 for k, v in env.items()) if env else "")
             # Self-Draft branch rows are drafts to vLLM's scheduler: K = node budget + N * L
             out[label] = {"speculative_config": {"model": "vllm_adaspec.MultiBranchProposer",
                                                  "num_speculative_tokens": budget + n * length},
                           "additional_config": {"adaspec": settings},
-                          **({"requests": requests} if requests else {})}
+                          **({"requests": requests} if requests else {}), **({"env": env} if env else {})}
             if args.unpruned:  # the same, structured-output requests' candidates not checked against the grammar
                 out[label + " unpruned"] = {**out[label], "env": {"VLLM_ADASPEC_GRAMMAR_PRUNING": "0"}}
     if "adaspec" in args.methods:

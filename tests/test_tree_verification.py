@@ -59,7 +59,7 @@ def test_tree_rows_equal_causal_attention_along_each_path(root_pos):
     n1 = len(tree) + 1
     cache, row, k, v = _paged_cache(root_pos + n1, g)
     q = torch.randn(n1, HQ, D, generator=g)
-    req = TreeRequest(0, "r", 0, root_pos, tree, ancestor_mask(tree))
+    req = TreeRequest(0, "r", 0, root_pos, tree)
     runtime = TreeRuntime()
     output = torch.zeros(n1, HQ, D)
     runtime.verify_attention(TreeStep(n1, [req]), q, k[root_pos:], v[root_pos:], output, cache, row[None], "vec",
@@ -113,7 +113,7 @@ def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_atten
         kv.append((k, v))
     runtime = TreeRuntime()
     for step_no in range(2):
-        reqs = [TreeRequest(row, f"req-{row}", start, rp, tree, ancestor_mask(tree))
+        reqs = [TreeRequest(row, f"req-{row}", start, rp, tree)
                 for row, start, rp, tree in zip(batch_rows, starts, root_pos, trees)]
         step = TreeStep(20, reqs)
         runtime.retain({r.req_id for r in reqs})

@@ -372,3 +372,21 @@ def test_batched_sample_and_match_keeps_the_target_distribution():
             counts[text[0] * V * V + text[1] * V + text[2]] += 1
         p = chi2_pvalue(counts, exact)
         assert (p > 1e-3) if lossless else (p < 1e-6), (dist.__name__, p)
+
+
+def test_ancestor_words_are_the_packed_ancestor_mask():
+    """tree.ancestor_words (what GPU planning builds, without a dense mask) equals ancestor_mask packed into 32-bit
+    words, for trees past 32 and 64 rows and with extra words."""
+    import numpy as np
+
+    from vllm_adaspec.trees.batch import pack_words
+    from vllm_adaspec.trees.tree import ancestor_words
+
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 5, 31, 32, 63, 64, 100):
+        parents = [-1] + [int(torch.randint(i + 1, (), generator=g)) - 1 for i in range(n - 1)]
+        tree = DraftTree(torch.zeros(n, dtype=torch.long), torch.tensor(parents))
+        want = pack_words(ancestor_mask(tree)).numpy()
+        assert np.array_equal(ancestor_words(parents), want), n
+        wide = ancestor_words(parents, want.shape[1] + 1)
+        assert np.array_equal(wide[:, :-1], want) and not wide[:, -1].any()

@@ -94,3 +94,20 @@ def test_best_prefix_buys_nodes_only_while_they_pay_for_their_rows():
     assert best_prefix([0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9], 1.0, cost, 1) == 7  # certain copies pay the jump
     assert best_prefix([0.05, 0.04], 1.0, cost, 1) == 0  # not worth a single row
     assert best_prefix([0.5] * 3, 2.0, cost, 2) == 2  # two requests (2 rows): two more nodes fit under the jump
+
+
+def test_yield_calibration_learns_what_chains_and_trees_yield_per_promised_draft():
+    """Chains that commit more than their nodes promise get their gains raised, trees that commit less get theirs
+    lowered; from 1 at the start, bounded, and off when disabled (the measurement switch)."""
+    from vllm_adaspec.trees.trie import YieldCalibration
+
+    y = YieldCalibration()
+    assert y.ratio(False) == y.ratio(True) == 1.0
+    for _ in range(200):
+        y.observe(False, 2.0, 3)  # chains: 1.5x their promise
+        y.observe(True, 4.0, 3)  # trees: 0.75x
+    assert 1.4 < y.ratio(False) <= 1.5 and 0.74 <= y.ratio(True) < 0.8
+    for _ in range(500):
+        y.observe(True, 1.0, 10)
+    assert y.ratio(True) == 2.0  # clamped
+    assert YieldCalibration(enabled=False).ratio(True) == 1.0

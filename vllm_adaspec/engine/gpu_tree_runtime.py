@@ -35,6 +35,7 @@ from vllm_adaspec.engine.tree_runtime import TreeRuntime, TreeStep
 from vllm_adaspec.engine.tree_sampler import chain_indices
 from vllm_adaspec.kernels import tree_attention as kernels
 from vllm_adaspec.trees.batch import TreeBatch, pack_trees, pack_words, verify_greedy_batch, verify_sample_batch
+from vllm_adaspec.trees.tree import ancestor_words
 
 ALIGN_BYTES = 16  # Triton specializes a pointer argument on 16-byte alignment: every staged array starts on one
 
@@ -78,7 +79,7 @@ class DeviceStep:
     """A tree step's device side (TreeStep.device). R trees, of which the plain ones (`batched`, host indices into
     the step's requests: the greedy ones, then the sampled ones) are verified in one batch; N = the most nodes of a
     tree."""
-    launch: TreeAttentionLaunch
+    launch: kernels.TreeAttentionLaunch
     node_rows: torch.Tensor  # [nodes] long: every node's row of the forward
     node_positions: torch.Tensor  # [nodes] long: root + depth
     seq_rows: torch.Tensor  # [R] long: batch rows of the tree requests
@@ -179,10 +180,8 @@ class GPUTreeRuntime(TreeRuntime):
         q_rows = np.concatenate([np.arange(s, s + n + 1) for s, n in zip(starts, sizes)])
         cu = np.concatenate([[0], np.cumsum(sizes + 1)])
         words = max(1, -(-(width + 1) // 32))
-        mask = torch.zeros(len(q_rows), words * 32, dtype=torch.bool)
-        for r, c in zip(reqs, cu[:-1]):
-            mask[c:c + len(r.tree) + 1, :len(r.tree) + 1] = r.mask
-        bits = pack_words(mask).numpy()
+        tree_words = [ancestor_words(r.tree.parents.tolist(), words) for r in reqs]  # [n + 1, W] each
+        bits = np.concatenate(tree_words)
         bits = np.where(bits >= 2**31, bits - 2**32, bits)  # as int32 words
         # plain trees, greedy then sampled: verified together; where their rows' logits are (per batch row: drafts + 1)
         kinds = [self.plain(r.req_id) for r in reqs]
@@ -193,7 +192,7 @@ class GPUTreeRuntime(TreeRuntime):
         logit_rows = np.stack([logit_start[reqs[k].row] + np.minimum(np.arange(width + 1), sizes[k])
                                for k in batched]) if batched else np.zeros((0, width + 1), dtype=np.int64)
         trees = pack_trees([reqs[k].tree for k in batched], [reqs[k].num_verified for k in batched], width=width,
-                           masks=[reqs[k].mask for k in batched]) if batched else None
+                           words=[tree_words[k] for k in batched]) if batched else None
         keep, num, cu_draft, cu_sampled = chain_indices(step.num_drafts, set(rows.tolist()))
         firsts = (np.cumsum(step.num_drafts) - step.num_drafts)[rows]
         longs = [node_rows, node_pos, rows, starts, sizes, np.array(batched, dtype=np.int64), logit_rows,

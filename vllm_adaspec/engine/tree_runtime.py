@@ -42,13 +42,21 @@ class TreeRequest:
     start: int  # flattened index of the root's row; nodes follow at start + 1 + i
     root_pos: int
     tree: DraftTree
-    mask: torch.Tensor  # [n + 1, n + 1] bool ancestor-or-self over verification rows
     visible: torch.Tensor | None = None  # [1, 1, n + 1, root + n + 1] bool, built by the first layer
     branch_rows: int = 0  # the last nodes are draft-branch rows (pools/branches.py): read, not verified
+    _mask: torch.Tensor | None = None
 
     @property
     def num_verified(self) -> int:
         return len(self.tree) - self.branch_rows
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[n + 1, n + 1] bool ancestor-or-self over verification rows (built when first asked: the GPU path plans
+        from ancestor words and never needs it)."""
+        if self._mask is None:
+            self._mask = ancestor_mask(self.tree)
+        return self._mask
 
 
 @dataclass
@@ -110,8 +118,7 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, sp
             continue
         tree = DraftTree(torch.tensor(plan.tokens), torch.tensor(plan.parents))
         start = int(query_start[row])
-        requests.append(TreeRequest(row, req_id, start, int(roots[row]), tree, ancestor_mask(tree),
-                                    branch_rows=n - plan.num_verified))
+        requests.append(TreeRequest(row, req_id, start, int(roots[row]), tree, branch_rows=n - plan.num_verified))
     return TreeStep(num_tokens, requests, num_drafts=num_drafts) if requests else None
 
 

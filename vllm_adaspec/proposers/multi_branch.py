@@ -30,8 +30,8 @@ from vllm_adaspec.pools.branches import append_branches
 from vllm_adaspec.proposers.drafter import Drafter, Stats
 from vllm_adaspec.proposers.driver import request_seed
 from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, Taps
-from vllm_adaspec.trees.trie import (Calibration, Trie, best_prefix, feedback, merge, prune, ranked, streak_state,
-                                     subtree)
+from vllm_adaspec.trees.trie import (Calibration, Trie, YieldCalibration, best_prefix, feedback, merge, prune,
+                                     ranked, streak_state, subtree)
 
 logger = logging.getLogger("vllm_adaspec")
 
@@ -78,6 +78,9 @@ class MultiBranchDrafter(Drafter):
         self.medusa = None  # engine/medusa_heads.MedusaHeads, once load_model has the target
         self.medusa_folder = self.cfg.medusa if "medusa" in pools else None
         self.calibration = Calibration()
+        # chains' and trees' accepted drafts against their nodes' promise (VLLM_ADASPEC_YIELD_CALIBRATION=0: off, to
+        # measure what it does)
+        self.yields = YieldCalibration(enabled=os.environ.get("VLLM_ADASPEC_YIELD_CALIBRATION", "1") != "0")
         # Structured-output requests' candidates are checked against their grammar before any is chosen. Off only
         # to measure what that saves (benchmarks/bench_e2e.py --unpruned): forbidden nodes are then verified, and
         # never accepted (the grammar masks their parents' rows).
@@ -159,6 +162,7 @@ class MultiBranchDrafter(Drafter):
         if not verified:
             return
         path = [verified[j] for j in outcome.accepted]
+        self.yields.observe(outcome.tree, sum(st.trie.path[n] for n in verified), len(path))
         for obs in self.driver.observers:  # the audit: what calibration expected of these nodes, what came of them
             accepted = set(path)
             obs.proposal_outcome(st.req_id, 1.0 + sum(st.trie.path[n] for n in verified), 1 + len(path),
@@ -193,8 +197,10 @@ class MultiBranchDrafter(Drafter):
             self.stats.trie_nodes += len(trie)
         # Across the batch: the nodes with the highest path probability first, as many as the step cost pays for
         # (expected tokens per second of the whole batch; cost_model "off": every candidate).
-        flat = sorted(((tries[e].path[node], e, j) for e, order in enumerate(cands) for j, node in enumerate(order)),
-                      key=lambda x: -x[0])
+        # (each node's gain: its path probability, scaled by what proposals of its kind have yielded per promise)
+        scale = [self.yields.ratio(treeish[e]) for e in range(len(rows))]
+        flat = sorted(((tries[e].path[node] * scale[e], e, j) for e, order in enumerate(cands)
+                       for j, node in enumerate(order)), key=lambda x: -x[0])
         decoding = view.decoding()
         branch_pool = self.poolset.get("branches")
         branches = [branch_pool.branches_of(req_ids[i]) if branch_pool is not None else [] for i in rows]
@@ -221,7 +227,8 @@ class MultiBranchDrafter(Drafter):
                           for e, i in enumerate(rows)]
             chains_where_cheaper(tries, chosen_of, may_switch,
                                  decoding + sum(p for p, _, _ in flat[:keep]), base_rows + keep, extra[keep],
-                                 per_row, sum(branching), self._extra_rows * sum(branching), step_cost, tree_extra)
+                                 per_row, sum(branching), self._extra_rows * sum(branching), step_cost, tree_extra,
+                                 yields=(self.yields.ratio(True), self.yields.ratio(False)))
         for e, i in enumerate(rows):
             st = self.requests[req_ids[i]]
             chosen = chosen_of[e]
@@ -286,20 +293,21 @@ def is_tree(trie: Trie, nodes: list[int]) -> bool:
 
 def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch: list[bool], tokens: float,
                          rows: int, attention: float, per_row: list[float], tree_requests: int, tree_rows: int, cost,
-                         tree_extra) -> None:
+                         tree_extra, yields: tuple[float, float] = (1.0, 1.0)) -> None:
     """Tree verification costs more than a chain of as many rows (its own attention: tree_extra(requests, rows)).
     For each request whose chosen nodes branch (and `may_switch`), keep the tree only if the batch's expected
     tokens per second beat those with the tree's best path alone; chosen[e] is replaced in place. tokens / rows /
     attention: the batch's expected tokens, rows and attention seconds with every choice as it stands (per_row[e]:
     what a row of request e adds to attention); tree_requests / tree_rows: tree rows that cannot switch (draft
-    branches)."""
+    branches). yields: what a promised draft yields in a tree and in a chain (`tokens` counts the trees' at y_tree)."""
+    y_tree, y_chain = yields  # what a promised draft yields as part of a tree, of a chain (YieldCalibration)
     branching = [e for e, nodes in enumerate(chosen) if may_switch[e] and is_tree(tries[e], nodes)]
     tree_requests += len(branching)
     tree_rows += sum(len(chosen[e]) for e in branching)
     for e in branching:
         nodes, trie = chosen[e], tries[e]
         chain = best_path(trie, len(nodes), among=set(nodes))
-        t_chain = tokens - sum(trie.path[i] for i in nodes) + sum(trie.path[i] for i in chain)
+        t_chain = tokens - y_tree * sum(trie.path[i] for i in nodes) + y_chain * sum(trie.path[i] for i in chain)
         r_chain = rows - len(nodes) + len(chain)
         a_chain = attention - per_row[e] * (len(nodes) - len(chain))
         tree_rate = tokens / (cost(rows) + attention + tree_extra(tree_requests, tree_rows))

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from vllm_adaspec.trees.tree import DraftTree, ancestor_mask, depths_of
+from vllm_adaspec.trees.tree import DraftTree, ancestor_words, depths_of
 
 
 @dataclass
@@ -78,28 +79,32 @@ def representative_rows(tree: DraftTree, rank: list[int] | None = None) -> list[
 
 
 def pack_trees(trees: list[DraftTree], verified: list[int] | None = None, width: int | None = None,
-               masks: list[torch.Tensor] | None = None) -> TreeBatch:
+               words: list[np.ndarray] | None = None) -> TreeBatch:
     """Host tensors for `trees` (verified[r]: how many of tree r's first nodes are verified; the rest are read-only
-    rows; width: N, at least the largest tree; masks: their ancestor_mask, when already computed)."""
+    rows; width: N, at least the largest tree; words: their tree.ancestor_words, when already computed). Numpy
+    arrays filled row by row, one tensor each at the end: a step's planning stays cheap at 64-node trees."""
     r = len(trees)
     n = max([len(t) for t in trees] + [width or 0, 1])
+    w = max(1, -(-(n + 1) // 32))
     verified = [len(t) for t in trees] if verified is None else verified
-    tokens = torch.zeros(r, n, dtype=torch.long)
-    parent_rows = torch.zeros(r, n, dtype=torch.long)
-    depths = torch.zeros(r, n, dtype=torch.long)
-    valid = torch.zeros(r, n, dtype=torch.bool)
-    order = torch.zeros(r, n, dtype=torch.long)
-    mask = torch.zeros(r, n + 1, n + 1, dtype=torch.bool)
+    tokens = np.zeros((r, n), dtype=np.int64)
+    parent_rows = np.zeros((r, n), dtype=np.int64)
+    depths = np.zeros((r, n), dtype=np.int64)
+    valid = np.zeros((r, n), dtype=bool)
+    order = np.zeros((r, n), dtype=np.int64)
+    ancestors = np.zeros((r, n + 1, w), dtype=np.int64)
     for i, (tree, m) in enumerate(zip(trees, verified)):
         k = len(tree)
-        tokens[i, :k] = tree.tokens
-        rank = preorder(tree.parents.tolist())
-        order[i, :k] = torch.tensor(rank, dtype=torch.long)
-        parent_rows[i, :k] = torch.tensor(representative_rows(tree, rank), dtype=torch.long)
-        depths[i, :k] = torch.tensor(depths_of(tree.parents.tolist()), dtype=torch.long)
+        parents = tree.parents.tolist()
+        tokens[i, :k] = tree.tokens.numpy()
+        rank = preorder(parents)
+        order[i, :k] = rank
+        parent_rows[i, :k] = representative_rows(tree, rank)
+        depths[i, :k] = depths_of(parents)
         valid[i, :m] = True
-        mask[i, :k + 1, :k + 1] = ancestor_mask(tree) if masks is None else masks[i]
-    return TreeBatch(tokens, parent_rows, depths, valid, pack_words(mask), order)
+        a = ancestor_words(parents) if words is None else words[i]
+        ancestors[i, :k + 1, :a.shape[1]] = a
+    return TreeBatch(*(torch.from_numpy(x) for x in (tokens, parent_rows, depths, valid, ancestors, order)))
 
 
 def unpack_rows(words: torch.Tensor, rows: int) -> torch.Tensor:

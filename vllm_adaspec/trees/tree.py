@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -62,6 +63,21 @@ def ancestor_mask(tree: DraftTree) -> torch.Tensor:
     for i, q in enumerate(tree.parents.tolist()):
         mask[i + 1] |= mask[q + 1]  # parents come first, so their rows are complete
     return mask
+
+
+def ancestor_words(parents: list[int], words: int | None = None) -> np.ndarray:
+    """ancestor_mask as 32-bit words, without the dense mask: [n + 1, W] int64 in 0 .. 2^32 - 1, bit c % 32 of word
+    c // 32 of row r set iff row c is r or an ancestor of it (W: words per row, at least ceil((n + 1) / 32)). Breadth-
+    first parents come before their children, so each row is its parent's plus its own bit (Python integers: O(n))."""
+    n = len(parents)
+    w = max(1, -(-(n + 1) // 32)) if words is None else words
+    rows = [1]
+    for i, q in enumerate(parents):
+        rows.append(rows[q + 1] | (1 << (i + 1)))
+    out = np.zeros((n + 1, w), dtype=np.int64)
+    for j in range(w):
+        out[:, j] = [(b >> (32 * j)) & 0xFFFFFFFF for b in rows]
+    return out
 
 
 def ancestor_bits(tree: DraftTree) -> torch.Tensor:

@@ -37,6 +37,31 @@ class Calibration:
 
 
 @dataclass
+class YieldCalibration:
+    """Accepted drafts against what the calibrated node probabilities promised them, per kind of proposal (chains,
+    trees), learned online. Nodes are calibrated one at a time, but a proposal's nodes are the ones that scored
+    highest (their errors do not cancel out) and a tree's siblings exclude each other: measured, chains commit more
+    than their probabilities say and trees less (benchmarks/RESULTS.md, session 20's audit). The ratio scales the
+    gains a step's choice of nodes weighs. Starts at 1 (`strength` drafts of pseudo-evidence), forgets slowly,
+    clamped to [1/2, 2]."""
+    strength: float = 20.0
+    forget: float = 0.995
+    enabled: bool = True
+    sums: dict = field(default_factory=lambda: {False: [0.0, 0.0], True: [0.0, 0.0]})  # tree? -> [accepted, promised]
+
+    def ratio(self, tree: bool) -> float:
+        if not self.enabled:
+            return 1.0
+        accepted, promised = self.sums[tree]
+        return min(2.0, max(0.5, (accepted + self.strength) / (promised + self.strength)))
+
+    def observe(self, tree: bool, promised: float, accepted: int) -> None:
+        s = self.sums[tree]
+        s[0] = s[0] * self.forget + accepted
+        s[1] = s[1] * self.forget + promised
+
+
+@dataclass
 class Trie:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)  # -1 = child of the root
