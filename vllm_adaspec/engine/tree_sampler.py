@@ -376,7 +376,14 @@ class TreeRejectionSampler:
             committed[i] = row
             results[i] = (path, row[-1], predicted)
         # the host-verified requests' tokens into vLLM's sampled tokens, in one staged copy (no wait for the device)
-        written = self.runtime.write_rows(tokens, committed) if committed else {}
+        try:
+            written = self.runtime.write_rows(tokens, committed) if committed else {}
+        except Exception as e:  # vLLM's first tokens stand for them, nothing more
+            faults.record("writing the host-verified token trees' tokens", e)
+            written = {}
+            for i in committed:
+                tokens[i, 1:] = -1
+                results[i] = ([], int(tokens[i, 0]), [])
         if logprob_rows:
             self._rewrite_logprobs(out.logprobs_tensors, sampling_metadata.max_num_logprobs, tokens.shape[1],
                                    [(i, raw, processed, written[i][:n]) for i, raw, processed, n in logprob_rows
