@@ -39,13 +39,13 @@ def compaction_moves(starts: torch.Tensor, sizes: torch.Tensor, path: torch.Tens
 
 def move_slots(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """Copy each source slot's K and V to its destination slot in every layer's cache; all sources are read before
-    any destination is written (the index read makes a copy)."""
+    any destination is written (the index read makes a copy). A slot's K and V lie side by side in the last dimension
+    of the [num_blocks, block_size, H, 2 D] view (kv_views splits it): one gather and one scatter per layer move both."""
     where = {}  # block size -> (source block, offset, destination block, offset): shared by every layer
     for cache in kv_caches:
         bs = cache.shape[2]
         if bs not in where:
             where[bs] = (src_slots // bs, src_slots % bs, dst_slots // bs, dst_slots % bs)
         sb, so, db, do = where[bs]
-        k, v = kv_views(cache)
-        k[db, do] = k[sb, so]
-        v[db, do] = v[sb, so]
+        kv = cache.transpose(1, 2)  # [num_blocks, block_size, H, 2 D]
+        kv[db, do] = kv[sb, so]
