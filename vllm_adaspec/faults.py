@@ -12,10 +12,11 @@ Fault injection, for tests (the engine runs in another process, so it is asked f
     VLLM_ADASPEC_INJECT_FAULTS="trie@3,suffix@10,tree_verify@20"
 
 raises `InjectedFault` at the 3rd pass through the failpoint "trie", the 10th through "suffix", ... (`place@n`;
-repeat a place for several faults); with VLLM_ADASPEC_INJECT_FAULTS_RANK=R, only on tensor-parallel rank R. Failpoints: one per pool ("context", "suffix", "recycled", "corpus", "medusa",
-"branches": in the pool set's propose), "trie" (MultiBranchProposer's merge), "draft" (early exit: after its first
-draft pass), "tree_plan" (planning a step's trees), "tree_verify" (verifying a tree request), "compaction" (after
-the paged KV of accepted nodes moved). Unset, `point` is one attribute test.
+repeat a place for several faults; with VLLM_ADASPEC_INJECT_FAULTS_RANK=R, only on tensor-parallel rank R).
+Failpoints: one per pool ("context", "suffix", "recycled", "corpus", "medusa", "branches": in the pool set's
+propose), "trie" (MultiBranchProposer's merge), "draft" (early exit: after its first draft pass), "tree_plan"
+(planning a step's trees), "tree_verify" (verifying a tree request), "compaction" (after the paged KV of accepted
+nodes moved), "tree_kernel" (a GPU runtime's tree-attention launch). Unset, `point` is one attribute test.
 
 The negative control of the sampling tests (they must reject a verifier that is not lossless):
 

@@ -75,7 +75,8 @@ def run_smoke(model: str, dtype: str = "float32", max_tokens: int = 64, k: int =
     from vllm_adaspec.harness import FORWARDS, run_engine
 
     report = {"machine": machine()}
-    hf = json.load(open(f"{model}/config.json"))
+    with open(f"{model}/config.json") as f:
+        hf = json.load(f)
     hq = hf["num_attention_heads"]
     heads = (hq, hf.get("num_key_value_heads", hq), hf.get("head_dim", hf["hidden_size"] // hq))
     if report["machine"]["device"] != "cpu":

@@ -40,6 +40,11 @@ from vllm_adaspec.trees.tree import ancestor_words
 ALIGN_BYTES = 16  # Triton specializes a pointer argument on 16-byte alignment: every staged array starts on one
 
 
+def int32_words(words: np.ndarray) -> np.ndarray:
+    """32-bit words held in int64 (0 .. 2^32 - 1) as the int32 the kernel reads (the same bits)."""
+    return words.astype(np.uint32).view(np.int32)
+
+
 class StagingBuffer:
     """Host arrays to the device in one copy, from a pinned buffer kept across steps (a copy from pageable memory
     would first wait for everything queued on the device). Each array starts 16-byte aligned, so a kernel reading
@@ -181,8 +186,7 @@ class GPUTreeRuntime(TreeRuntime):
         cu = np.concatenate([[0], np.cumsum(sizes + 1)])
         words = max(1, -(-(width + 1) // 32))
         tree_words = [ancestor_words(r.tree.parents.tolist(), words) for r in reqs]  # [n + 1, W] each
-        bits = np.concatenate(tree_words)
-        bits = np.where(bits >= 2**31, bits - 2**32, bits)  # as int32 words
+        bits = int32_words(np.concatenate(tree_words))
         # plain trees, greedy then sampled: verified together; where their rows' logits are (per batch row: drafts + 1)
         kinds = [self.plain(r.req_id) for r in reqs]
         greedy = [k for k, kind in enumerate(kinds) if kind == "greedy"]
@@ -272,11 +276,8 @@ class GPUTreeRuntime(TreeRuntime):
         p = draft.visible.shape[2] - draft.node_pos.shape[1]  # prefix columns of the mask
         n = max(1, int(lens.max()))
         vis = draft.visible[:, :, p:p + n]  # [R, M, n]: each row's tree keys
-        words = max(1, -(-n // 32))
-        mask = torch.zeros(int(counts.sum()), words * 32, dtype=torch.bool)
-        mask[:, :n] = vis[draft.valid]
-        bits = pack_words(mask).numpy()
-        bits = np.where(bits >= 2**31, bits - 2**32, bits)
+        bits = int32_words(pack_words(vis[draft.valid]).numpy())  # [rows, W]
+        words = bits.shape[1]
         q_rows = rows[valid]
         cu = np.concatenate([[0], np.cumsum(counts)])
         prefix_lens = draft.roots.numpy().astype(np.int64) + 1

@@ -58,6 +58,12 @@ __all__ = ["MAX_TILE_M", "TOLERANCE", "TreeAttentionLaunch", "VARIANTS", "ancest
 MAX_TILE_M = 128  # query rows x query heads of one tile (FlashAttention's M for head size 128, 8 warps)
 MAX_SPLITS = 64  # key chunks of one request (the reduction's BLOCK_S)
 BLOCK_N = 64  # keys per tile
+# Integer arguments that change from step to step, kept out of Triton's specialization (a new value would compile a
+# new kernel): per kernel, the names given to `do_not_specialize` and read by `_arg_key`
+NO_SPECIALIZE = {
+    "split": ("chunk", "n_qb", "stride_as", "stride_at", "stride_ms", "stride_mt", "stride_bits"),
+    "reduce": ("splits", "stride_as", "stride_at", "stride_ms", "stride_mt"),
+}
 
 
 def ancestor_bits(tree_mask: torch.Tensor) -> torch.Tensor:
@@ -137,8 +143,7 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         return acc, m_new, l_i
 
-    @triton.jit(do_not_specialize=["chunk", "n_qb", "stride_as", "stride_at", "stride_ms", "stride_mt",
-                                   "stride_bits"])
+    @triton.jit(do_not_specialize=list(NO_SPECIALIZE["split"]))
     def _tree_attention_split_kernel(
             q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr, o_ptr, bt_ptr, plen_ptr, tlen_ptr, cu_ptr, bits_ptr,
             qrows_ptr, btrows_ptr, scale, chunk, n_qb,
@@ -198,7 +203,7 @@ if triton is not None:
                 tl.store(m_ptr + split * stride_ms + rows_at * stride_mt + head, m_i, mask=m_valid)
                 tl.store(l_ptr + split * stride_ms + rows_at * stride_mt + head, l_i, mask=m_valid)
 
-    @triton.jit(do_not_specialize=["splits", "stride_as", "stride_at", "stride_ms", "stride_mt"])
+    @triton.jit(do_not_specialize=list(NO_SPECIALIZE["reduce"]))
     def _tree_attention_reduce_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, qrows_ptr, splits, stride_as, stride_at, stride_ah,
                                       stride_ms, stride_mt, stride_ot, stride_oh,
                                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -272,6 +277,7 @@ class TreeAttentionLaunch:
     acc: torch.Tensor
     m: torch.Tensor
     l: torch.Tensor
+    variant_checked: bool = False  # its launches' variant recorded in VARIANTS (the first layer: the rest are alike)
 
 
 def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num_kv_heads: int, head_size: int,
@@ -310,12 +316,6 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
 
 # --- compiled variants ------------------------------------------------------------------------------------------
 
-_NO_SPECIALIZE = {
-    "split": {"chunk", "n_qb", "stride_as", "stride_at", "stride_ms", "stride_mt", "stride_bits"},
-    "reduce": {"splits", "stride_as", "stride_at", "stride_ms", "stride_mt"},
-}
-
-
 def _arg_key(name: str, value, kernel: str):
     """What Triton specializes a launch on for one argument (its rules as of 3.x): a tensor by dtype and 16-byte
     alignment, an integer by width and, unless kept out (`do_not_specialize`), whether it is 1 or a multiple of 16;
@@ -326,7 +326,7 @@ def _arg_key(name: str, value, kernel: str):
         return (name, value)
     if isinstance(value, int):
         width = "i32" if -2**31 <= value < 2**31 else "i64"
-        if name in _NO_SPECIALIZE[kernel]:
+        if name in NO_SPECIALIZE[kernel]:
             return (name, width)
         return (name, width, value == 1, value % 16 == 0)
     if isinstance(value, float):
@@ -354,8 +354,11 @@ class KernelVariants:
 VARIANTS = KernelVariants()
 
 
-def _launch_kernel(kernel, name: str, grid, args: dict) -> None:
-    VARIANTS.seen((name, tuple(_arg_key(k, v, name) for k, v in args.items())))
+def _launch_kernel(kernel, name: str, grid, args: dict, record: bool) -> None:
+    """Launch; `record`: first note the launch's variant (about 15 us of Python: once per plan, not per layer, whose
+    tensors share their dtypes, strides and alignment)."""
+    if record:
+        VARIANTS.seen((name, tuple(_arg_key(k, v, name) for k, v in args.items())))
     kernel[grid](**args)
 
 
@@ -374,6 +377,8 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
     grid = (len(plan.prefix_lens), hkv * plan.q_blocks, plan.splits)
     group = plan.num_heads // hkv
     direct = plan.splits == 1
+    record = not plan.variant_checked or VARIANTS.warming
+    plan.variant_checked = True
     _launch_kernel(_tree_attention_split_kernel, "split", grid, dict(
         q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, bt_ptr=block_table,
         plen_ptr=plan.prefix_lens, tlen_ptr=plan.tree_lens, cu_ptr=plan.cu_rows, bits_ptr=plan.bits,
@@ -389,14 +394,14 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
         DOT_F32=interpret and q.dtype == torch.bfloat16,
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else None,
-        num_warps=4 if plan.block_q * _next_pow2(group) <= 64 else 8))
+        num_warps=4 if plan.block_q * _next_pow2(group) <= 64 else 8), record)
     if direct:
         return out
     _launch_kernel(_tree_attention_reduce_kernel, "reduce", (plan.q_rows.shape[0], plan.num_heads), dict(
         acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, qrows_ptr=plan.q_rows, splits=plan.splits,
         stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2), stride_ms=m.stride(0),
         stride_mt=m.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1), D=d, BLOCK_D=_next_pow2(d),
-        BLOCK_S=MAX_SPLITS))
+        BLOCK_S=MAX_SPLITS), record)
     return out
 
 

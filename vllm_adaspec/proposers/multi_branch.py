@@ -163,9 +163,10 @@ class MultiBranchDrafter(Drafter):
         if not verified:
             return
         path = [verified[j] for j in outcome.accepted]
-        self.yields.observe(outcome.tree, sum(st.trie.path[n] for n in verified), len(path))
+        if self.yields.enabled:
+            self.yields.observe(outcome.tree, sum(st.trie.path[n] for n in verified), len(path))
+        accepted = set(path) if self.driver.observers else ()
         for obs in self.driver.observers:  # the audit: what calibration expected of these nodes, what came of them
-            accepted = set(path)
             obs.proposal_outcome(st.req_id, 1.0 + sum(st.trie.path[n] for n in verified), 1 + len(path),
                                  [(st.trie.path[n], tuple(st.trie.keys[n][0][0]), n in accepted) for n in verified],
                                  outcome.tree)
