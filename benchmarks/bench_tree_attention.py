@@ -29,7 +29,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkout import use_checkout  # noqa: E402
+
+use_checkout()  # the device runs a bare copy of the checkout
 from vllm_adaspec.kernels.tree_attention import (ancestor_bits, launch, plan_launch, tile_rows,  # noqa: E402
                                                  tree_attention_reference)
 from vllm_adaspec.trees import DraftTree, ancestor_mask  # noqa: E402

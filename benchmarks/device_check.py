@@ -28,8 +28,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from checkout import use_checkout  # noqa: E402
+
+use_checkout()  # the device runs a bare copy of the checkout
 
 
 def parse(argv):

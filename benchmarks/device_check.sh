@@ -6,7 +6,6 @@
 #   bash benchmarks/device_check.sh            # results also under $OUT (the device tool's folder) if set
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-benchmarks/out}"
 mkdir -p "$out"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"

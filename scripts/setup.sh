@@ -10,7 +10,7 @@ flavour="${ADASPEC_FLAVOUR:-cpu}"
 python="${PYTHON:-python3}"
 venv="$root/.venv"
 stamp="$venv/.adaspec-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$flavour"
+want="$(cat pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -c1-16)-$flavour"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import vllm, vllm_adaspec" 2>/dev/null; then
   echo "[setup] .venv is up to date ($flavour)"

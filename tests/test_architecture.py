@@ -5,7 +5,10 @@ keeps no module-level state; attention is changed by a registered backend, not b
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "vllm_adaspec"
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "vllm_adaspec"
+# Where each installed package's source lives in the checkout (setup.py: kernels/ installs as vllm_adaspec.kernels).
+SOURCES = {"vllm_adaspec": PKG, "vllm_adaspec.kernels": ROOT / "kernels"}
 # No vLLM, no glue: the algorithms, the step contract, settings and instrumentation.
 PURE = ["step.py", "requests.py", "metrics.py", "observers.py", "config.py", "errors.py", "trees", "pools", "policies",
         "kernels", "heads/__init__.py", "heads/medusa.py", "heads/c2t.py"]
@@ -17,7 +20,7 @@ TREE_PATH = ["engine/tree_runtime.py", "engine/tree_sampler.py", "engine/tree_ba
 
 def _files(parts):
     for part in parts:
-        p = PKG / part
+        p = ROOT / part if part == "kernels" else PKG / part
         yield from (sorted(p.rglob("*.py")) if p.is_dir() else [p])
 
 
@@ -70,9 +73,10 @@ def test_attention_is_a_registered_backend_not_a_patched_class():
 def _module_graph() -> dict[str, set[str]]:
     """module -> the package's modules it imports, at any depth (`from a.b import c`: a.b.c where that is a module)."""
     files = {}
-    for f in PKG.rglob("*.py"):
-        parts = f.relative_to(PKG.parent).with_suffix("").parts
-        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    for pkg, src in SOURCES.items():
+        for f in src.rglob("*.py"):
+            parts = (*pkg.split("."), *f.relative_to(src).with_suffix("").parts)
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     graph = {}
     for name, f in files.items():
         out = set()
@@ -84,6 +88,19 @@ def _module_graph() -> dict[str, set[str]]:
                         for a in node.names}
         graph[name] = {m for m in out if m in files and m != name}
     return graph
+
+
+def test_the_kernels_live_in_the_top_level_folder_and_install_inside_the_package():
+    """kernels/ at the repository's top (the design card), installed as vllm_adaspec.kernels (setup.py): nothing of the
+    package imports a top-level `kernels` (the PyPI package of that name), and no kernel is left inside the package."""
+    import vllm_adaspec.kernels.tree_attention as ta
+
+    assert Path(ta.__file__).resolve() == ROOT / "kernels" / "tree_attention.py"
+    assert not (PKG / "kernels").exists()
+    graph_files = [f for src in SOURCES.values() for f in src.rglob("*.py")]
+    bad = [(str(f), m) for f in graph_files for m in _imports(f) if m == "kernels" or m.startswith("kernels.")]
+    assert not bad, bad
+    assert any(n.startswith("vllm_adaspec.kernels.") for n in _module_graph())
 
 
 def test_the_package_has_no_import_circle():

@@ -40,9 +40,15 @@ if __name__ == "__main__":
 """
 
 
-def source_modules(pkg: Path) -> set[str]:
-    return {".".join(p.relative_to(pkg.parent).with_suffix("").parts).removesuffix(".__init__")
+def source_modules(pkg: Path, name: str = "vllm_adaspec") -> set[str]:
+    return {".".join((name, *p.relative_to(pkg).with_suffix("").parts)).removesuffix(".__init__")
             for p in pkg.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+def checkout_modules() -> set[str]:
+    """The package's modules in the checkout: vllm_adaspec/ and the top-level kernels/ (setup.py installs it as
+    vllm_adaspec.kernels)."""
+    return source_modules(ROOT / "vllm_adaspec") | source_modules(ROOT / "kernels", "vllm_adaspec.kernels")
 
 
 def test_wheel_holds_every_module_and_runs_outside_the_checkout(tmp_path, smollm2):
@@ -56,7 +62,8 @@ def test_wheel_holds_every_module_and_runs_outside_the_checkout(tmp_path, smollm
     site = tmp_path / "site"
     subprocess.run(pip + ["install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True)
 
-    assert source_modules(site / "vllm_adaspec") == source_modules(ROOT / "vllm_adaspec")
+    assert source_modules(site / "vllm_adaspec") == checkout_modules()
+    assert (site / "vllm_adaspec" / "kernels" / "tree_attention.py").is_file() and not (site / "kernels").exists()
     shipped = [*(ROOT / "vllm_adaspec" / "heads").glob("*/*"), *(ROOT / "vllm_adaspec" / "corpus").glob("*/*")]
     assert any(f.name == "medusa.safetensors" for f in shipped) and any(f.name == "corpus.npz" for f in shipped)
     for f in shipped:  # exit heads, predictors, Medusa heads, corpus tables: package data
@@ -72,6 +79,6 @@ def test_wheel_holds_every_module_and_runs_outside_the_checkout(tmp_path, smollm
     assert got["leaked"] == [], got["leaked"]
     outside = [n for n, f in got["files"].items() if not f.startswith(str(site) + os.sep)]
     assert outside == [], outside
-    assert len(got["files"]) == len(source_modules(ROOT / "vllm_adaspec")) + 1
+    assert len(got["files"]) == len(checkout_modules()) + 1
     assert len(got["tokens"]) == 16 and got["drafts"] > 0
     assert got["exit_head"].startswith(str(site)), got["exit_head"]  # the shipped head came from the wheel
