@@ -207,7 +207,7 @@ def _meta_step(chains_only, SpecDecodeMetadata):
     logits = torch.empty(sum(num) + len(num), 50, device="meta")
     sm = SimpleNamespace(temperature=torch.empty(len(REQ_IDS), device="meta"), top_k=meta(len(REQ_IDS)),
                          top_p=torch.empty(len(REQ_IDS), device="meta"))
-    assert step.device.batched == [0, 1] and step.device.greedy == 1 and step.device.sampled_depth == 3
+    assert step.device.batched == [0, 1] and step.device.greedy == 1
     verdict = rt.verify_batched(step, logits, tokens, sm)
     step.slot_mapping = torch.empty(t, dtype=torch.long, device="meta")
     step.kv_caches = [torch.empty(20, HKV, BS, 2 * D, device="meta") for _ in range(3)]

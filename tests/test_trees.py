@@ -341,8 +341,8 @@ def test_batched_verification_equals_the_per_tree_walks():
         batch = pack_trees(trees, width=40)
         argmax = torch.randint(0, 4, (len(trees), 41), generator=g)
         greedy = verify_greedy_batch(batch, argmax)
-        one_hot = lambda rows: torch.nn.functional.one_hot(argmax.gather(1, rows[:, None])[:, 0], 4).double()  # noqa
-        sampled = verify_sample_batch(batch, one_hot, max_depth=40)
+        one_hot = torch.nn.functional.one_hot(argmax, 4).double()  # [R, N + 1, V]: a draw can only be the argmax
+        sampled = verify_sample_batch(batch, one_hot.log())
         for (path, count, bonus) in (greedy, sampled):
             for i, tree in enumerate(trees):
                 want_path, want_bonus = verify_greedy(tree, argmax[i, :len(tree) + 1])
@@ -363,7 +363,7 @@ def test_batched_sample_and_match_keeps_the_target_distribution():
     exact = _exact(3)
     for dist, lossless in ((target, True), (drafter, False)):
         rows = torch.stack([dist(p) for p in prefixes])  # [N + 1, V] the distribution at each row
-        path, count, bonus = verify_sample_batch(batch, lambda at: rows[at], max_depth=2, generator=g)
+        path, count, bonus = verify_sample_batch(batch, rows.log().expand(r, -1, -1), generator=g)
         counts = torch.zeros(V ** 3, dtype=torch.float64)
         for i in range(r):
             text = tuple(tree.tokens[path[i, :count[i]]].tolist()) + (int(bonus[i]),)

@@ -98,7 +98,6 @@ class DeviceStep:
     batched_rows: torch.Tensor  # [Rb] long: their batch rows (rows of vLLM's sampled tokens)
     logit_rows: torch.Tensor  # [Rb, N + 1] long: where each tree row's logits are (padding: the root's)
     trees: TreeBatch | None  # the batched trees, padded to N
-    sampled_depth: int  # the deepest node of the sampled trees (sample-and-match draws once more than that)
     chains: tuple  # tree_sampler.chains_only's staged indices
 
 
@@ -191,7 +190,6 @@ class GPUTreeRuntime(TreeRuntime):
         kinds = [self.plain(r.req_id) for r in reqs]
         greedy = [k for k, kind in enumerate(kinds) if kind == "greedy"]
         batched = greedy + [k for k, kind in enumerate(kinds) if kind == "sampled"]
-        sampled_depth = max((int(reqs[k].tree.depths.max()) for k in batched[len(greedy):]), default=0)
         logit_start = np.concatenate([[0], np.cumsum(step.num_drafts + 1)])
         logit_rows = np.stack([logit_start[reqs[k].row] + np.minimum(np.arange(width + 1), sizes[k])
                                for k in batched]) if batched else np.zeros((0, width + 1), dtype=np.int64)
@@ -220,7 +218,7 @@ class GPUTreeRuntime(TreeRuntime):
                                    block_q=self.block_q)
         step.device = DeviceStep(plan, d_node_rows, d_node_pos, d_rows, d_seq, d_starts, d_sizes, width, batched,
                                  len(greedy), d_batched, d_rows[d_batched] if batched else d_rows[:0], d_logit_rows,
-                                 d_trees, sampled_depth, (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num))
+                                 d_trees, (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num))
         return step
 
     def write_step(self, step: TreeStep, positions: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -344,11 +342,13 @@ class GPUTreeRuntime(TreeRuntime):
         else:
             apply_top_k_top_p = None
 
-        def row_probs(at: torch.Tensor) -> torch.Tensor:  # at [Rs]: each tree's current row
-            x = logits[logit_rows.gather(1, at[:, None])[:, 0]].to(torch.float32) / temperature
-            return torch.softmax(x if apply_top_k_top_p is None else apply_top_k_top_p(x, top_k, top_p), dim=-1)
-
-        return verify_sample_batch(trees, row_probs, dev.sampled_depth)
+        # every row of the sampled trees at once: [Rs * (N + 1), V], each tree's settings repeated over its rows
+        per_row = logit_rows.shape[1]
+        x = logits[logit_rows.flatten()].to(torch.float32) / temperature.repeat_interleave(per_row, 0)
+        if apply_top_k_top_p is not None:
+            x = apply_top_k_top_p(x, None if top_k is None else top_k.repeat_interleave(per_row),
+                                  None if top_p is None else top_p.repeat_interleave(per_row))
+        return verify_sample_batch(trees, x.view(len(rows), per_row, -1))
 
     def fail_step(self, step: TreeStep, first_tokens: torch.Tensor) -> None:
         self.pending = None

@@ -4,7 +4,7 @@ The per-tree verifiers (trees/verify.py) walk a tree in Python; on a GPU each wa
 R trees of up to N nodes become [R, N] tensors once on the host (`pack_trees`, when the step is planned), and
 verification is a handful of batched tensor ops on the device: greedy (`verify_greedy_batch`, the same result as
 `verify_greedy` tree by tree) and sample-and-match (`verify_sample_batch`, the same rule as `verify_sample_match`:
-one draw per depth for the whole batch). Equal siblings are pooled as the per-tree verifiers pool them: a node is
+every row drawn once, up front, then the greedy walk over the draws). Equal siblings are pooled as the per-tree verifiers pool them: a node is
 compared with the output of the first node (in preorder) equal to its parent. Plain torch: no vLLM.
 """
 
@@ -146,27 +146,21 @@ def _path_to(batch: TreeBatch, node: torch.Tensor) -> tuple[torch.Tensor, torch.
     return path[:, :n], count
 
 
-def verify_sample_batch(batch: TreeBatch, row_probs, max_depth: int,
+def draw_rows(row_logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """row_logits [..., V]: each row's log-probabilities up to a constant (-inf where a token is excluded) -> [...]
+    one independent draw per row, by the exponential race vLLM's sampler uses: argmax_v p_v / E_v with E_v ~ Exp(1),
+    here argmax_v (x_v - log E_v) (the same draw, no softmax)."""
+    e = torch.empty_like(row_logits, dtype=torch.float32).exponential_(generator=generator)
+    return (row_logits.to(torch.float32) - e.log()).argmax(-1)
+
+
+def verify_sample_batch(batch: TreeBatch, row_logits: torch.Tensor,
                         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample-and-match for R trees at once. row_probs(rows [R]) -> [R, V]: the target's (processed) distribution at
-    verification row rows[r] of tree r; max_depth: the deepest node of any tree (a host int). Each round draws one
-    token per tree at its current row and moves into the first child (preorder) carrying it; a tree whose draw
-    matches no child stops, the draw its bonus. max_depth + 1 rounds settle every tree, with no host read between
-    them. Returns (path [R, N], count [R], bonus [R]) as verify_greedy_batch."""
-    r, n = batch.tokens.shape
-    device = batch.tokens.device
-    row = torch.zeros(r, dtype=torch.long, device=device)  # the current (representative) row, 0 = the root
-    node = torch.full((r, ), -1, dtype=torch.long, device=device)  # the deepest accepted node
-    bonus = torch.zeros(r, dtype=torch.long, device=device)
-    active = torch.ones(r, dtype=torch.bool, device=device)
-    for _ in range(max_depth + 1):
-        x = torch.multinomial(row_probs(row), 1, generator=generator)[:, 0]  # [R]
-        children = batch.valid & (batch.parent_rows == row[:, None]) & (batch.tokens == x[:, None])
-        best, child = torch.where(children, n - batch.order, torch.zeros_like(batch.order)).max(-1)
-        moved = active & (best > 0)
-        bonus = torch.where(active & ~moved, x, bonus)
-        node = torch.where(moved, child, node)
-        row = torch.where(moved, child + 1, row)
-        active = moved
-    path, count = _path_to(batch, node)
-    return path, count, bonus
+    """Sample-and-match for R trees at once (the rule of `verify_sample_match`). row_logits [R, N + 1, V]: the
+    target's (processed) log-probabilities, up to a constant, at every verification row. The walk from the root draws
+    a token at its row and moves into the first child (preorder) carrying it, until a draw matches no child (the draw
+    is the bonus). The walk reads each row's draw at most once, so drawing every row up front, independently, gives
+    the walk the same law as drawing as it goes; and with every row's draw known the walk is verify_greedy_batch's
+    with the draws in place of the argmax (equal siblings pooled alike). One draw over all rows and the greedy ops:
+    no round per depth, nothing waits for the device. Returns (path [R, N], count [R], bonus [R])."""
+    return verify_greedy_batch(batch, draw_rows(row_logits, generator))
