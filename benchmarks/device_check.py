@@ -8,7 +8,8 @@ bench_tree_attention.py; under 6 minutes on an H100). What it prints goes into b
    (and the plugin's own count, tree_kernel_cold, must stay 0).
 3. the step's other pieces at Llama-3-8B shapes (32 layers, 8 kv heads of 128, vocabulary 128256; 8 trees of 16
    and of 64 nodes over 8k prefixes): planning (host + staged copies), batched greedy verification, batched
-   sample-and-match, compaction of every layer, an early-exit draft step's plan; each run under
+   sample-and-match (one launch of kernels/tree_verify.py for both), compaction of every layer (one launch of
+   kernels/kv_compaction.py), an early-exit draft step's plan; each run under
    torch.cuda.set_sync_debug_mode("error") (a wait for the device raises) and timed (CUDA events, median).
 
     python benchmarks/device_check.py            # on a GPU
@@ -50,7 +51,9 @@ import torch  # noqa: E402
 
 from vllm_adaspec.engine import gpu_tree_runtime as gtr  # noqa: E402
 from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime  # noqa: E402
+from vllm_adaspec.kernels import kv_compaction as kc  # noqa: E402
 from vllm_adaspec.kernels import tree_attention as ta  # noqa: E402
+from vllm_adaspec.kernels import tree_verify as tv  # noqa: E402
 from vllm_adaspec.step import DraftPlan  # noqa: E402
 
 DEVICE = "cpu" if ARGS.cpu else "cuda"
@@ -61,9 +64,10 @@ def say(*parts) -> None:
 
 
 def compiled_entries() -> int | None:
-    """Entries in Triton's compile caches of the two tree kernels (None under the interpreter)."""
+    """Entries in Triton's compile caches of the step's kernels (None under the interpreter)."""
     total = 0
-    for fn in (ta._tree_attention_split_kernel, ta._tree_attention_reduce_kernel):
+    for fn in (ta._tree_attention_split_kernel, ta._tree_attention_reduce_kernel, tv._tree_verify_kernel,
+               kc._kv_compaction_kernel):
         caches = getattr(fn, "device_caches", None)
         if caches is None:
             return None
@@ -204,7 +208,7 @@ def check_step() -> bool:
     # every tree width, short and long prefixes (one split and the reduction), and draft steps
     for n in range(1, k + 1):
         for p in (9, prefix):
-            step_batch(rt, 2, n, p, g, layers_kv[:1], table, heads, min(vocab, 1024), dtype)
+            step_batch(rt, 2, n, p, g, layers_kv, table, heads, min(vocab, 1024), dtype)
     draft_step(rt, g, prefix, table)
     after = compiled_entries()
     cold = ta.VARIANTS.cold
@@ -235,7 +239,9 @@ def check_step() -> bool:
     finally:
         if DEVICE == "cuda":
             torch.cuda.set_sync_debug_mode(0)
-    return ok
+    contained = (rt.faults.count, rt.kernel_fallbacks)
+    say(f"faults, kernel fallbacks over every step: {contained} ({'ok' if contained == (0, 0) else 'FAILED'})")
+    return ok and contained == (0, 0)
 
 
 def main() -> int:

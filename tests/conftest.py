@@ -343,3 +343,16 @@ def load_interpreted(module: str):
 @pytest.fixture
 def triton_interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def gpu_kernels(triton_interpret, monkeypatch):
+    """The GPU tree runtime's three kernels (tree attention, verification, KV compaction) under the interpreter;
+    returns the tree-attention module."""
+    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+
+    ta = load_interpreted("tree_attention")
+    monkeypatch.setattr(gtr, "kernels", ta)
+    monkeypatch.setattr(gtr, "tree_verify", load_interpreted("tree_verify"))
+    monkeypatch.setattr(gtr, "kv_compaction", load_interpreted("kv_compaction"))
+    return ta

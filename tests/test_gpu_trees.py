@@ -78,6 +78,10 @@ def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, m
     import vllm_adaspec.engine.gpu_tree_runtime as gtr
 
     monkeypatch.setattr(gtr, "kernels", ta)  # the kernel under the interpreter
+
+    monkeypatch.setattr(gtr, "tree_verify", load_interpreted("tree_verify"))
+
+    monkeypatch.setattr(gtr, "kv_compaction", load_interpreted("kv_compaction"))
     g = torch.Generator().manual_seed(0)
     rt, step, qs = planned()
     assert [r.req_id for r in step.requests] == ["tree_a", "tree_b", "tree_c"]  # the chain is vLLM's
@@ -171,20 +175,27 @@ class HostToDevice(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_nothing_in_the_gpu_step_reads_a_device_value():
+def test_nothing_in_the_gpu_step_reads_a_device_value(monkeypatch):
     """On the meta device (tensors without values) a host read of a device value raises: the step from planning to
     compaction, with vLLM's chain indices, greedy and sampled trees verified in the batch, a tree verified on the host
     and an early-exit draft step's plan, runs without one (on a GPU: no wait for the device in the hot path). And
     every copy from the host to the device in it is non-blocking, out of the runtime's staging buffers (pinned on a
     GPU): a blocking copy (`.to(device)` of a host tensor, as the draft step and the host-verified path made) would
-    wait for the device too."""
+    wait for the device too. No kernel runs on meta: the verification and compaction kernels' launches are stood in
+    for by their torch paths here (the kernels' own launchers read nothing on the host: benchmarks/device_check.py
+    runs them on a GPU under sync debug mode)."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
+    import vllm_adaspec.engine.gpu_tree_runtime as gtr
     from vllm_adaspec.engine.tree_sampler import chains_only
 
+    ref = gtr.tree_verify.verify_trees_reference
+    monkeypatch.setattr(gtr.tree_verify, "verify_trees", lambda b, d, out, rows, block_n=None: ref(b, d, out, rows))
+    monkeypatch.setattr(gtr.kv_compaction, "layer_offsets", lambda caches: None)  # the per-layer torch moves
     with HostToDevice("meta") as h2d:
-        _meta_step(chains_only, SpecDecodeMetadata)
+        rt = _meta_step(chains_only, SpecDecodeMetadata)
     assert h2d.copies and all(blocking is True for _, blocking in h2d.copies), h2d.copies
+    assert rt.faults.count == 0 and rt.kernel_fallbacks == 0
 
 
 def _meta_step(chains_only, SpecDecodeMetadata):
@@ -211,6 +222,7 @@ def _meta_step(chains_only, SpecDecodeMetadata):
     verdict = rt.verify_batched(step, logits, tokens, sm)
     step.slot_mapping = torch.empty(t, dtype=torch.long, device="meta")
     step.kv_caches = [torch.empty(20, HKV, BS, 2 * D, device="meta") for _ in range(3)]
+    rt.layers_ready(step.kv_caches)  # at start-up (GPUTreeRuntime.ready)
     written = rt.write_rows(tokens, {4: [32, 33, 3]})  # tree_c's committed tokens, verified on the host
     assert written[4].device.type == "meta"
     rt.finish_step(step, {4: ([0, 1], 3, [])}, verdict)  # tree_c verified on the host: its path is copied in
@@ -229,6 +241,7 @@ def _meta_step(chains_only, SpecDecodeMetadata):
                                         roots, prefix)
     plan, block_rows = rt.on_device(mask)
     assert plan.bits.device.type == "meta" and block_rows.device.type == "meta" and plan.q_rows.shape == (3,)
+    return rt
 
 
 def test_tree_drafting_steps_attend_over_the_gpu_layout(triton_interpret, monkeypatch):
@@ -266,6 +279,8 @@ def test_tree_drafting_steps_attend_over_the_gpu_layout(triton_interpret, monkey
     out = torch.zeros(3, HQ, D)
     ta = load_interpreted("tree_attention")
     monkeypatch.setattr(gtr, "kernels", ta)
+    monkeypatch.setattr(gtr, "tree_verify", load_interpreted("tree_verify"))
+    monkeypatch.setattr(gtr, "kv_compaction", load_interpreted("kv_compaction"))
     rt = GPUTreeRuntime("cpu", max_rows=6)
     rt.heads, rt.block_q = (HQ, HKV, D), ta.tile_rows(6, HQ, HKV)
     with rt.drafting(mask):
@@ -516,6 +531,8 @@ def test_no_kernel_variant_compiles_after_start_up(triton_interpret, monkeypatch
 
     ta = load_interpreted("tree_attention")
     monkeypatch.setattr(gtr, "kernels", ta)
+    monkeypatch.setattr(gtr, "tree_verify", load_interpreted("tree_verify"))
+    monkeypatch.setattr(gtr, "kv_compaction", load_interpreted("kv_compaction"))
     k = 8
     impls = [SimpleNamespace(num_heads=HQ, num_kv_heads=HKV, head_size=D)] * 2
 
@@ -544,6 +561,8 @@ def test_a_failed_kernel_launch_is_contained_and_the_layer_computed_in_torch(tri
 
     ta = load_interpreted("tree_attention")
     monkeypatch.setattr(gtr, "kernels", ta)
+    monkeypatch.setattr(gtr, "tree_verify", load_interpreted("tree_verify"))
+    monkeypatch.setattr(gtr, "kv_compaction", load_interpreted("kv_compaction"))
     g = torch.Generator().manual_seed(0)
     rt, step, qs = planned()
     positions, seq_lens = torch.zeros(int(qs[-1]), dtype=torch.long), torch.zeros(len(REQ_IDS), dtype=torch.int32)
@@ -565,3 +584,47 @@ def test_a_failed_kernel_launch_is_contained_and_the_layer_computed_in_torch(tri
     rt.attend(None, 0.25, query, None, None, cache, md, got)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert rt.faults.count == 1 and rt.kernel_fallbacks == 1
+
+
+def test_failed_verification_and_compaction_launches_are_contained(triton_interpret, monkeypatch):
+    """The step's other two kernels fail alike: a verification launch that raises leaves the batch to the torch ops
+    and a compaction launch that raises to the per-layer moves, each a counted fault, and vLLM's sampled tokens and
+    every layer's cache end as the kernels leave them (greedy and sampled trees in the batch)."""
+    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+
+    tv, kc = load_interpreted("tree_verify"), load_interpreted("kv_compaction")
+    monkeypatch.setattr(gtr, "tree_verify", tv)
+    monkeypatch.setattr(gtr, "kv_compaction", kc)
+    ends = []
+    for broken in (False, True):
+        if broken:
+            def fail(*a, **kw):
+                raise RuntimeError("an illegal memory access was encountered")
+
+            monkeypatch.setattr(tv, "verify_trees", fail)
+            monkeypatch.setattr(kc, "compact", fail)
+        g = torch.Generator().manual_seed(0)
+        rt, _, qs = planned(plain={"tree_a": "greedy", "tree_b": "sampled"}.get)
+        t = int(qs[-1])
+        rt.begin_step(REQ_IDS, qs, ROOTS, torch.zeros(t, dtype=torch.long), {r: list(p.tokens) for r, p in
+                      PLANS.items()}, PLANS, t, torch.zeros(len(REQ_IDS), dtype=torch.int32), set(), set())
+        step = rt.step
+        num = [len(PLANS.get(r, DraftPlan(())).tokens) for r in REQ_IDS]
+        logits = torch.randn(sum(num) + len(num), 50, generator=g)
+        at = np.concatenate([[0], np.cumsum(np.array(num) + 1)])
+        for k, r in enumerate(REQ_IDS):  # each row favours its first child's token: paths get accepted
+            if r in PLANS:
+                for j, q in reversed(list(enumerate(PLANS[r].parents))):
+                    logits[at[k] + 1 + q, PLANS[r].tokens[j]] += 4.0
+        tokens = torch.full((len(REQ_IDS), 8), -2, dtype=torch.int32)
+        sm = SimpleNamespace(temperature=torch.full((len(REQ_IDS), ), 0.7), top_k=None, top_p=None)
+        step.kv_caches = [paged_cache(g)[0] for _ in range(2)]
+        step.slot_mapping = torch.randperm(36 * BS, generator=g)[:t]
+        torch.manual_seed(5)  # the sampled trees' draws
+        verdict = rt.verify_batched(step, logits, tokens, sm)
+        rt.finish_step(step, {4: ([0, 1], 3, [])}, verdict)
+        assert (rt.faults.count, rt.kernel_fallbacks) == ((2, 2) if broken else (0, 0))
+        ends.append((tokens, step.kv_caches, verdict.count))
+    (tok_a, caches_a, count_a), (tok_b, caches_b, count_b) = ends
+    assert torch.equal(tok_a, tok_b) and torch.equal(count_a, count_b) and int(count_a.sum()) > 0, count_a
+    assert all(torch.equal(a, b) for a, b in zip(caches_a, caches_b))

@@ -33,8 +33,9 @@ import torch
 from vllm_adaspec.engine.gpu_kv import compaction_moves, gather_kv_at, kv_views, move_slots
 from vllm_adaspec.engine.tree_runtime import TreeRuntime, TreeStep
 from vllm_adaspec.engine.tree_sampler import chain_indices
+from vllm_adaspec.kernels import kv_compaction, tree_verify
 from vllm_adaspec.kernels import tree_attention as kernels
-from vllm_adaspec.trees.batch import TreeBatch, pack_trees, pack_words, verify_greedy_batch, verify_sample_batch
+from vllm_adaspec.trees.batch import TreeBatch, draw_rows, pack_trees, pack_words
 from vllm_adaspec.trees.tree import ancestor_words
 
 ALIGN_BYTES = 16  # Triton specializes a pointer argument on 16-byte alignment: every staged array starts on one
@@ -139,6 +140,8 @@ class GPUTreeRuntime(TreeRuntime):
         self.max_rows, self.block_size, self.max_blocks = max_rows, block_size, max_blocks
         self.block_q = None  # the engine's tile (kernels.tile_rows), fixed once the heads are known
         self.kernel_fallbacks = 0  # layers computed by the torch fallback after a failed launch
+        self.block_nodes = tree_verify.block_nodes(max_rows)  # the verification kernel's tile (fixed per engine)
+        self._layers = (None, None)  # (the caches' key, kv_compaction.layer_offsets of them): built at start-up
 
     def attached(self, impls: list, dtype: torch.dtype) -> None:
         """The model's layers are built: their heads, and every kernel variant a step can launch compiled and checked
@@ -168,6 +171,33 @@ class GPUTreeRuntime(TreeRuntime):
         self.block_size = k.shape[1]
         kernels.warm_up(self.device, self.dtype, *self.heads, block_size=self.block_size, max_rows=self.max_rows,
                         k_cache=k, v_cache=v, block_table=block_table)
+        self._warm_up_step_kernels(kv_caches)
+
+    def _warm_up_step_kernels(self, kv_caches: list) -> None:
+        """The verification and compaction kernels compiled at start-up on the engine's caches: a one-node tree
+        verified into a scratch row, and a compaction that moves nothing (count 0) over every layer."""
+        dev = self.device
+        one = torch.zeros((1, 1), dtype=torch.long, device=dev)
+        batch = TreeBatch(one, one, one + 1, torch.ones((1, 1), dtype=torch.bool, device=dev),
+                          torch.ones((1, 2, 1), dtype=torch.long, device=dev) * 3, one)
+        out = torch.full((1, self.max_rows), -1, dtype=torch.int32, device=dev)
+        tree_verify.verify_trees(batch, torch.zeros((1, 2), dtype=torch.long, device=dev), out,
+                                 torch.zeros(1, dtype=torch.long, device=dev), self.block_nodes)
+        offsets = self.layers_ready(kv_caches)
+        if offsets is not None:
+            zero = torch.zeros(1, dtype=torch.long, device=dev)
+            kv_compaction.compact(kv_caches, offsets, torch.zeros(2, dtype=torch.long, device=dev), zero,
+                                  one * 0 - 1, zero)
+
+    def layers_ready(self, kv_caches: list):
+        """The compaction kernel's table of the layers' caches (a copy to the device: built at start-up, `ready`, and
+        again only if vLLM's caches were to change), or None where the layers differ in layout."""
+        key = (len(kv_caches), kv_caches[0].data_ptr(), kv_caches[-1].data_ptr())
+        held, offsets = self._layers
+        if held != key:
+            offsets = kv_compaction.layer_offsets(kv_caches)
+            self._layers = (key, offsets)
+        return offsets
 
     # --- planning ---
     def prepare(self, step: TreeStep | None) -> TreeStep | None:
@@ -306,49 +336,39 @@ class GPUTreeRuntime(TreeRuntime):
     def verify_batched(self, step: TreeStep, logits: torch.Tensor, tokens: torch.Tensor,
                        sampling_metadata) -> BatchVerdict:
         """The plain trees' verdict; their committed tokens (accepted nodes, then the bonus) go into vLLM's sampled
-        tokens tokens [B, width] (-1 padded) on the device. Greedy trees by their rows' argmax; sampled trees by
-        sample-and-match on their rows' distributions as vLLM's sampler makes them (temperature, then top-k / top-p
-        with vLLM's own op on its per-row tensors)."""
+        tokens tokens [B, width] (-1 padded) on the device. Greedy trees walk their rows' argmax; sampled trees walk
+        one draw at each of their rows from vLLM's distribution there (temperature, then top-k / top-p with vLLM's own
+        op on its per-row tensors): one launch of the verification kernel for all of them (kernels/tree_verify.py),
+        the torch ops where a launch fails."""
         dev = step.device
         g = dev.greedy
         argmax = logits.argmax(dim=-1)[dev.logit_rows]  # [Rb, N + 1] (the sampled trees' read-only rows need it too)
-        verdicts = []
-        if g:
-            verdicts.append(verify_greedy_batch(dev.trees.rows(slice(None, g)), argmax[:g]))
-        if g < len(dev.batched):
-            verdicts.append(self._sample(dev, logits, sampling_metadata))
-        path, count, bonus = (torch.cat(parts) for parts in zip(*verdicts))
-        width = tokens.shape[1]
-        cols = torch.arange(width, device=tokens.device)
-        n = min(path.shape[1], width)
-        committed = dev.trees.tokens.gather(1, path.clamp(min=0))[:, :n]
-        out = torch.full((len(dev.batched), width), -1, dtype=tokens.dtype, device=tokens.device)
-        out[:, :n] = torch.where(cols[:n] < count[:, None], committed, -1).to(tokens.dtype)
-        out.scatter_(1, count[:, None].clamp(max=width - 1), bonus[:, None].to(tokens.dtype))
-        tokens[dev.batched_rows] = out
+        draws = argmax if g == len(dev.batched) else torch.cat([argmax[:g], self._draws(dev, logits, sampling_metadata)])
+        try:
+            self.faults.point("verify_kernel")
+            path, count, bonus = tree_verify.verify_trees(dev.trees, draws, tokens, dev.batched_rows,
+                                                          self.block_nodes)
+        except Exception as e:
+            self.faults.record("launching the tree-verification kernel (the trees verified by torch ops)", e)
+            self.kernel_fallbacks += 1
+            path, count, bonus = tree_verify.verify_trees_reference(dev.trees, draws, tokens, dev.batched_rows)
         return BatchVerdict(path, count, bonus, argmax)
 
     @staticmethod
-    def _sample(dev: DeviceStep, logits: torch.Tensor, sm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _draws(dev: DeviceStep, logits: torch.Tensor, sm) -> torch.Tensor:
+        """[Rs, N + 1]: one draw from vLLM's processed distribution at every row of the sampled trees."""
         g = dev.greedy
-        trees = dev.trees.rows(slice(g, None))
         rows = dev.batched_rows[g:]
         logit_rows = dev.logit_rows[g:]
-        temperature = sm.temperature[rows].to(torch.float32)[:, None]
-        top_k = None if sm.top_k is None else sm.top_k[rows]
-        top_p = None if sm.top_p is None else sm.top_p[rows]
-        if top_k is not None or top_p is not None:
-            from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-        else:
-            apply_top_k_top_p = None
-
-        # every row of the sampled trees at once: [Rs * (N + 1), V], each tree's settings repeated over its rows
         per_row = logit_rows.shape[1]
-        x = logits[logit_rows.flatten()].to(torch.float32) / temperature.repeat_interleave(per_row, 0)
-        if apply_top_k_top_p is not None:
-            x = apply_top_k_top_p(x, None if top_k is None else top_k.repeat_interleave(per_row),
-                                  None if top_p is None else top_p.repeat_interleave(per_row))
-        return verify_sample_batch(trees, x.view(len(rows), per_row, -1))
+        temperature = sm.temperature[rows].to(torch.float32).repeat_interleave(per_row)[:, None]
+        x = logits[logit_rows.flatten()].to(torch.float32) / temperature  # [Rs * (N + 1), V]
+        if sm.top_k is not None or sm.top_p is not None:
+            from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+            x = apply_top_k_top_p(x, None if sm.top_k is None else sm.top_k[rows].repeat_interleave(per_row),
+                                  None if sm.top_p is None else sm.top_p[rows].repeat_interleave(per_row))
+        return draw_rows(x).view(len(rows), per_row)
 
     def fail_step(self, step: TreeStep, first_tokens: torch.Tensor) -> None:
         self.pending = None
@@ -373,11 +393,26 @@ class GPUTreeRuntime(TreeRuntime):
             at, d_hp, d_count = self._long.upload([np.array(host, dtype=np.int64), hp, (hp >= 0).sum(1)])
             path[at] = d_hp
             count[at] = d_count
-        src, dst = compaction_moves(dev.starts, dev.sizes, path, count)
-        move_slots(step.kv_caches, step.slot_mapping[src], step.slot_mapping[dst])
+        self._compact(step, path, count)
         self.faults.point("compaction")
         self.results, self.kv_moves = dict(results), sum(_moves(p) for p, *_ in results.values())
         self.pending = (step, verdict) if verdict is not None else None
+
+    def _compact(self, step: TreeStep, path: torch.Tensor, count: torch.Tensor) -> None:
+        """Every layer's accepted K / V moved into place: one launch of the compaction kernel (kernels/kv_compaction.py)
+        where the layers share a layout, else (or where the launch fails) one gather and scatter per layer."""
+        dev = step.device
+        offsets = self.layers_ready(step.kv_caches) if step.kv_caches else None
+        if offsets is not None:
+            try:
+                self.faults.point("compaction_kernel")
+                kv_compaction.compact(step.kv_caches, offsets, step.slot_mapping, dev.starts, path, count)
+                return
+            except Exception as e:
+                self.faults.record("launching the KV compaction kernel (the moves made layer by layer)", e)
+                self.kernel_fallbacks += 1
+        src, dst = compaction_moves(dev.starts, dev.sizes, path, count)
+        move_slots(step.kv_caches, step.slot_mapping[src], step.slot_mapping[dst])
 
     def take_results(self) -> tuple[dict[int, tuple], int]:
         """The batched verdict read back (vLLM has waited for the step's sampled tokens by now), merged with the
