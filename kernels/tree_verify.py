@@ -53,21 +53,22 @@ if triton is not None:
         j = tl.arange(0, BLOCK_N)  # node j (row 1 + j)
         jm = j < num_nodes
         base = r * num_nodes
-        tok = tl.load(tokens + base + j, mask=jm, other=0)
+        # int32 math throughout (token ids, depths, ranks and 32-bit words all fit; integer reductions in int32)
+        tok = tl.load(tokens + base + j, mask=jm, other=0).to(tl.int32)
         prow = tl.load(parent_rows + base + j, mask=jm, other=0)
-        dep = tl.load(depths + base + j, mask=jm, other=0)
+        dep = tl.load(depths + base + j, mask=jm, other=0).to(tl.int32)
         val = tl.load(valid + base + j, mask=jm, other=0) != 0
-        rank = tl.load(order + base + j, mask=jm, other=0)
+        rank = tl.load(order + base + j, mask=jm, other=0).to(tl.int32)
         rows = num_nodes + 1
-        match = val & (tok == tl.load(draws + r * rows + prow, mask=jm, other=-1))
+        match = val & (tok == tl.load(draws + r * rows + prow, mask=jm, other=-1).to(tl.int32))
         # accepted: no ancestor-or-self row of the node is unmatched, word by word (the root's row 0 always matches)
         row = j + 1
         accepted = val
-        bit = tl.full([BLOCK_N], 1, tl.int64) << (row % 32).to(tl.int64)
+        bit = tl.full([BLOCK_N], 1, tl.int32) << (row % 32)  # bit 31 is the sign bit: a sum of distinct bits is their OR
         for w in range(words):
             in_word = jm & ((row // 32) == w)
             matched = tl.sum(tl.where(in_word & match, bit, 0), 0) | (1 >> w)  # the root: bit 0 of word 0
-            anc = tl.load(ancestors + (r * rows + row) * words + w, mask=jm, other=0)
+            anc = tl.load(ancestors + (r * rows + row) * words + w, mask=jm, other=0).to(tl.int32)  # the low 32 bits
             accepted = accepted & ((anc & ~matched) == 0)
         score = tl.where(accepted, dep * rows + (num_nodes - rank), 0)
         best = tl.max(score, 0)
@@ -76,7 +77,7 @@ if triton is not None:
         bonus = tl.load(draws + r * rows + chosen + 1)
         # the chosen row's ancestors-or-self: node j is on the path iff bit row(j) of its words is set
         words_c = tl.load(ancestors + (r * rows + chosen + 1) * words + row // 32, mask=jm, other=0)
-        on_path = jm & (chosen >= 0) & (((words_c >> (row % 32).to(tl.int64)) & 1) != 0)
+        on_path = jm & (chosen >= 0) & (((words_c >> (row % 32)) & 1) != 0)
         # column c holds the path's node of depth c + 1: a [column, node] tile, one node per column
         c = tl.arange(0, BLOCK_N)
         at = on_path[None, :] & (dep[None, :] == (c[:, None] + 1))

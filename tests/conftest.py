@@ -3,6 +3,27 @@ import sys
 
 import pytest
 
+
+def _import_triton_language_interpreted() -> None:
+    """Triton decorates its own library (tl.sum, tl.max, tl.argmax: jit functions) once, when triton.language is
+    first imported, and a kernel run by the interpreter can call them only if that happened in interpreter mode. No
+    test compiles a kernel for a device (this machine has none), so the test process imports it that way first,
+    whatever a test imports later (a kernel module in compiled mode, vLLM)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+_import_triton_language_interpreted()
+
 SPEC = "vllm_adaspec.EarlyExitProposer"
 
 # Mixed lengths (one ~400-token prompt, two sharing a long prefix for prefix caching), raw and chat-style.
