@@ -79,6 +79,44 @@ def install(acc) -> None:
         setattr(klass, name, _timed(getattr(klass, name), label, acc))
 
 
+def shadow_gpu_planning(acc, model: str) -> None:
+    """Also plan every tree step as the GPU runtime would (GPUTreeRuntime.prepare on CPU tensors: ancestor words,
+    the padded trees, the kernel's plan, the staging copies), timed apart as "GPU tree plan (shadow)": with the
+    drafter's own time it is the host side of a GPU tree step, measured on this CPU. Its time is inside the engine
+    step here (subtract it for the CPU engine's own step)."""
+    import json as _json
+
+    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.engine.tree_runtime import TreeRuntime
+    from vllm_adaspec.kernels.tree_attention import tile_rows
+
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = _json.load(f)
+    hq, hkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    shadow = GPUTreeRuntime("cpu", plain=lambda r: "greedy", max_rows=65)
+    shadow.heads, shadow.block_q = (hq, hkv, cfg["hidden_size"] // hq), tile_rows(65, hq, hkv)
+    base = TreeRuntime.prepare
+
+    def prepare(self, step):
+        if step is not None and type(self) is TreeRuntime:
+            t0 = time.perf_counter()
+            try:
+                shadow.prepare(step)
+            except Exception as e:  # a benchmark bug: say it, and keep the CPU step untouched
+                print(f"[profile] GPU plan failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            acc[SHADOW][0] += time.perf_counter() - t0
+            acc[SHADOW][1] += 1
+            step.device = None
+        return base(self, step)
+
+    TreeRuntime.prepare = prepare
+
+
+SHADOW = "GPU tree plan (shadow, host)"
+# an 8B step on an H100 (issue 41's table: Llama-3-8B, one row per request, CUDA graphs) by batch size
+STEP_8B_MS = {1: 6.61, 8: 7.17, 32: 8.21}
+
+
 def child(args) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
@@ -93,6 +131,8 @@ def child(args) -> dict:
     sets = [d for ds in args.datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
     prompts = [p for ds in sets for p in load_prompts(ds, args.num_prompts, tokenizer=tok)]
     install(acc)
+    if args.gpu_plan:
+        shadow_gpu_planning(acc, model)
     # vLLM's default mode (compiled) unless --eager
     llm = LLM(model=model, dtype="float32", max_model_len=2048, seed=0, kv_cache_memory_bytes=2**30,
               disable_log_stats=False, **({"enforce_eager": True} if args.eager else {}), **method_config(args.method))
@@ -121,7 +161,7 @@ def child(args) -> dict:
     steps = acc["engine step"][1]
     return {"method": args.method, "wall": wall, "tokens": tokens, "steps": steps,
             "parts": {label: [1e3 * acc[label][0] / max(1, steps), acc[label][1] / max(1, steps)]
-                      for label, _, _ in PARTS}}
+                      for label in [p[0] for p in PARTS] + [SHADOW]}}
 
 
 def main() -> None:
@@ -135,6 +175,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON of every method's parts")
     p.add_argument("--cprofile", default=None, help="also write a cProfile of the measured generate to this file")
     p.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode)")
+    p.add_argument("--gpu-plan", action="store_true",
+                   help="also time the GPU runtime's planning of every tree step (host side of a GPU tree step)")
     p.add_argument("--method", help=argparse.SUPPRESS)  # child side
     args = p.parse_args()
     if args.method is not None:
@@ -144,7 +186,8 @@ def main() -> None:
     for m in args.methods:
         cmd = [sys.executable, __file__, "--method", m, "--model", args.model, "--datasets", *args.datasets,
                "--num-prompts", str(args.num_prompts), "--batch-size", str(args.batch_size),
-               "--max-tokens", str(args.max_tokens)] + (["--eager"] if args.eager else [])
+               "--max-tokens", str(args.max_tokens)] + (["--eager"] if args.eager else []) \
+            + (["--gpu-plan"] if args.gpu_plan else [])
         if args.cprofile:
             cmd += ["--cprofile", f"{args.cprofile}.{len(results)}"]
         out = subprocess.run(cmd, capture_output=True, text=True)
@@ -159,6 +202,16 @@ def main() -> None:
         indent = len(label) - len(label.lstrip())
         print(f"| {'. ' * (indent // 2)}{label.strip()} | "
               + " | ".join(f"{r['parts'][label][0]:.2f}" for r in results) + " |")
+    if args.gpu_plan:
+        print(f"| {SHADOW} | " + " | ".join(f"{r['parts'][SHADOW][0]:.2f}" for r in results) + " |")
+        host = [r["parts"]["      adaspec propose"][0] + r["parts"]["  adaspec on_schedule"][0] + r["parts"][SHADOW][0]
+                for r in results]
+        print("| host side of a GPU tree step (propose + on_schedule + GPU plan) | "
+              + " | ".join(f"{h:.2f}" for h in host) + " |")
+        ref = STEP_8B_MS.get(args.batch_size)
+        if ref:
+            print(f"| ... of an H100 Llama-3-8B step at batch {args.batch_size} ({ref} ms) | "
+                  + " | ".join(f"{100 * h / ref:.0f}%" for h in host) + " |")
     print("| tokens / s | " + " | ".join(f"{r['tokens'] / r['wall']:.1f}" for r in results) + " |")
     print("| tokens / engine step | " + " | ".join(f"{r['tokens'] / max(1, r['steps']):.2f}" for r in results) + " |")
     print("| engine steps | " + " | ".join(str(r["steps"]) for r in results) + " |")
