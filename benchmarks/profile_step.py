@@ -37,6 +37,14 @@ PARTS = [
     ("    bookkeeping", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_bookkeeping_sync"),
     ("    propose (drafter)", None, "propose_draft_token_ids"),
     ("      adaspec propose", "vllm_adaspec.proposers.driver:Driver", "propose"),
+    ("        drafter observe", "vllm_adaspec.proposers.drafter:Drafter", "observe"),
+    ("        drafter draft", "vllm_adaspec.proposers.drafter:Drafter", "draft"),
+    ("          pools propose", "vllm_adaspec.pools:PoolSet", "propose"),
+    ("            context pool", "vllm_adaspec.pools.context:ContextPool", "propose"),
+    ("            suffix pool", "vllm_adaspec.pools.suffix:SuffixPool", "propose"),
+    ("            corpus pool", "vllm_adaspec.pools.corpus:CorpusPool", "propose"),
+    ("            medusa pool", "vllm_adaspec.pools.medusa:MedusaPool", "propose"),
+    ("          trie merge", "vllm_adaspec.proposers.multi_branch:merge", None),
     ("  adaspec on_schedule", "vllm_adaspec.proposers.driver:Driver", "on_schedule"),
 ]
 
@@ -75,8 +83,25 @@ def install(acc) -> None:
         if where is None:
             continue
         mod, cls = where.split(":")
-        klass = getattr(importlib.import_module(mod), cls)
+        module = importlib.import_module(mod)
+        if name is None:  # a module-level function, timed where it is looked up
+            setattr(module, cls, _timed(getattr(module, cls), label, acc))
+            continue
+        if cls == "Drafter":  # the interface: time every drafter's own method
+            for klass in _drafter_classes():
+                if name in vars(klass):
+                    setattr(klass, name, _timed(vars(klass)[name], label, acc))
+            continue
+        klass = getattr(module, cls)
         setattr(klass, name, _timed(getattr(klass, name), label, acc))
+
+
+def _drafter_classes():
+    import vllm_adaspec.proposers.early_exit  # noqa: F401
+    import vllm_adaspec.proposers.multi_branch  # noqa: F401
+    from vllm_adaspec.proposers.drafter import Drafter
+
+    return Drafter.__subclasses__()
 
 
 def shadow_gpu_planning(acc, model: str) -> None:

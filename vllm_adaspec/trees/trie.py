@@ -84,35 +84,50 @@ def merge(pools: Sequence[Candidates], calibrate: Calibration, state: tuple = ()
     independent evidence doubled the predicted acceptance in replays) and siblings exclude each other (each
     pool's chance, calibrated where it was alone, overstates it where several pools disagree)."""
     t = Trie()
+    tokens, parents, depth = t.tokens, t.parents, t.depth
     index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     raw: list[float] = []
-    pools_of: list[set] = []
+    pools_of: list = []  # per node: the one pool's name, or a set of names once a second pool proposes it
     evidence: list[int] = []
+    # (the hot loop of a step's drafting, ~60 nodes per request: local names, no per-node set unless pools overlap)
     for cand in pools:
-        where = [0] * len(cand)  # candidate node -> trie node
-        for i, (tok, parent, prob, key) in enumerate(zip(cand.tokens, cand.parents, cand.probs, cand.keys)):
+        where: list[int] = []  # candidate node -> trie node (a candidate's parent comes before it)
+        for tok, parent, prob, key in zip(cand.tokens, cand.parents, cand.probs, cand.keys):
             tp = where[parent] if parent >= 0 else -1
+            ev = int(key[1]) if len(key) > 1 else 0
             node = index.get((tp, tok))
             if node is None:
-                node = index[(tp, tok)] = len(t.tokens)
-                t.tokens.append(tok)
-                t.parents.append(tp)
-                t.depth.append(1 if tp < 0 else t.depth[tp] + 1)
-                raw.append(0.0)
-                pools_of.append(set())
-                evidence.append(0)
-            raw[node] = max(raw[node], prob)
-            pools_of[node].add(key[0])
-            evidence[node] = max(evidence[node], int(key[1]) if len(key) > 1 else 0)
-            where[i] = node
+                node = index[(tp, tok)] = len(tokens)
+                tokens.append(tok)
+                parents.append(tp)
+                depth.append(1 if tp < 0 else depth[tp] + 1)
+                raw.append(prob if prob > 0.0 else 0.0)
+                pools_of.append(key[0])
+                evidence.append(ev if ev > 0 else 0)
+            else:
+                if prob > raw[node]:
+                    raw[node] = prob
+                names = pools_of[node]
+                if isinstance(names, set):
+                    names.add(key[0])
+                elif names != key[0]:
+                    pools_of[node] = {names, key[0]}
+                if ev > evidence[node]:
+                    evidence[node] = ev
+            where.append(node)
     siblings: dict[int, int] = {}
-    for parent in t.parents:
+    for parent in parents:
         siblings[parent] = siblings.get(parent, 0) + 1
-    for i, parent in enumerate(t.parents):  # parents were created before their children
-        key = (tuple(sorted(pools_of[i])), prob_bucket(raw[i]), min(siblings[parent], 3), min(evidence[i], 4)) + state
-        t.keys.append([key])
-        t.cond.append(calibrate(key, PRIOR_SCALE * raw[i]))
-        t.path.append(t.cond[i] * (t.path[parent] if parent >= 0 else 1.0))
+    cond, path, keys = t.cond, t.path, t.keys
+    for i, parent in enumerate(parents):  # parents were created before their children
+        names = pools_of[i]
+        r = raw[i]
+        key = (tuple(sorted(names)) if isinstance(names, set) else (names, ), min(9, max(0, int(r * 10))),
+               min(siblings[parent], 3), min(evidence[i], 4)) + state  # (prob_bucket inlined)
+        keys.append([key])
+        c = calibrate(key, PRIOR_SCALE * r)
+        cond.append(c)
+        path.append(c * path[parent] if parent >= 0 else c)
     return t
 
 
