@@ -122,8 +122,8 @@ def merge(pools: Sequence[Candidates], calibrate: Calibration, state: tuple = ()
     for i, parent in enumerate(parents):  # parents were created before their children
         names = pools_of[i]
         r = raw[i]
-        key = (tuple(sorted(names)) if isinstance(names, set) else (names, ), min(9, max(0, int(r * 10))),
-               min(siblings[parent], 3), min(evidence[i], 4)) + state  # (prob_bucket inlined)
+        key = (tuple(sorted(names)) if isinstance(names, set) else (names, ), prob_bucket(r),
+               min(siblings[parent], 3), min(evidence[i], 4)) + state
         keys.append([key])
         c = calibrate(key, PRIOR_SCALE * r)
         cond.append(c)
