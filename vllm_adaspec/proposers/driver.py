@@ -363,9 +363,8 @@ class Driver:
         """For a step of `decoding` requests (seconds, or relative units until the first step is measured):
         rows -> its verification + our own work without draft passes; the seconds a row adds per 1000 tokens of its
         request's context (attention); and what tree verification adds, (tree requests, tree rows) -> seconds."""
-        curve = self.costs.curve(decoding)
         own = self.draft_costs.predict(decoding, 0) if self.costs.unit else 0.0
-        return ((lambda rows: curve(rows) + own), self.costs.attention_seconds(decoding),
+        return (self.costs.curve(decoding, own), self.costs.attention_seconds(decoding),
                 (lambda reqs, n: self.costs.tree_extra(decoding, reqs, n)))
 
     # --- for drafters ---
