@@ -361,6 +361,22 @@ def load_interpreted(module: str):
     return mod
 
 
+def random_trees(count: int, g, most: int = 40, vocab: int = 4) -> list:
+    """Random draft trees of 0..most nodes over `vocab` tokens (a small vocabulary: many equal siblings); a parent
+    is any earlier node (or the root) 70% of the time, else the previous node (deep chains)."""
+    import torch
+
+    from vllm_adaspec.trees import DraftTree
+
+    out = []
+    for _ in range(count):
+        n = int(torch.randint(0, most + 1, (), generator=g))
+        parents = [int(torch.randint(-1, i, (), generator=g)) if torch.rand((), generator=g) < 0.7 else i - 1
+                   for i in range(n)]
+        out.append(DraftTree(torch.randint(0, vocab, (n,), generator=g), torch.tensor(parents, dtype=torch.long)))
+    return out
+
+
 @pytest.fixture
 def triton_interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")

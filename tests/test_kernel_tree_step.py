@@ -4,19 +4,9 @@ compaction over every layer (kernels/kv_compaction.py: one launch for the caches
 
 import torch
 
-from conftest import load_interpreted
+from conftest import load_interpreted, random_trees
 from vllm_adaspec.engine.gpu_kv import compaction_moves, move_slots
-from vllm_adaspec.trees import DraftTree, pack_trees
-
-
-def _random_trees(count: int, g, most: int):
-    out = []
-    for _ in range(count):
-        n = int(torch.randint(0, most + 1, (), generator=g))
-        parents = [int(torch.randint(-1, i, (), generator=g)) if torch.rand((), generator=g) < 0.7 else i - 1
-                   for i in range(n)]
-        out.append(DraftTree(torch.randint(0, 3, (n,), generator=g), torch.tensor(parents, dtype=torch.long)))
-    return out
+from vllm_adaspec.trees import pack_trees
 
 
 def test_the_verification_kernel_equals_the_batched_torch_walk(triton_interpret):
@@ -28,7 +18,7 @@ def test_the_verification_kernel_equals_the_batched_torch_walk(triton_interpret)
     accepted = 0
     for most, block, cases in ((40, 64, 20), (100, 128, 6)):
         for _ in range(cases):
-            trees = _random_trees(int(torch.randint(1, 6, (), generator=g)), g, most)
+            trees = random_trees(int(torch.randint(1, 6, (), generator=g)), g, most, vocab=3)
             verified = [max(0, len(t) - int(torch.randint(0, 3, (), generator=g))) for t in trees]
             batch = pack_trees(trees, verified, width=max(len(t) for t in trees))
             n = batch.tokens.shape[1]
@@ -58,7 +48,7 @@ def test_the_compaction_kernel_moves_what_the_per_layer_moves_move(triton_interp
             caches = [torch.randn(blocks, bs, heads, 2 * d, generator=g).to(dtype).transpose(1, 2)
                       for _ in range(layers)]  # logical [blocks, H, block_size, 2 D], (block, slot) strides first
             want = [c.clone() for c in caches]
-            trees = _random_trees(3, g, 10)
+            trees = random_trees(3, g, 10, vocab=3)
             batch = pack_trees(trees, width=max(1, max(len(t) for t in trees)))
             n = batch.tokens.shape[1]
             draws = torch.randint(0, 3, (len(trees), n + 1), generator=g)

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import random_trees
 from stats import chi2_pvalue
 
 from vllm_adaspec.trees import (DraftTree, GrowingTree, add_children, ancestor_bits, ancestor_mask, best_subtree,
@@ -318,17 +319,6 @@ def test_typical_acceptance_moves_mass_onto_drafted_plausible_tokens():
     assert tv > 0.05, float(tv)  # far beyond sampling noise at n = 6000 (the lossless modes stay under 0.04 at 3 tokens)
 
 
-def _random_trees(count, g):
-    """Trees of 0-40 nodes over a 4-token vocabulary: many equal siblings."""
-    out = []
-    for _ in range(count):
-        n = int(torch.randint(0, 41, (), generator=g))
-        parents = [int(torch.randint(-1, i, (), generator=g)) if torch.rand((), generator=g) < 0.7 else i - 1
-                   for i in range(n)]
-        out.append(DraftTree(torch.randint(0, 4, (n,), generator=g), torch.tensor(parents, dtype=torch.long)))
-    return out
-
-
 def test_batched_verification_equals_the_per_tree_walks():
     """trees/batch.py, as the GPU tree runtime runs it: greedy over padded trees equals verify_greedy tree by tree,
     and sample-and-match whose rows are one-hot (a draw can only be the argmax) equals it too: the same paths, the
@@ -337,7 +327,7 @@ def test_batched_verification_equals_the_per_tree_walks():
 
     g = torch.Generator().manual_seed(0)
     for _ in range(40):
-        trees = _random_trees(int(torch.randint(1, 7, (), generator=g)), g)
+        trees = random_trees(int(torch.randint(1, 7, (), generator=g)), g)
         batch = pack_trees(trees, width=40)
         argmax = torch.randint(0, 4, (len(trees), 41), generator=g)
         greedy = verify_greedy_batch(batch, argmax)

@@ -187,7 +187,7 @@ class GPUTreeRuntime(TreeRuntime):
         if offsets is not None:
             zero = torch.zeros(1, dtype=torch.long, device=dev)
             kv_compaction.compact(kv_caches, offsets, torch.zeros(2, dtype=torch.long, device=dev), zero,
-                                  one * 0 - 1, zero)
+                                  torch.full_like(one, -1), zero)
 
     def layers_ready(self, kv_caches: list):
         """The compaction kernel's table of the layers' caches (a copy to the device: built at start-up, `ready`, and
@@ -362,7 +362,7 @@ class GPUTreeRuntime(TreeRuntime):
         logit_rows = dev.logit_rows[g:]
         per_row = logit_rows.shape[1]
         temperature = sm.temperature[rows].to(torch.float32).repeat_interleave(per_row)[:, None]
-        x = logits[logit_rows.flatten()].to(torch.float32) / temperature  # [Rs * (N + 1), V]
+        x = logits[logit_rows.flatten()].to(torch.float32).div_(temperature)  # [Rs * (N + 1), V], a new tensor
         if sm.top_k is not None or sm.top_p is not None:
             from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 

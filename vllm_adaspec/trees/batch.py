@@ -4,8 +4,9 @@ The per-tree verifiers (trees/verify.py) walk a tree in Python; on a GPU each wa
 R trees of up to N nodes become [R, N] tensors once on the host (`pack_trees`, when the step is planned), and
 verification is a handful of batched tensor ops on the device: greedy (`verify_greedy_batch`, the same result as
 `verify_greedy` tree by tree) and sample-and-match (`verify_sample_batch`, the same rule as `verify_sample_match`:
-every row drawn once, up front, then the greedy walk over the draws). Equal siblings are pooled as the per-tree verifiers pool them: a node is
-compared with the output of the first node (in preorder) equal to its parent. Plain torch: no vLLM.
+every row drawn once, up front, then the greedy walk over the draws). Equal siblings are pooled as the per-tree
+verifiers pool them: a node is compared with the output of the first node (in preorder) equal to its parent. Plain
+torch: no vLLM.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def draw_rows(row_logits: torch.Tensor, generator: torch.Generator | None = None
     one independent draw per row, by the exponential race vLLM's sampler uses: argmax_v p_v / E_v with E_v ~ Exp(1),
     here argmax_v (x_v - log E_v) (the same draw, no softmax)."""
     e = torch.empty_like(row_logits, dtype=torch.float32).exponential_(generator=generator)
-    return (row_logits.to(torch.float32) - e.log()).argmax(-1)
+    return e.log_().neg_().add_(row_logits).argmax(-1)  # in place: one [..., V] buffer besides the input
 
 
 def verify_sample_batch(batch: TreeBatch, row_logits: torch.Tensor,
