@@ -22,6 +22,7 @@ import sys
 import time
 from collections import defaultdict
 
+HEADS = "              medusa heads' tensor work (device work on a GPU)"
 # (label, import path of the class, method): the parts of a step, outermost first
 PARTS = [
     ("engine step", "vllm.v1.engine.core:EngineCore", "step"),
@@ -44,7 +45,10 @@ PARTS = [
     ("            suffix pool", "vllm_adaspec.pools.suffix:SuffixPool", "propose"),
     ("            corpus pool", "vllm_adaspec.pools.corpus:CorpusPool", "propose"),
     ("            medusa pool", "vllm_adaspec.pools.medusa:MedusaPool", "propose"),
+    (HEADS, "vllm_adaspec.pools.medusa:ranked_tokens", None),
     ("          trie merge", "vllm_adaspec.proposers.multi_branch:merge", None),
+    ("          cost model: the step's price list", "vllm_adaspec.proposers.driver:Driver", "step_seconds"),
+    ("        cost model: learning the last step", "vllm_adaspec.proposers.driver:Driver", "_observe_step"),
     ("  adaspec on_schedule", "vllm_adaspec.proposers.driver:Driver", "on_schedule"),
 ]
 
@@ -231,12 +235,15 @@ def main() -> None:
         print(f"| {SHADOW} | " + " | ".join(f"{r['parts'][SHADOW][0]:.2f}" for r in results) + " |")
         host = [r["parts"]["      adaspec propose"][0] + r["parts"]["  adaspec on_schedule"][0] + r["parts"][SHADOW][0]
                 for r in results]
-        print("| host side of a GPU tree step (propose + on_schedule + GPU plan) | "
-              + " | ".join(f"{h:.2f}" for h in host) + " |")
+        # the Medusa heads' matmuls, softmax and top-k run on the device of a GPU engine: not host time there
+        device = [r["parts"][HEADS][0] for r in results]
         ref = STEP_8B_MS.get(args.batch_size)
-        if ref:
-            print(f"| ... of an H100 Llama-3-8B step at batch {args.batch_size} ({ref} ms) | "
-                  + " | ".join(f"{100 * h / ref:.0f}%" for h in host) + " |")
+        for label, vals in (("propose + on_schedule + GPU plan", host),
+                            ("the same less the Medusa heads' tensor work", [h - d for h, d in zip(host, device)])):
+            print(f"| host side of a GPU tree step: {label} | " + " | ".join(f"{h:.2f}" for h in vals) + " |")
+            if ref:
+                print(f"| ... of an H100 Llama-3-8B step at batch {args.batch_size} ({ref} ms) | "
+                      + " | ".join(f"{100 * h / ref:.0f}%" for h in vals) + " |")
     print("| tokens / s | " + " | ".join(f"{r['tokens'] / r['wall']:.1f}" for r in results) + " |")
     print("| tokens / engine step | " + " | ".join(f"{r['tokens'] / max(1, r['steps']):.2f}" for r in results) + " |")
     print("| engine steps | " + " | ".join(str(r["steps"]) for r in results) + " |")

@@ -172,3 +172,20 @@ def test_the_audit_records_predictions_against_outcomes():
         assert any(isinstance(o, CostAudit) for o in from_env())
     finally:
         del os.environ["VLLM_ADASPEC_AUDIT"]
+
+
+def test_decisions_read_a_fit_at_most_refit_steps_old_and_predictions_the_fresh_fit():
+    """A solve costs ~0.1 ms in the engine: decisions (curve, attention, tree extra) re-solve a bucket only every
+    REFIT_STEPS observations, statistics (predict) always; both agree once the decision's fit is re-solved."""
+    from vllm_adaspec.policies.cost_model import REFIT_STEPS
+
+    m = StepCostModel(PRIOR)
+    for _ in range(100):
+        m.observe(1, 3, 0.020)
+    stale = m.curve(1)(3)
+    for _ in range(REFIT_STEPS - 1):  # the machine turned slower
+        m.observe(1, 3, 0.040)
+    assert m.curve(1)(3) == stale  # decisions: the fit of REFIT_STEPS - 1 steps ago, tabulated once
+    m.observe(1, 3, 0.040)
+    fresh = m.curve(1, plus=0.001)
+    assert fresh(3) - 0.001 > stale and fresh(3) - 0.001 == pytest.approx(m.predict(1, 3), rel=0.02)

@@ -54,6 +54,10 @@ TREE_REQUEST_PRIOR, TREE_ROW_PRIOR = 0.2, 0.01
 ATTENTION_PRIOR = 0.03  # attention per row and 1000 tokens of its context, relative (30 layers at ~50 us)
 EXTRA = 4  # features past the anchors: requests - 1, attention load, tree requests, tree rows
 OPTIMISM = 0.15  # decisions see an untried row count this much cheaper than the fit (the prior's own uncertainty)
+# Decisions re-solve a bucket's fit after this many new steps, not after every one: a solve (a [F, F] inverse) and the
+# curve's table cost ~0.1-0.2 ms in the engine (cache-cold after each forward), and one step moves a fit forgetting at
+# 0.998 by well under 1%. predict / table (statistics, the audit) always solve.
+REFIT_STEPS = 8
 
 
 # GPU: one decoder forward over R rows in all, relative to a forward over 1 row (bf16, random weights, captured in a
@@ -142,8 +146,10 @@ class _Bucket:
     xtx: np.ndarray  # [F, F] forgotten sum of x x^T
     xty: np.ndarray  # [F] forgotten sum of x y
     n: float = 0.0  # forgotten count of observations
-    solved: np.ndarray | None = None  # cached weights
+    solved: tuple | None = None  # cached (weights, optimistic weights)
     dirty: bool = True
+    since: int = 0  # observations since the last solve
+    curve: tuple | None = None  # cached (batch, curve table without `plus`) of the solve in `solved`
     scale: float = 0.0  # robust residual scale (seconds)
 
 
@@ -192,14 +198,15 @@ class StepCostModel:
         x[-4], x[-3], x[-2], x[-1] = batch - 1, attention, tree_requests, tree_rows
         return x
 
-    def _fit(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+    def _fit(self, b: int, fresh: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Bucket b's fitted weights [F] in seconds (relative units before the first observation), and their
-        optimistic version for decisions (anchor weights lowered by one posterior standard deviation)."""
+        optimistic version for decisions (anchor weights lowered by one posterior standard deviation). fresh=False
+        (decisions): a solve at most REFIT_STEPS observations old will do."""
         prior = self._prior_rel * (self.unit or 1.0)
         bk = self.buckets.get(b)
         if bk is None:
             return prior, prior
-        if bk.dirty or bk.solved is None:
+        if bk.solved is None or (bk.dirty and (fresh or bk.since >= REFIT_STEPS)):
             cov = np.linalg.inv(self._precision + bk.xtx)  # [F, F] posterior covariance / residual variance
             w = cov @ (self._precision @ prior + bk.xty)
             low = w.copy()
@@ -207,8 +214,7 @@ class StepCostModel:
             # unseen: diag(cov) * strength ~ 1 (the prior alone); seen n times: ~ strength / n
             untried = np.sqrt(np.clip(np.diag(cov)[:a] * self.strength, 0.0, 1.0))
             low[:a] = w[:a] * (1.0 - OPTIMISM * untried)
-            bk.solved = (w, low)
-            bk.dirty = False
+            bk.solved, bk.dirty, bk.since, bk.curve = (w, low), False, 0, None
         return bk.solved
 
     def predict(self, batch: int, rows: float, tree_requests: int = 0, tree_rows: int = 0,
@@ -218,20 +224,27 @@ class StepCostModel:
     def curve(self, batch: int, plus: float = 0.0) -> Callable[[float], float]:
         """seconds by total rows of a chain step for `batch` decoding requests, optimistic where untried (what
         decisions read), plus `plus` seconds. The integer row counts a step of this batch can verify (16 drafts a
-        request) are tabulated in one vectorised pass: decisions ask for one per candidate node (~130 at batch 8)."""
-        w = self._fit(self.bucket(batch))[1]
+        request) are tabulated in one vectorised pass, once per solve: decisions ask for one per candidate node (~130
+        at batch 8)."""
+        b = self.bucket(batch)
+        w = self._fit(b, fresh=False)[1]
         anchors = self.anchors
         vals = w[:len(anchors)]
         base = float(w[-4] * (batch - 1))
-        r = np.arange(17 * batch + 33, dtype=np.float64)
-        i = np.clip(np.searchsorted(anchors, r, side="right") - 1, 0, len(anchors) - 2)
-        t = (r - anchors[i]) / (anchors[i + 1] - anchors[i])
-        table = ((vals[i] * (1.0 - t) + vals[i + 1] * t + base) + plus).tolist()  # the formula below, elementwise
+        bk = self.buckets.get(b)
+        table = bk.curve[1] if bk is not None and bk.curve is not None and bk.curve[0] == batch else None
+        if table is None:
+            r = np.arange(17 * batch + 33, dtype=np.float64)
+            i = np.clip(np.searchsorted(anchors, r, side="right") - 1, 0, len(anchors) - 2)
+            t = (r - anchors[i]) / (anchors[i + 1] - anchors[i])
+            table = (vals[i] * (1.0 - t) + vals[i + 1] * t + base).tolist()  # the formula below, elementwise
+            if bk is not None:
+                bk.curve = (batch, table)
         top = len(table) - 1
 
         def cost(rows: float) -> float:
             if type(rows) is int and 0 <= rows <= top:
-                return table[rows]
+                return table[rows] + plus
             i, t = hat(rows, anchors)
             return float(vals[i] * (1.0 - t) + vals[i + 1] * t) + base + plus
 
@@ -239,11 +252,11 @@ class StepCostModel:
 
     def attention_seconds(self, batch: int) -> float:
         """Seconds a row adds per 1000 tokens of its request's context (attention), for decisions."""
-        return max(0.0, float(self._fit(self.bucket(batch))[0][-3]))
+        return max(0.0, float(self._fit(self.bucket(batch), fresh=False)[0][-3]))
 
     def tree_extra(self, batch: int, tree_requests: int, tree_rows: int) -> float:
         """Seconds tree verification adds over chains of the same rows."""
-        w = self._fit(self.bucket(batch))[0]
+        w = self._fit(self.bucket(batch), fresh=False)[0]
         return float(w[-2] * tree_requests + w[-1] * tree_rows)
 
     def observe(self, batch: int, rows: int, seconds: float, tree_requests: int = 0, tree_rows: int = 0,
@@ -256,14 +269,14 @@ class StepCostModel:
         if len(self._ratios) < UNIT_STEPS:  # the machine's scale: early steps read through the prior's shape
             self._ratios.append(seconds / float(x @ self._prior_rel))
             self.unit = float(np.median(self._ratios))
-            for bk in self.buckets.values():
-                bk.dirty = True
+            for bk in self.buckets.values():  # the scale moved: every fit is re-solved at its next use
+                bk.solved = None
         b = self.bucket(batch)
         bk = self.buckets.get(b)
         if bk is None:
             f = len(x)
             bk = self.buckets[b] = _Bucket(np.zeros((f, f)), np.zeros(f))
-        expected = float(x @ self._fit(b)[0])
+        expected = float(x @ self._fit(b, fresh=False)[0])
         resid = seconds - expected
         if bk.n >= 8:  # robust: a residual past `clip` scales counts only that far (floor: 3% of the step)
             limit = self.clip * max(bk.scale, 0.03 * expected)
@@ -277,6 +290,7 @@ class StepCostModel:
         bk.xty += x * y
         bk.n = bk.n * self.forget + 1.0
         bk.dirty = True
+        bk.since += 1
         self.observations += 1
 
     def table(self) -> dict[str, list]:

@@ -66,6 +66,20 @@ def propose_medusa(tree: SparseTree, top_ids: np.ndarray, top_probs: np.ndarray)
     return out
 
 
+def ranked_tokens(heads, h, last_tokens: list[int], width: int):
+    """The heads' tensor work, on the target's device (a GPU's, where there is one: not host time): h [R, H] final
+    hidden states and each request's last token -> (full-vocabulary ids, probabilities) [R, K, width] of each head's
+    `width` most probable tokens."""
+    import torch
+
+    e = None
+    if heads.embed is not None:  # token-conditioned heads: the embedding of each request's last committed token
+        e = heads.embed(torch.tensor(last_tokens, device=h.device))
+    probs = heads.logits(h, e).float().softmax(-1)  # [R, K, V']
+    top_p, top_i = probs.topk(width, dim=-1)  # [R, K, width]
+    return heads.vocab[top_i], top_p
+
+
 class MedusaPool(Pool):
     """Stateless per request: everything it reads comes in the step's Taps (hidden states, last tokens)."""
     name = "medusa"
@@ -82,20 +96,13 @@ class MedusaPool(Pool):
 
     def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
         """All requests and heads in one matmul on taps.hidden [R, H]; each request's tree is its budget's."""
-        import torch
-
         if taps.hidden is None:
             raise RuntimeError("medusa pool: the worker did not hand over the target's hidden states")
         if not requests:
             return []
-        m, h = self.heads, taps.hidden
         trees = [self.tree(b) for b in budgets]
         width = max(t.max_rank for t in trees)
-        e = None
-        if m.embed is not None:  # token-conditioned heads: the embedding of each request's last committed token
-            e = m.embed(torch.tensor(taps.last_tokens, device=h.device))
-        probs = m.logits(h, e).float().softmax(-1)  # [R, K, V']
-        top_p, top_i = probs.topk(width, dim=-1)  # [R, K, width]
-        top_ids, top_p = m.vocab[top_i].cpu().numpy(), top_p.cpu().numpy()  # full vocabulary ids
+        top_ids, top_p = ranked_tokens(self.heads, taps.hidden, taps.last_tokens, width)
+        top_ids, top_p = top_ids.cpu().numpy(), top_p.cpu().numpy()  # (the step's one copy to the host)
         self.last_top_ids = top_ids
         return [propose_medusa(t, top_ids[r], top_p[r]) for r, t in enumerate(trees)]
