@@ -182,6 +182,7 @@ def test_decisions_read_a_fit_at_most_refit_steps_old_and_predictions_the_fresh_
     m = StepCostModel(PRIOR)
     for _ in range(100):
         m.observe(1, 3, 0.020)
+    m.predict(1, 3)  # solved now
     stale = m.curve(1)(3)
     for _ in range(REFIT_STEPS - 1):  # the machine turned slower
         m.observe(1, 3, 0.040)
