@@ -25,6 +25,7 @@ step.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -133,6 +134,11 @@ def prior_curve(anchors: dict[int, float]) -> Callable[[float], float]:
     return f
 
 
+def _dot(w: list, i: int, t: float, extras: tuple) -> float:
+    """features(...) @ w, in Python floats, for the basis (i, t) and the four extra features."""
+    return w[i] * (1.0 - t) + w[i + 1] * t + sum(wk * xk for wk, xk in zip(w[-EXTRA:], extras))
+
+
 def hat(rows: float, anchors: np.ndarray) -> tuple[int, float]:
     """Piecewise-linear basis at `rows`: (left anchor index i, weight of anchor i + 1); anchor i gets 1 - weight.
     Past the last anchor the last segment extends (weights outside [0, 1])."""
@@ -150,6 +156,8 @@ class _Bucket:
     dirty: bool = True
     since: int = 0  # observations since the last solve
     curve: tuple | None = None  # cached (batch, curve table without `plus`) of the solve in `solved`
+    weights: list | None = None  # solved[0] as Python floats (observe reads it every step)
+    pending: list = field(default_factory=list)  # observations not yet in xtx / xty: (i, t, extras, y), folded at a solve
     scale: float = 0.0  # robust residual scale (seconds)
 
 
@@ -182,6 +190,7 @@ class StepCostModel:
         d[np.arange(a - 1), np.arange(1, a)] = 1.0
         self._precision = self.strength * np.eye(a + EXTRA) + self.smooth * d.T @ d  # [F, F] prior precision
         self._precision[a:, a:] += self.strength * np.eye(EXTRA) * 4  # few data on these: keep them near the prior
+        self._anchor_list, self._prior_list = self.anchors.tolist(), self._prior_rel.tolist()
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -207,6 +216,7 @@ class StepCostModel:
         if bk is None:
             return prior, prior
         if bk.solved is None or (bk.dirty and (fresh or bk.since >= REFIT_STEPS)):
+            self._fold(bk)
             cov = np.linalg.inv(self._precision + bk.xtx)  # [F, F] posterior covariance / residual variance
             w = cov @ (self._precision @ prior + bk.xty)
             low = w.copy()
@@ -214,8 +224,24 @@ class StepCostModel:
             # unseen: diag(cov) * strength ~ 1 (the prior alone); seen n times: ~ strength / n
             untried = np.sqrt(np.clip(np.diag(cov)[:a] * self.strength, 0.0, 1.0))
             low[:a] = w[:a] * (1.0 - OPTIMISM * untried)
-            bk.solved, bk.dirty, bk.since, bk.curve = (w, low), False, 0, None
+            bk.solved, bk.dirty, bk.since, bk.curve, bk.weights = (w, low), False, 0, None, w.tolist()
         return bk.solved
+
+    def _fold(self, bk: _Bucket) -> None:
+        """The pending observations into the bucket's forgotten sums, as if each had been added in its turn."""
+        k, a = len(bk.pending), len(self.anchors)
+        if not k:
+            return
+        x = np.zeros((k, a + EXTRA))  # [k, F]
+        y = np.empty(k)
+        for j, (i, t, extras, yj) in enumerate(bk.pending):
+            x[j, i], x[j, i + 1] = 1.0 - t, t
+            x[j, a:] = extras
+            y[j] = yj
+        xw = x.T * self.forget ** np.arange(k - 1, -1, -1.0)  # [F, k]: the j-th of k forgotten k - 1 - j times
+        bk.xtx = bk.xtx * self.forget ** k + xw @ x
+        bk.xty = bk.xty * self.forget ** k + xw @ y
+        bk.pending.clear()
 
     def predict(self, batch: int, rows: float, tree_requests: int = 0, tree_rows: int = 0,
                 attention: float = 0.0) -> float:
@@ -265,29 +291,30 @@ class StepCostModel:
         excluded)."""
         if not (seconds > 0 and math.isfinite(seconds)) or batch < 1 or rows < batch:
             return
-        x = self.features(rows, batch, tree_requests, tree_rows, attention)
+        # (Python floats, not numpy: this runs every step, cache-cold after the forward; the sums take it at a solve)
+        anchors = self._anchor_list
+        i = min(max(bisect.bisect_right(anchors, rows) - 1, 0), len(anchors) - 2)  # hat(): the same basis
+        t = (rows - anchors[i]) / (anchors[i + 1] - anchors[i])
+        extras = (batch - 1, attention, tree_requests, tree_rows)
         if len(self._ratios) < UNIT_STEPS:  # the machine's scale: early steps read through the prior's shape
-            self._ratios.append(seconds / float(x @ self._prior_rel))
+            self._ratios.append(seconds / _dot(self._prior_list, i, t, extras))
             self.unit = float(np.median(self._ratios))
             for bk in self.buckets.values():  # the scale moved: every fit is re-solved at its next use
                 bk.solved = None
         b = self.bucket(batch)
         bk = self.buckets.get(b)
         if bk is None:
-            f = len(x)
+            f = len(anchors) + EXTRA
             bk = self.buckets[b] = _Bucket(np.zeros((f, f)), np.zeros(f))
-        expected = float(x @ self._fit(b, fresh=False)[0])
+        self._fit(b, fresh=False)
+        expected = _dot(bk.weights, i, t, extras)
         resid = seconds - expected
         if bk.n >= 8:  # robust: a residual past `clip` scales counts only that far (floor: 3% of the step)
             limit = self.clip * max(bk.scale, 0.03 * expected)
             resid = max(-limit, min(limit, resid))
         # robust scale: mean absolute residual (x 1.25 ~ a standard deviation), forgotten like the data
         bk.scale = abs(resid) * 1.25 if bk.n == 0 else 0.97 * bk.scale + 0.03 * abs(resid) * 1.25
-        y = expected + resid
-        bk.xtx *= self.forget
-        bk.xty *= self.forget
-        bk.xtx += np.outer(x, x)
-        bk.xty += x * y
+        bk.pending.append((i, t, extras, expected + resid))
         bk.n = bk.n * self.forget + 1.0
         bk.dirty = True
         bk.since += 1
