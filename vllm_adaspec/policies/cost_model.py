@@ -334,17 +334,19 @@ class StepCostModel:
 @dataclass
 class DraftCost:
     """Seconds of the drafter's own work per step, per batch-size bucket, as fixed + per_pass * passes (passes: the
-    drafting model's forward passes that step; 0 for model-free drafting), fitted with forgetting."""
+    drafting model's forward passes that step; 0 for model-free drafting), fitted with forgetting. (Python floats:
+    read and fed every step.)"""
     forget: float = 0.98
-    stats: dict[int, np.ndarray] = field(default_factory=dict)  # bucket -> [n, sum x, sum x^2, sum y, sum xy]
+    stats: dict[int, list] = field(default_factory=dict)  # bucket -> [n, sum x, sum x^2, sum y, sum xy]
 
     def observe(self, batch: int, passes: int, seconds: float) -> None:
         if not (seconds >= 0 and math.isfinite(seconds)) or batch < 1:
             return
         b = StepCostModel.bucket(batch)
-        s = self.stats.setdefault(b, np.zeros(5))
-        s *= self.forget
-        s += (1.0, passes, passes * passes, seconds, passes * seconds)
+        s = self.stats.setdefault(b, [0.0] * 5)
+        f = self.forget
+        for k, v in enumerate((1.0, passes, passes * passes, seconds, passes * seconds)):
+            s[k] = s[k] * f + v
 
     def predict(self, batch: int, passes: int) -> float:
         s = self.stats.get(StepCostModel.bucket(batch))

@@ -269,7 +269,11 @@ class MultiBranchDrafter(Drafter):
         hidden = self.driver.taps.hidden
         if hidden is None:
             raise RuntimeError("medusa pool: the worker did not hand over the target's hidden states")
-        h = hidden[torch.tensor([self.driver.outcomes[i].row for i in rows], device=hidden.device)]  # [R, H]
+        at = [self.driver.outcomes[i].row for i in rows]
+        if at == list(range(at[0], at[0] + len(at))):  # consecutive rows (every chain step, batch 1): a view
+            h = hidden[at[0]:at[0] + len(at)]  # [R, H]
+        else:
+            h = hidden[torch.tensor(at, device=hidden.device)]  # [R, H]
         for obs in self.driver.observers:
             obs.target_rows(last, h)
         return PoolTaps(h, last)
