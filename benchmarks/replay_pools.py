@@ -126,7 +126,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
     record: append (features [n, F], accepted [n]) of every trie node (labels for all of them: the replay knows
     the continuation). classifier: rank the trie's nodes by a pool-node classifier instead of path probability."""
     from vllm_adaspec.pools.corpus import propose_corpus
-    from vllm_adaspec.pools.medusa import propose_medusa, sparse_tree
+    from vllm_adaspec.pools.medusa import MAX_NODES, propose_medusa, sparse_tree
     from vllm_adaspec.pools.suffix import SuffixPool
 
     trees: dict = {}
@@ -154,7 +154,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
             if corpus is not None and "corpus" in pools:
                 cands.append(propose_corpus(corpus, context, depth=budget))
             if medusa_acc is not None and "medusa" in pools:
-                tree = trees.get(budget) or trees.setdefault(budget, sparse_tree(medusa_acc, budget))
+                tree = trees.get(budget) or trees.setdefault(budget, sparse_tree(medusa_acc, min(budget, MAX_NODES)))
                 cands.append(propose_medusa(tree, rec["medusa"][0][g], rec["medusa"][1][g]))
             if vllm_suffix:  # vLLM's `suffix` method: the path mode of the same cache at its defaults
                 d = suffix.cache.speculate(rid, np.asarray(context[-24:], dtype=np.int32), max_spec_tokens=budget,

@@ -13,7 +13,7 @@ from vllm_adaspec.pools import POOLS, Candidates, Pool, PoolSet, Taps, TailPool,
 from vllm_adaspec.pools.branches import BranchesPool, GramCache, harvest, init_branches, propose_branches
 from vllm_adaspec.pools.context import ContextIndex, ContextPool, propose_context
 from vllm_adaspec.pools.corpus import CorpusPool, build_table, propose_corpus
-from vllm_adaspec.pools.medusa import MedusaPool, propose_medusa, sparse_tree
+from vllm_adaspec.pools.medusa import MAX_NODES, MedusaPool, propose_medusa, sparse_tree
 from vllm_adaspec.pools.recycled import RecycledPool, RecycleTable, propose_recycled
 from vllm_adaspec.pools.suffix import suffix_available
 
@@ -92,7 +92,7 @@ class OldDrafter:
         trees = []
         for budget in budgets:
             if budget not in self.medusa_trees:
-                self.medusa_trees[budget] = sparse_tree(m.accuracy, budget)
+                self.medusa_trees[budget] = sparse_tree(m.accuracy, min(budget, MAX_NODES))  # (the cap: session 22)
             trees.append(self.medusa_trees[budget])
         width = max(t.max_rank for t in trees)
         e = None
@@ -266,6 +266,8 @@ def test_medusa_pool_builds_each_budgets_tree_once_and_needs_hidden_states():
     got = pool.propose(["a", "b", "c"], [4, 6, 4], Taps(h, [1, 2, 3]))
     assert [len(c) for c in got] == [4, 6, 4] and pool.tree(4) is pool.trees[4] and set(pool.trees) == {4, 6}
     assert pool.last_top_ids.shape[:2] == (3, 3)  # [R, K, width]
+    (big,) = pool.propose(["a"], [16], Taps(h[:1], [1]))  # a request's budget past the cap: the cap's best paths
+    assert len(big) == MAX_NODES and pool.tree(16) is pool.trees[MAX_NODES]
     assert all(t in heads.vocab.tolist() for c in got for t in c.tokens)  # full ids, not draft-vocabulary indices
     assert pool.live() == 0 and pool.propose([], [], Taps(h[:0], [])) == []
     with pytest.raises(RuntimeError, match="did not hand over the target's hidden states"):

@@ -36,8 +36,10 @@ class ContextIndex:
         return 0, []
 
 
-def propose_context(index: ContextIndex, depth: int, max_matches: int = 32, max_nodes: int = 64) -> Candidates:
-    """The trie of the continuations (up to `depth` tokens) of the last tokens' most recent matches."""
+def propose_context(index: ContextIndex, depth: int, max_matches: int = 8, max_nodes: int = 16) -> Candidates:
+    """The trie of the continuations (up to `depth` tokens) of the last tokens' most recent matches. (8 matches, 16
+    nodes: a step verifies ~4 nodes a request; 32 matches / 64 nodes scored 3x the nodes for the same tokens per
+    step, benchmarks/RESULTS.md, session 22.)"""
     n, ends = index.matches()
     if not n:
         return Candidates()

@@ -121,10 +121,10 @@ def _top_successors(ctx: np.ndarray, nxt: np.ndarray, vocab_size: int, k: int, m
     return keys[seen], ids[seen], probs[seen]
 
 
-def propose_corpus(table: CorpusTable, context: list[int], depth: int, width: int = 2, max_nodes: int = 32,
+def propose_corpus(table: CorpusTable, context: list[int], depth: int, width: int = 2, max_nodes: int = 8,
                    min_prob: float = 0.1) -> Candidates:
     """Depth by depth from the last two tokens: each node's `width` most frequent successors of at least
-    `min_prob`, until `max_nodes`."""
+    `min_prob`, until `max_nodes` (8: 32 cost the drafter time and added no tokens per step; session 22)."""
     out = Candidates()
     prev2 = context[-2] if len(context) >= 2 else -1
     frontier = [(-1, prev2, context[-1])]

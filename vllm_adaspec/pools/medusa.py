@@ -80,6 +80,11 @@ def ranked_tokens(heads, h, last_tokens: list[int], width: int):
     return heads.vocab[top_i], top_p
 
 
+# The heads' candidates a request gets at most: their 6 best rank paths (16 added no tokens per step and cost the
+# drafter time: benchmarks/RESULTS.md, session 22).
+MAX_NODES = 6
+
+
 class MedusaPool(Pool):
     """Stateless per request: everything it reads comes in the step's Taps (hidden states, last tokens)."""
     name = "medusa"
@@ -90,6 +95,8 @@ class MedusaPool(Pool):
         self.last_top_ids: np.ndarray | None = None  # [R, K, width] the last step's ranked tokens (tests, checks)
 
     def tree(self, budget: int) -> SparseTree:
+        """The sparse tree of the `budget` best rank paths, at most MAX_NODES."""
+        budget = min(budget, MAX_NODES)
         if budget not in self.trees:
             self.trees[budget] = sparse_tree(self.heads.accuracy, budget)
         return self.trees[budget]
