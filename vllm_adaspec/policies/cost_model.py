@@ -158,6 +158,7 @@ class _Bucket:
     curve: tuple | None = None  # cached (batch, curve table without `plus`) of the solve in `solved`
     weights: list | None = None  # solved[0] as Python floats (observe reads it every step)
     pending: list = field(default_factory=list)  # observations not yet in xtx / xty: (i, t, extras, y), folded at a solve
+    latest: tuple | None = None  # (observations, fit) of the last fresh solve (statistics), apart from decisions
     scale: float = 0.0  # robust residual scale (seconds)
 
 
@@ -209,29 +210,43 @@ class StepCostModel:
 
     def _fit(self, b: int, fresh: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Bucket b's fitted weights [F] in seconds (relative units before the first observation), and their
-        optimistic version for decisions (anchor weights lowered by one posterior standard deviation). fresh=False
-        (decisions): a solve at most REFIT_STEPS observations old will do."""
+        optimistic version for decisions (anchor weights lowered by one posterior standard deviation).
+
+        fresh=False (decisions): the bucket's decision fit, re-solved only on a schedule every rank of a
+        tensor-parallel engine keeps alike (its first use, then every REFIT_STEPS observations: observe() asks each
+        step). fresh=True (predict, table: statistics, the audit): the fit of every observation so far, solved
+        apart, so that reading statistics on one rank never moves that rank's decisions."""
         prior = self._prior_rel * (self.unit or 1.0)
         bk = self.buckets.get(b)
         if bk is None:
             return prior, prior
-        if bk.solved is None or (bk.dirty and (fresh or bk.since >= REFIT_STEPS)):
+        if bk.solved is None or (bk.dirty and bk.since >= REFIT_STEPS):
             self._fold(bk)
-            cov = np.linalg.inv(self._precision + bk.xtx)  # [F, F] posterior covariance / residual variance
-            w = cov @ (self._precision @ prior + bk.xty)
-            low = w.copy()
-            a = len(self.anchors)
-            # unseen: diag(cov) * strength ~ 1 (the prior alone); seen n times: ~ strength / n
-            untried = np.sqrt(np.clip(np.diag(cov)[:a] * self.strength, 0.0, 1.0))
-            low[:a] = w[:a] * (1.0 - OPTIMISM * untried)
-            bk.solved, bk.dirty, bk.since, bk.curve, bk.weights = (w, low), False, 0, None, w.tolist()
-        return bk.solved
+            bk.solved, bk.dirty, bk.since, bk.curve = self._solve(prior, bk.xtx, bk.xty), False, 0, None
+            bk.weights = bk.solved[0].tolist()
+        if not fresh or not bk.dirty:
+            return bk.solved
+        if bk.latest is None or bk.latest[0] != self.observations:
+            xtx, xty = self._fold(bk, apply=False)
+            bk.latest = (self.observations, self._solve(prior, xtx, xty))
+        return bk.latest[1]
 
-    def _fold(self, bk: _Bucket) -> None:
-        """The pending observations into the bucket's forgotten sums, as if each had been added in its turn."""
+    def _solve(self, prior: np.ndarray, xtx: np.ndarray, xty: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        cov = np.linalg.inv(self._precision + xtx)  # [F, F] posterior covariance / residual variance
+        w = cov @ (self._precision @ prior + xty)
+        low = w.copy()
+        a = len(self.anchors)
+        # unseen: diag(cov) * strength ~ 1 (the prior alone); seen n times: ~ strength / n
+        untried = np.sqrt(np.clip(np.diag(cov)[:a] * self.strength, 0.0, 1.0))
+        low[:a] = w[:a] * (1.0 - OPTIMISM * untried)
+        return w, low
+
+    def _fold(self, bk: _Bucket, apply: bool = True):
+        """The pending observations into the bucket's forgotten sums, as if each had been added in its turn (apply:
+        in place, pending emptied; else the sums that would be, returned, the bucket untouched)."""
         k, a = len(bk.pending), len(self.anchors)
         if not k:
-            return
+            return None if apply else (bk.xtx, bk.xty)
         x = np.zeros((k, a + EXTRA))  # [k, F]
         y = np.empty(k)
         for j, (i, t, extras, yj) in enumerate(bk.pending):
@@ -239,9 +254,12 @@ class StepCostModel:
             x[j, a:] = extras
             y[j] = yj
         xw = x.T * self.forget ** np.arange(k - 1, -1, -1.0)  # [F, k]: the j-th of k forgotten k - 1 - j times
-        bk.xtx = bk.xtx * self.forget ** k + xw @ x
-        bk.xty = bk.xty * self.forget ** k + xw @ y
+        xtx, xty = bk.xtx * self.forget ** k + xw @ x, bk.xty * self.forget ** k + xw @ y
+        if not apply:
+            return xtx, xty
+        bk.xtx, bk.xty = xtx, xty
         bk.pending.clear()
+        return None
 
     def predict(self, batch: int, rows: float, tree_requests: int = 0, tree_rows: int = 0,
                 attention: float = 0.0) -> float:
