@@ -5,8 +5,8 @@ Each pool proposes, for one request, a small tree of candidate tokens rooted at 
 target continues with it given that its parent was accepted, and a calibration key (the pool's evidence for it,
 bucketed) under which verification outcomes are counted (trees/trie.py merges pools and calibrates them).
 
-    context   every earlier occurrence of the request's last tokens in its prompt and output (prompt lookup that
-              keeps every match and weights continuations by how often they occur)
+    context   the earlier occurrences of the request's last tokens in its prompt and output (prompt lookup that
+              keeps every recent match and weights continuations by how often they occur)
     suffix    arctic-inference's suffix trees, in tree mode: the request's prompt + the outputs of earlier requests
     recycled  Token Recycling: the target's own top-k successors of every token it verified, walked breadth-first
     corpus    an n-gram table built offline from general text for one tokenizer (shipped for SmolLM2)
