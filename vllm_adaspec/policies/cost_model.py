@@ -155,7 +155,7 @@ class _Bucket:
     solved: tuple | None = None  # cached (weights, optimistic weights)
     dirty: bool = True
     since: int = 0  # observations since the last solve
-    curve: tuple | None = None  # cached (batch, curve table without `plus`) of the solve in `solved`
+    curve: tuple | None = None  # cached (batch, curve table without `plus`, its base) of the solve in `solved`
     weights: list | None = None  # solved[0] as Python floats (observe reads it every step)
     pending: list = field(default_factory=list)  # observations not yet in xtx / xty: (i, t, extras, y), folded at a solve
     latest: tuple | None = None  # (observations, fit) of the last fresh solve (statistics), apart from decisions
@@ -216,22 +216,30 @@ class StepCostModel:
         tensor-parallel engine keeps alike (its first use, then every REFIT_STEPS observations: observe() asks each
         step). fresh=True (predict, table: statistics, the audit): the fit of every observation so far, solved
         apart, so that reading statistics on one rank never moves that rank's decisions."""
-        prior = self._prior_rel * (self.unit or 1.0)
         bk = self.buckets.get(b)
         if bk is None:
+            prior = self._prior_rel * (self.unit or 1.0)
             return prior, prior
         if bk.solved is None or (bk.dirty and bk.since >= REFIT_STEPS):
             self._fold(bk)
-            bk.solved, bk.dirty, bk.since, bk.curve = self._solve(prior, bk.xtx, bk.xty), False, 0, None
+            bk.solved, bk.dirty, bk.since, bk.curve = self._solve(bk.xtx, bk.xty), False, 0, None
             bk.weights = bk.solved[0].tolist()
         if not fresh or not bk.dirty:
             return bk.solved
         if bk.latest is None or bk.latest[0] != self.observations:
-            xtx, xty = self._fold(bk, apply=False)
-            bk.latest = (self.observations, self._solve(prior, xtx, xty))
+            bk.latest = (self.observations, self._solve(*self._fold(bk, apply=False)))
         return bk.latest[1]
 
-    def _solve(self, prior: np.ndarray, xtx: np.ndarray, xty: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _weights(self, b: int) -> list[float]:
+        """The decision fit's weights as Python floats (the prior's where the bucket has no steps)."""
+        bk = self.buckets.get(b)
+        if bk is None:
+            return (self._prior_rel * (self.unit or 1.0)).tolist()
+        self._fit(b, fresh=False)
+        return bk.weights
+
+    def _solve(self, xtx: np.ndarray, xty: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        prior = self._prior_rel * (self.unit or 1.0)
         cov = np.linalg.inv(self._precision + xtx)  # [F, F] posterior covariance / residual variance
         w = cov @ (self._precision @ prior + xty)
         low = w.copy()
@@ -274,16 +282,17 @@ class StepCostModel:
         w = self._fit(b, fresh=False)[1]
         anchors = self.anchors
         vals = w[:len(anchors)]
-        base = float(w[-4] * (batch - 1))
         bk = self.buckets.get(b)
-        table = bk.curve[1] if bk is not None and bk.curve is not None and bk.curve[0] == batch else None
-        if table is None:
+        cached = bk.curve if bk is not None and bk.curve is not None and bk.curve[0] == batch else None
+        if cached is None:
+            base = float(w[-4] * (batch - 1))
             r = np.arange(17 * batch + 33, dtype=np.float64)
             i = np.clip(np.searchsorted(anchors, r, side="right") - 1, 0, len(anchors) - 2)
             t = (r - anchors[i]) / (anchors[i + 1] - anchors[i])
-            table = (vals[i] * (1.0 - t) + vals[i + 1] * t + base).tolist()  # the formula below, elementwise
+            cached = (batch, (vals[i] * (1.0 - t) + vals[i + 1] * t + base).tolist(), base)  # the formula below
             if bk is not None:
-                bk.curve = (batch, table)
+                bk.curve = cached
+        _, table, base = cached
         top = len(table) - 1
 
         def cost(rows: float) -> float:
@@ -296,12 +305,12 @@ class StepCostModel:
 
     def attention_seconds(self, batch: int) -> float:
         """Seconds a row adds per 1000 tokens of its request's context (attention), for decisions."""
-        return max(0.0, float(self._fit(self.bucket(batch), fresh=False)[0][-3]))
+        return max(0.0, self._weights(self.bucket(batch))[-3])
 
     def tree_extra(self, batch: int, tree_requests: int, tree_rows: int) -> float:
         """Seconds tree verification adds over chains of the same rows."""
-        w = self._fit(self.bucket(batch), fresh=False)[0]
-        return float(w[-2] * tree_requests + w[-1] * tree_rows)
+        w = self._weights(self.bucket(batch))
+        return w[-2] * tree_requests + w[-1] * tree_rows
 
     def observe(self, batch: int, rows: int, seconds: float, tree_requests: int = 0, tree_rows: int = 0,
                 attention: float = 0.0) -> None:

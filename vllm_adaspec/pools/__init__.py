@@ -246,6 +246,7 @@ class PoolSet:
     def extend(self, req_id: str, tokens) -> None:
         if not len(tokens):
             return
+        tokens = as_ints(tokens)  # once, not once per pool
         for p in self.pools:
             p.extend(req_id, tokens)
         self.fed[req_id] += len(tokens)
