@@ -139,11 +139,10 @@ def _dot(w: list, i: int, t: float, extras: tuple) -> float:
     return w[i] * (1.0 - t) + w[i + 1] * t + sum(wk * xk for wk, xk in zip(w[-EXTRA:], extras))
 
 
-def hat(rows: float, anchors: np.ndarray) -> tuple[int, float]:
-    """Piecewise-linear basis at `rows`: (left anchor index i, weight of anchor i + 1); anchor i gets 1 - weight.
-    Past the last anchor the last segment extends (weights outside [0, 1])."""
-    i = int(np.searchsorted(anchors, rows, side="right")) - 1
-    i = min(max(i, 0), len(anchors) - 2)
+def hat(rows: float, anchors) -> tuple[int, float]:
+    """Piecewise-linear basis at `rows` over sorted `anchors` (a list or an array): (left anchor index i, weight of
+    anchor i + 1); anchor i gets 1 - weight. Past the last anchor the last segment extends (weights outside [0, 1])."""
+    i = min(max(bisect.bisect_right(anchors, rows) - 1, 0), len(anchors) - 2)
     return i, (rows - anchors[i]) / (anchors[i + 1] - anchors[i])
 
 
@@ -153,8 +152,7 @@ class _Bucket:
     xty: np.ndarray  # [F] forgotten sum of x y
     n: float = 0.0  # forgotten count of observations
     solved: tuple | None = None  # cached (weights, optimistic weights)
-    dirty: bool = True
-    since: int = 0  # observations since the last solve
+    since: int = 0  # observations since the decision fit was solved
     curve: tuple | None = None  # cached (batch, curve table without `plus`, its base) of the solve in `solved`
     weights: list | None = None  # solved[0] as Python floats (observe reads it every step)
     pending: list = field(default_factory=list)  # observations not yet in xtx / xty: (i, t, extras, y), folded at a solve
@@ -220,11 +218,11 @@ class StepCostModel:
         if bk is None:
             prior = self._prior_rel * (self.unit or 1.0)
             return prior, prior
-        if bk.solved is None or (bk.dirty and bk.since >= REFIT_STEPS):
+        if bk.solved is None or bk.since >= REFIT_STEPS:
             self._fold(bk)
-            bk.solved, bk.dirty, bk.since, bk.curve = self._solve(bk.xtx, bk.xty), False, 0, None
+            bk.solved, bk.since, bk.curve = self._solve(bk.xtx, bk.xty), 0, None
             bk.weights = bk.solved[0].tolist()
-        if not fresh or not bk.dirty:
+        if not fresh or not bk.since:
             return bk.solved
         if bk.latest is None or bk.latest[0] != self.observations:
             bk.latest = (self.observations, self._solve(*self._fold(bk, apply=False)))
@@ -320,8 +318,7 @@ class StepCostModel:
             return
         # (Python floats, not numpy: this runs every step, cache-cold after the forward; the sums take it at a solve)
         anchors = self._anchor_list
-        i = min(max(bisect.bisect_right(anchors, rows) - 1, 0), len(anchors) - 2)  # hat(): the same basis
-        t = (rows - anchors[i]) / (anchors[i + 1] - anchors[i])
+        i, t = hat(rows, anchors)
         extras = (batch - 1, attention, tree_requests, tree_rows)
         if len(self._ratios) < UNIT_STEPS:  # the machine's scale: early steps read through the prior's shape
             self._ratios.append(seconds / _dot(self._prior_list, i, t, extras))
@@ -343,7 +340,6 @@ class StepCostModel:
         bk.scale = abs(resid) * 1.25 if bk.n == 0 else 0.97 * bk.scale + 0.03 * abs(resid) * 1.25
         bk.pending.append((i, t, extras, expected + resid))
         bk.n = bk.n * self.forget + 1.0
-        bk.dirty = True
         bk.since += 1
         self.observations += 1
 
