@@ -1,0 +1,434 @@
+"""The host side of a GPU tree step, measured on this CPU without this CPU's forward in between (issue 41, item 5).
+
+In the CPU engine (`profile_step.py --gpu-plan`) two things make the drafter's time unlike a GPU host's: every
+forward streams ~540 MB of weights through the caches, so the drafter always starts cache-cold
+(`host_cache_cold.py`: 2.7-3.2x), and this CPU's dear rows make the cost model pick chains, so the GPU runtime's
+planning of a tree step (`plan_cost.py`: 0.2-0.5 ms) almost never runs. This replays decoding instead: the real
+driver, MultiBranchDrafter, pools, cost model and the GPU runtime's planning (`GPUTreeRuntime.prepare` on CPU
+tensors), every step, with the target replaced by an oracle that knows its greedy continuation of every prompt
+(computed once with transformers, float32, with the final hidden states the Medusa pool reads): greedy verification
+is lossless, so each tree or chain accepts exactly what the target would. The forward is simulated: the clock the
+cost model learns from advances by the H100 Llama-3-8B step of issue 41's table for the step's rows, so decisions are
+the ones a GPU engine's cost model would make (more rows, trees). `--evict-mb` streams that many MB between steps, to
+reproduce the CPU engine's cold caches (600: what the CPU forward does; the replay's numbers should then meet
+`profile_step.py`'s).
+
+    .venv/bin/python benchmarks/host_replay.py --batch-size 1 8 --evict-mb 0 600
+
+Prints ms per step of each part; the host side is propose + on_schedule + the GPU plan, less the Medusa heads' tensor
+work (device work on a GPU), against the 8B step of the batch size. Run alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+import types
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+# issue 41's table: an H100 Llama-3-8B forward (bf16, CUDA graphs, 1024-token context) by batch, and its cost with
+# r rows per request over one row
+STEP_8B_MS = {1: 6.61, 8: 7.17, 32: 8.21}
+ROWS_8B = {1: {1: 1.0, 4: 1.11, 16: 1.15, 64: 1.18}, 8: {1: 1.0, 4: 1.18, 16: 1.28, 64: 2.25},
+           32: {1: 1.0, 4: 1.69, 16: 2.56, 64: 7.71}}
+
+
+def forward_ms(batch: int, rows: int) -> float:
+    """The simulated 8B step: the table's batch size nearest below (by log), linear in rows per request."""
+    b = 1 if batch < 3 else 8 if batch < 16 else 32
+    per = max(1.0, rows / max(1, batch))
+    xs = sorted(ROWS_8B[b])
+    x0 = max(x for x in xs if x <= per) if per < xs[-1] else xs[-2]
+    x1 = xs[xs.index(x0) + 1]
+    y0, y1 = ROWS_8B[b][x0], ROWS_8B[b][x1]
+    return STEP_8B_MS[b] * (y0 + (y1 - y0) * (per - x0) / (x1 - x0))
+
+
+# --- the oracle: each prompt's greedy continuation and the final hidden states along it ---
+
+def continuations(model_path: str, prompts: list[str], max_tokens: int, cache_dir: Path) -> list[dict]:
+    key = hashlib.sha256(json.dumps([model_path, prompts, max_tokens]).encode()).hexdigest()[:16]
+    path = cache_dir / f"host_replay_{key}.pt"
+    if path.exists():
+        return torch.load(path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for n, p in enumerate(prompts):
+            ids = tok(p, return_tensors="pt", add_special_tokens=False).input_ids
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=tok.eos_token_id)
+            full = gen[0]
+            hidden = model(full[None], output_hidden_states=True).hidden_states[-1][0]  # [P + T, H] (after the norm)
+            out.append({"prompt": ids[0].tolist(), "cont": full[ids.shape[1]:].tolist(), "hidden": hidden.clone()})
+            print(f"[replay] continuation {n + 1}/{len(prompts)}: {ids.shape[1]} + {len(out[-1]['cont'])} tokens",
+                  file=sys.stderr, flush=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(out, path)
+    return out
+
+
+# --- the engine, as the driver sees it ---
+
+class ReplayPort:
+    """What the driver asks of the engine (engine/port.EnginePort's methods it calls), answered by the replay."""
+
+    def __init__(self, heads_of):
+        from vllm_adaspec.step import RequestTraits, Taps
+
+        self.observers, self.taps, self._heads_of = [], Taps(), heads_of
+        self.results, self.verified_rows = {}, None
+        self.traits_one = RequestTraits(tree=True, plain="greedy")
+        self.device = torch.device("cpu")
+
+    def view(self, sampled, num_tokens, token_ids):
+        from vllm_adaspec.step import BatchView
+
+        return BatchView(self.req_ids, sampled, num_tokens, token_ids, self.num_prompt, self.temperature)
+
+    def traits(self, req_id):
+        return self.traits_one
+
+    def forget(self, req_ids):
+        pass
+
+    def feedback(self):
+        from vllm_adaspec.step import Taps
+
+        out = (self.results, 0, self.taps, self.verified_rows)
+        self.results, self.taps, self.verified_rows = {}, Taps(), None
+        return out
+
+    def drop_trees(self, req_ids):
+        pass
+
+    def held_copy_tokens(self):
+        return 0
+
+    def tree_copies(self):
+        return False  # the GPU runtime reads the paged cache in place
+
+    def kv_positions(self):
+        return 1 << 20
+
+    def medusa_heads(self, target_model, folder):
+        return self._heads_of(folder)
+
+    def live(self):
+        return {}
+
+    def tree_counts(self):
+        return {}
+
+    def observer_stats(self):
+        return {}
+
+    def observer_live(self):
+        return {}
+
+
+def medusa_from(model_path: str):
+    """MedusaHeads on the transformers model's LM head and embeddings (what engine/medusa_heads builds on vLLM's)."""
+    def build(folder):
+        from transformers import AutoModelForCausalLM
+
+        from vllm_adaspec.engine.medusa_heads import MedusaHeads
+        from vllm_adaspec.heads.medusa import load_medusa, reads_token
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+        meta, t = load_medusa(folder)
+        vocab = t["draft_vocab"]
+        rows = model.lm_head.weight[: model.config.vocab_size][vocab].detach().clone()
+        emb = model.get_input_embeddings()
+        embed = (lambda ids: emb(ids).detach()) if reads_token(t["w"]) else None
+        return MedusaHeads(t["w"].float(), t["b"].float(), vocab, rows, meta["accuracy_by_rank"], folder, embed)
+    return build
+
+
+def make_driver(model_path: str, settings_json: dict, port: ReplayPort):
+    """A MultiBranchProposer's driver with the settings start-up would resolve for this model, and the cost model's
+    prior of a CUDA engine for an 8B model."""
+    from transformers import AutoConfig
+
+    from vllm_adaspec.config import parse_adaspec_config, resolve_config
+    from vllm_adaspec.heads.medusa import find_medusa
+    from vllm_adaspec.pools.corpus import find_corpus
+    from vllm_adaspec.proposers.driver import Driver
+    from vllm_adaspec.proposers.multi_branch import MultiBranchDrafter
+
+    hf = AutoConfig.from_pretrained(model_path)
+    resolved = resolve_config(parse_adaspec_config({"adaspec": settings_json}, proposer="multi_branch"),
+                              architectures=hf.architectures, num_layers=hf.num_hidden_layers,
+                              num_speculative_tokens=16, proposer="multi_branch")
+    files = {}
+    if "corpus" in resolved.pools:
+        files["corpus"] = find_corpus(model_path, resolved.corpus)
+    if "medusa" in resolved.pools:
+        files["medusa"] = find_medusa(hf, resolved.medusa)
+    resolved = replace(resolved, checked=True, tree_unsupported=None, **files)
+    big = types.SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+    vllm_config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(seed=0, hf_text_config=hf),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
+        device_config=types.SimpleNamespace(device_type="cuda"))
+
+    class ReplayDriver(Driver):
+        proposer, drafter_cls = "multi_branch", MultiBranchDrafter
+
+    import vllm_adaspec.proposers.driver as driver_mod
+    from vllm_adaspec.policies.cost_model import model_parameters, prior_for
+
+    prior = driver_mod.engine_prior
+    driver_mod.engine_prior = lambda cfg: prior_for("cuda", model_parameters(big))  # the 8B's curve
+    try:
+        driver = ReplayDriver(vllm_config, resolved)
+    finally:
+        driver_mod.engine_prior = prior
+    driver.attach(port)
+    driver.load_model(None)
+    return driver
+
+
+class SimClock:
+    """perf_counter for the driver: real time plus the simulated forwards so far."""
+
+    def __init__(self):
+        self.offset = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.offset
+
+
+def accepted_path(plan, cont: list[int], at: int) -> tuple[list[int], bool]:
+    """Greedy verification against the known continuation (cont[at] is the next token): the accepted nodes (a
+    tree's node indices root to deepest, a chain's 0..a-1), and whether it is a tree."""
+    tokens, parents = plan.tokens[:plan.num_verified], plan.parents
+    path, node, depth = [], -1, 0
+    while at + depth < len(cont):
+        want = cont[at + depth]
+        nxt = next((j for j, t in enumerate(tokens) if t == want and (parents is None and j == depth
+                                                                        or parents is not None and parents[j] == node)),
+                   None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node, depth = nxt, depth + 1
+    return path, plan.is_tree
+
+
+def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: str, evict_mb: int, acc,
+           max_tokens: int, heads) -> dict:
+    import vllm_adaspec.proposers.driver as driver_mod
+    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.engine.tree_runtime import plan_step
+    from vllm_adaspec.kernels.tree_attention import tile_rows
+    from vllm_adaspec.requests import bonus_rows
+    from vllm_adaspec.step import Taps
+
+    from profile_step import SHADOW
+
+    clock = SimClock()
+    real_time = driver_mod.time
+    driver_mod.time = types.SimpleNamespace(perf_counter=clock.perf_counter, time=time.time)
+    port = ReplayPort(heads)
+    driver = make_driver(model_path, settings_json, port)
+    gpu = GPUTreeRuntime("cpu", plain=lambda r: "greedy", max_rows=65)
+    gpu.heads, gpu.block_q = (32, 8, 128), tile_rows(65, 32, 8)  # Llama-3-8B's heads
+    sink = np.zeros(max(1, evict_mb) << 18, dtype=np.float32) if evict_mb else None  # evict_mb MB
+    hidden_size = data[0]["hidden"].shape[1]
+    steps = tokens = forwards = tree_steps = nodes = 0
+    host_ms, ref_ms = [], []
+    try:
+        for g0 in range(0, len(data), batch_size):
+            group = data[g0:g0 + batch_size]
+            names = [f"r{g0 + k}" for k in range(len(group))]
+            width = max(len(d["prompt"]) for d in group) + max_tokens + 64
+            token_ids = np.zeros((len(group), width), dtype=np.int32)
+            made = [0] * len(group)  # tokens generated per request
+            batch = list(range(len(group)))  # the engine's batch rows, in order
+            # the prefill step: each request's first token, its hidden row the prompt's last
+            got = {k: [group[k]["cont"][0]] for k in batch}
+            port.verified_rows, port.results = None, {}
+            hid = [group[k]["hidden"][len(group[k]["prompt"]) - 1] for k in batch]
+            port.taps = Taps(hidden=torch.stack(hid) if "medusa" in driver.drafter.pools else None)
+            while batch:
+                for k in batch:  # commit what the step sampled
+                    s = len(group[k]["prompt"]) + made[k]
+                    token_ids[k, :len(group[k]["prompt"])] = group[k]["prompt"]
+                    token_ids[k, s:s + len(got[k])] = got[k]
+                    made[k] += len(got[k])
+                    tokens += len(got[k])
+                port.req_ids = [names[k] for k in batch]
+                port.num_prompt = np.array([len(group[k]["prompt"]) for k in batch])
+                port.temperature = np.zeros(len(batch), dtype=np.float32)
+                num_tokens = np.array([len(group[k]["prompt"]) + made[k] for k in batch])
+                if sink is not None:
+                    sink.sum()  # what a CPU forward does to the caches
+                # vLLM proposes right after sampling, for the step's whole batch (requests that just finished too)
+                t0 = time.perf_counter()
+                drafts = driver.propose([got[k] for k in batch], num_tokens, token_ids[batch])
+                t_propose = time.perf_counter() - t0
+                done = [k for k in batch if made[k] >= min(max_tokens, len(group[k]["cont"]))]
+                keep = [(k, d) for k, d in zip(batch, drafts) if k not in done]
+                batch = [k for k, _ in keep]
+                drafts = [d[:max(0, min(max_tokens, len(group[k]["cont"])) - made[k] - 1)] for k, d in keep]  # max_tokens
+                scheduled = {names[k]: 1 + len(d) for k, d in zip(batch, drafts)}
+                spec = {names[k]: d for k, d in zip(batch, drafts) if d}
+                t0 = time.perf_counter()
+                driver.on_schedule(scheduled, spec, [names[k] for k in done])
+                t_sched = time.perf_counter() - t0
+                if not batch:
+                    break
+                port.req_ids = [names[k] for k in batch]
+                query_start = np.concatenate([[0], np.cumsum([1 + len(d) for d in drafts])])
+                rows = int(query_start[-1])
+                roots = np.array([len(group[k]["prompt"]) + made[k] - 1 for k in batch])
+                t0 = time.perf_counter()
+                step = plan_step(port.req_ids, query_start, roots, spec, driver.plans, rows)
+                if step is not None:
+                    gpu.prepare(step)
+                t_plan = time.perf_counter() - t0
+                acc[SHADOW][0] += t_plan
+                acc[SHADOW][1] += 1
+                clock.offset += forward_ms(len(batch), rows) / 1e3
+                ref_ms.append(STEP_8B_MS[1 if len(batch) < 3 else 8])
+                host_ms.append(1e3 * (t_propose + t_sched + t_plan))
+                steps += 1
+                forwards += len(batch)
+                tree_steps += step is not None
+                nodes += rows - len(batch)
+                # verification by the oracle: what greedy verification of each plan accepts
+                results, got = {}, {}
+                for row, (k, d) in enumerate(zip(batch, drafts)):
+                    cont, at = group[k]["cont"], made[k]
+                    plan = driver.plans.get(names[k])
+                    path, tree = accepted_path(plan.scheduled(len(d)), cont, at) if d else ([], False)
+                    got[k] = [plan.tokens[j] for j in path] + [cont[at + len(path)]]
+                    if tree:
+                        results[row] = (path, got[k][-1], ())
+                port.results, port.verified_rows = results, [len(d) for d in drafts]
+                if "medusa" in driver.drafter.pools:
+                    # the forward's hidden rows (1 + drafts per request); each bonus row holds the final hidden
+                    # state of the position that produced the request's new last token
+                    at_rows = bonus_rows([len(got[k]) for k in batch], port.verified_rows,
+                                         {r: p for r, (p, *_) in results.items()})
+                    h = torch.zeros(rows, hidden_size)
+                    for row, k in enumerate(batch):
+                        h[at_rows[row]] = group[k]["hidden"][len(group[k]["prompt"]) + made[k] + len(got[k]) - 2]
+                    port.taps = Taps(hidden=h)
+    finally:
+        driver_mod.time = real_time
+    return {"steps": steps, "tokens": tokens, "forwards": forwards, "tree_steps": tree_steps, "nodes": nodes,
+            "host_ms": host_ms, "ref_ms": ref_ms}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--settings", default="{}", help="MultiBranchProposer settings (JSON; default: its defaults)")
+    p.add_argument("--datasets", nargs="+", default=["mix"])
+    p.add_argument("--num-prompts", type=int, default=2, help="prompts per dataset")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--evict-mb", type=int, nargs="+", default=[0, 600],
+                   help="MB streamed before each propose (0: a GPU host's warm caches; 600: this CPU's forward)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="replays per column (the median step's parts)")
+    p.add_argument("--out", default=None, help="JSON of every column")
+    args = p.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    from profile_step import HEADS, PARTS, SHADOW, _timed
+    from vllm_adaspec.data.prompts import WORKLOAD_MIX, load_prompts
+    from vllm_adaspec.models import resolve_model
+
+    model = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(model)
+    sets = [d for ds in args.datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
+    prompts = [q for ds in sets for q in load_prompts(ds, args.num_prompts, tokenizer=tok)]
+    data = continuations(model, prompts, args.max_tokens, ROOT / "benchmarks" / "out")
+    settings = json.loads(args.settings)
+    heads = medusa_from(model)
+    built = {}
+    heads_once = lambda folder: built.setdefault(folder, heads(folder))  # noqa: E731
+
+    acc = defaultdict(lambda: [0.0, 0])
+    parts = [(label, where, name) for label, where, name in PARTS if where and where.startswith("vllm_adaspec")]
+    import importlib
+
+    for label, where, name in parts:
+        mod, cls = where.split(":")
+        module = importlib.import_module(mod)
+        if name is None:
+            setattr(module, cls, _timed(getattr(module, cls), label, acc))
+        elif cls == "Drafter":
+            from profile_step import _drafter_classes
+
+            for klass in _drafter_classes():
+                if name in vars(klass):
+                    setattr(klass, name, _timed(vars(klass)[name], label, acc))
+        else:
+            klass = getattr(module, cls)
+            setattr(klass, name, _timed(getattr(klass, name), label, acc))
+    columns = []
+    for b in args.batch_size:
+        for mb in args.evict_mb:
+            runs = []
+            for _ in range(args.repeats):
+                acc.clear()
+                r = replay(data, b, settings, model, mb, acc, args.max_tokens, heads_once)
+                r["parts"] = {label: 1e3 * acc[label][0] / r["steps"] for label, _, _ in parts}
+                r["parts"][SHADOW] = 1e3 * acc[SHADOW][0] / r["steps"]
+                host = [sum(r["host_ms"]) / r["steps"], 0.0]
+                host[1] = host[0] - r["parts"][HEADS]
+                r["host"], r["ref"] = host, sum(r["ref_ms"]) / r["steps"]
+                runs.append(r)
+            runs.sort(key=lambda r: r["host"][1])
+            med = runs[len(runs) // 2]
+            med.update(batch=b, evict_mb=mb, spread=[runs[0]["host"][1], runs[-1]["host"][1]])
+            columns.append(med)
+            print(f"[replay] batch {b}, evict {mb} MB: host less heads {med['host'][1]:.2f} ms "
+                  f"({[round(r['host'][1], 2) for r in runs]})", file=sys.stderr, flush=True)
+    head = "| ms per step | " + " | ".join(f"b{c['batch']}, {c['evict_mb']} MB" for c in columns) + " |"
+    print(head + "\n|---|" + "---|" * len(columns))
+    for label, _, _ in parts:
+        indent = len(label) - len(label.lstrip()) - 6
+        print(f"| {'. ' * max(0, indent // 2)}{label.strip()} | "
+              + " | ".join(f"{c['parts'][label]:.3f}" for c in columns) + " |")
+    rows = [("GPU tree plan (plan_step + GPUTreeRuntime.prepare)", lambda c: f"{c['parts'][SHADOW]:.3f}"),
+            ("host side: propose + on_schedule + GPU plan", lambda c: f"{c['host'][0]:.3f}"),
+            ("host side less the Medusa heads' tensor work", lambda c: f"**{c['host'][1]:.3f}**"),
+            ("... spread over repeats", lambda c: f"{c['spread'][0]:.2f}-{c['spread'][1]:.2f}"),
+            ("... of the H100 Llama-3-8B step (issue 41)", lambda c: f"{100 * c['host'][1] / c['ref']:.1f}%"),
+            ("tokens per target forward (tau)", lambda c: f"{c['tokens'] / c['forwards']:.2f}"),
+            ("tokens per step", lambda c: f"{c['tokens'] / c['steps']:.2f}"),
+            ("drafted rows per step", lambda c: f"{c['nodes'] / c['steps']:.1f}"),
+            ("steps with a tree", lambda c: f"{100 * c['tree_steps'] / c['steps']:.0f}%"),
+            ("steps", lambda c: str(c["steps"]))]
+    for label, f in rows:
+        print(f"| {label} | " + " | ".join(f(c) for c in columns) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump([{k: v for k, v in c.items() if k not in ("host_ms", "ref_ms")} for c in columns], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
