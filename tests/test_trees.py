@@ -380,3 +380,17 @@ def test_ancestor_words_are_the_packed_ancestor_mask():
         assert np.array_equal(ancestor_words(parents), want), n
         wide = ancestor_words(parents, want.shape[1] + 1)
         assert np.array_equal(wide[:, :-1], want) and not wide[:, -1].any()
+
+
+def test_a_tree_built_from_host_tuples_is_the_tree_and_keeps_its_host_lists():
+    """DraftTree.of (the GPU plan's constructor) gives the same tensors as DraftTree(tensors), its host lists and
+    depths equal the tensors', and a bad parent is refused the same way."""
+    tokens, parents = (7, 8, 9, 7, 5), (-1, -1, 0, 2, 1)
+    a = DraftTree.of(tokens, parents)
+    b = DraftTree(torch.tensor(tokens), torch.tensor(parents))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    assert a.tokens.dtype == b.tokens.dtype == torch.long
+    assert a.token_list == b.token_list == list(tokens) and a.parent_list == b.parent_list == list(parents)
+    assert a.depth_list == b.depth_list == [1, 1, 2, 3, 2] and torch.equal(a.depths, b.depths)
+    with pytest.raises(ValueError, match="node 1 has parent 1"):
+        DraftTree.of((1, 2), (-1, 1))

@@ -214,7 +214,7 @@ class GPUTreeRuntime(TreeRuntime):
         q_rows = np.concatenate([np.arange(s, s + n + 1) for s, n in zip(starts, sizes)])
         cu = np.concatenate([[0], np.cumsum(sizes + 1)])
         words = max(1, -(-(width + 1) // 32))
-        tree_words = [ancestor_words(r.tree.parents.tolist(), words) for r in reqs]  # [n + 1, W] each
+        tree_words = [ancestor_words(r.tree.parent_list, words) for r in reqs]  # [n + 1, W] each
         bits = int32_words(np.concatenate(tree_words))
         # plain trees, greedy then sampled: verified together; where their rows' logits are (per batch row: drafts + 1)
         kinds = [self.plain(r.req_id) for r in reqs]

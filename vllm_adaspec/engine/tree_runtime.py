@@ -80,7 +80,7 @@ class TreeStep:
     def depth_positions(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows, positions) of every tree node of the forward: its flattened row and root + depth."""
         rows = [np.arange(r.start + 1, r.start + 1 + len(r.tree)) for r in self.requests]
-        pos = [r.root_pos + r.tree.depths.numpy() for r in self.requests]
+        pos = [r.root_pos + np.array(r.tree.depth_list, dtype=np.int64) for r in self.requests]
         return np.concatenate(rows), np.concatenate(pos)
 
 
@@ -116,7 +116,7 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, sp
         n = len(plan.tokens)
         if list(spec) != list(plan.tokens) or not plan.is_tree:
             continue
-        tree = DraftTree(torch.tensor(plan.tokens), torch.tensor(plan.parents))
+        tree = DraftTree.of(plan.tokens, plan.parents)
         start = int(query_start[row])
         requests.append(TreeRequest(row, req_id, start, int(roots[row]), tree, branch_rows=n - plan.num_verified))
     return TreeStep(num_tokens, requests, num_drafts=num_drafts) if requests else None

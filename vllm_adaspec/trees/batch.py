@@ -69,7 +69,7 @@ def representative_rows(tree: DraftTree, rank: list[int] | None = None) -> list[
     """For each node, the row whose output it must equal: its parent's, or, where siblings are equal (the same
     tokens from the root: the same text), the first such node's in `preorder` (verify_greedy's frontier[0]). 0 = the
     root's row."""
-    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    parents, tokens = tree.parent_list, tree.token_list
     rank = preorder(parents) if rank is None else rank
     first: dict[tuple[int, int], int] = {}
     rep = [0] * len(parents)  # rep[j]: the representative node of node j
@@ -96,12 +96,12 @@ def pack_trees(trees: list[DraftTree], verified: list[int] | None = None, width:
     ancestors = np.zeros((r, n + 1, w), dtype=np.int64)
     for i, (tree, m) in enumerate(zip(trees, verified)):
         k = len(tree)
-        parents = tree.parents.tolist()
-        tokens[i, :k] = tree.tokens.numpy()
+        parents = tree.parent_list
+        tokens[i, :k] = tree.token_list
         rank = preorder(parents)
         order[i, :k] = rank
         parent_rows[i, :k] = representative_rows(tree, rank)
-        depths[i, :k] = depths_of(parents)
+        depths[i, :k] = tree.depth_list
         valid[i, :m] = True
         a = ancestor_words(parents) if words is None else words[i]
         ancestors[i, :k + 1, :a.shape[1]] = a

@@ -9,6 +9,7 @@ runs n + 1 rows: row 0 = root, row 1 + i = node i. Everything here is plain torc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -23,11 +24,35 @@ class DraftTree:
         n = self.tokens.shape[0]
         if self.parents.shape != (n,):
             raise ValueError(f"parents {tuple(self.parents.shape)} must match tokens {tuple(self.tokens.shape)}")
-        p = self.parents.tolist()
+        p = self.parent_list
         bad = [i for i, q in enumerate(p) if not -1 <= q < i]
         if bad:
             raise ValueError(f"node {bad[0]} has parent {p[bad[0]]}: a parent must come before its children "
                              "(-1 <= parent < node)")
+
+    @classmethod
+    def of(cls, tokens, parents) -> "DraftTree":
+        """From host sequences (a plan's tuples), keeping them as the host lists: planning a GPU step reads the
+        tree's shape in Python several times, and a tensor's tolist each time costs more than the work."""
+        tree = cls.__new__(cls)
+        object.__setattr__(tree, "tokens", torch.tensor(tokens, dtype=torch.long))
+        object.__setattr__(tree, "parents", torch.tensor(parents, dtype=torch.long))
+        tree.__dict__["token_list"], tree.__dict__["parent_list"] = list(tokens), list(parents)
+        tree.__post_init__()
+        return tree
+
+    # host copies, computed once (the tensors of a frozen tree never change)
+    @cached_property
+    def token_list(self) -> list[int]:
+        return self.tokens.tolist()
+
+    @cached_property
+    def parent_list(self) -> list[int]:
+        return self.parents.tolist()
+
+    @cached_property
+    def depth_list(self) -> list[int]:
+        return depths_of(self.parent_list)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -35,7 +60,7 @@ class DraftTree:
     @property
     def depths(self) -> torch.Tensor:
         """[n] depth of each node; the root's children are depth 1."""
-        return torch.tensor(depths_of(self.parents.tolist()), dtype=torch.long)
+        return torch.tensor(self.depth_list, dtype=torch.long)
 
     def children(self, node: int) -> list[int]:
         """Children of `node` (-1 = the root), in node order."""
