@@ -175,6 +175,57 @@ class HostToDevice(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def test_the_gpu_plan_is_the_trees_packed_as_the_reference_packers_pack_them():
+    """GPUTreeRuntime.prepare builds a step's arrays in one pass over host lists; on random steps (trees of 1-39
+    nodes: one and two ancestor words, equal siblings, greedy / sampled / other requests, batch rows without drafts)
+    its ancestor bits, node positions and padded trees equal trees.tree.ancestor_words, the trees' depths and
+    trees.batch.pack_trees, and the logit rows and the batched trees' rows are where vLLM lays them out."""
+    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.trees.batch import pack_trees
+    from vllm_adaspec.trees.tree import ancestor_words
+
+    g = np.random.default_rng(0)
+    for trial in range(60):
+        b = int(g.integers(1, 9))
+        req_ids = [f"r{i}" for i in range(b)]
+        plans = {}
+        for r in req_ids:
+            if g.random() < 0.8:
+                n = int(g.integers(1, 40 if trial % 2 else 17))
+                parents = [-1] + [int(g.integers(-1, i)) for i in range(1, n)]
+                plans[r] = DraftPlan(tuple(int(t) for t in g.integers(0, 4, n)), tuple(parents), tree_path=True)
+        spec = {r: list(p.tokens) for r, p in plans.items()}
+        qs = np.concatenate([[0], np.cumsum([1 + len(spec.get(r, ())) for r in req_ids])])
+        kinds = {r: ("greedy", "sampled", None)[int(g.integers(0, 3))] for r in req_ids}
+        rt = GPUTreeRuntime("cpu", plain=kinds.get, max_rows=65)
+        rt.heads, rt.block_q = (32, 8, 128), 4
+        step = plan_step(req_ids, qs, g.integers(10, 3000, b), spec, plans, int(qs[-1]))
+        if step is None:
+            continue
+        dev = rt.prepare(step).device
+        width = max(len(r.tree) for r in step.requests)
+        words = max(1, -(-(width + 1) // 32))
+        want_bits = np.concatenate([ancestor_words(r.tree.parents.tolist(), words) for r in step.requests])
+        assert np.array_equal(dev.launch.bits.numpy().view(np.uint32), want_bits.astype(np.uint32)), trial
+        rows, pos = step.depth_positions()
+        assert torch.equal(dev.node_rows, torch.from_numpy(rows)) and torch.equal(dev.node_positions,
+                                                                                   torch.from_numpy(pos))
+        batched = [step.requests[k] for k in dev.batched]
+        assert [kinds[r.req_id] for r in batched] == sorted((kinds[r.req_id] for r in batched),
+                                                            key=("greedy", "sampled").index)
+        assert set(dev.batched) == {k for k, r in enumerate(step.requests) if kinds[r.req_id]}
+        if not batched:
+            assert dev.trees is None
+            continue
+        want = pack_trees([r.tree for r in batched], [r.num_verified for r in batched], width=width)
+        for name in ("tokens", "parent_rows", "depths", "valid", "ancestors", "order"):
+            assert torch.equal(getattr(dev.trees, name), getattr(want, name)), (trial, name)
+        assert dev.batched_rows.tolist() == [r.row for r in batched]
+        start = np.concatenate([[0], np.cumsum(step.num_drafts + 1)])
+        for got, r in zip(dev.logit_rows.tolist(), batched):
+            assert got == [int(start[r.row]) + min(j, len(r.tree)) for j in range(width + 1)]
+
+
 def test_nothing_in_the_gpu_step_reads_a_device_value(monkeypatch):
     """On the meta device (tensors without values) a host read of a device value raises: the step from planning to
     compaction, with vLLM's chain indices, greedy and sampled trees verified in the batch, a tree verified on the host

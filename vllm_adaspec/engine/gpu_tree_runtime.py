@@ -35,8 +35,7 @@ from vllm_adaspec.engine.tree_runtime import TreeRuntime, TreeStep
 from vllm_adaspec.engine.tree_sampler import chain_indices
 from vllm_adaspec.kernels import kv_compaction, tree_verify
 from vllm_adaspec.kernels import tree_attention as kernels
-from vllm_adaspec.trees.batch import TreeBatch, draw_rows, pack_trees, pack_words
-from vllm_adaspec.trees.tree import ancestor_words
+from vllm_adaspec.trees.batch import TreeBatch, draw_rows, pack_words, preorder, representative_rows
 
 ALIGN_BYTES = 16  # Triton specializes a pointer argument on 16-byte alignment: every staged array starts on one
 
@@ -44,6 +43,32 @@ ALIGN_BYTES = 16  # Triton specializes a pointer argument on 16-byte alignment: 
 def int32_words(words: np.ndarray) -> np.ndarray:
     """32-bit words held in int64 (0 .. 2^32 - 1) as the int32 the kernel reads (the same bits)."""
     return words.astype(np.uint32).view(np.int32)
+
+
+def _words(anc: list[list[int]], words: int) -> np.ndarray:
+    """Ancestor rows as Python ints (bit c: row c) -> [rows, words] uint32, bit c % 32 of word c // 32."""
+    flat = [x for a in anc for x in a]
+    if words == 1:
+        return np.array(flat, dtype=np.uint32).reshape(-1, 1)
+    return np.array([[(x >> (32 * j)) & 0xFFFFFFFF for x in flat] for j in range(words)], dtype=np.uint32).T
+
+
+def _padded_trees(trees, verified: list[int], bits: list[np.ndarray], width: int) -> list:
+    """trees/batch.pack_trees' six arrays (tokens, parent rows, depths, valid, ancestors, order) from the trees' host
+    lists and their ancestor words already computed (`bits` [n + 1, W] each), padded to `width` nodes."""
+    tokens, parent_rows, depths, valid, order = [], [], [], [], []
+    ancestors = np.zeros((len(trees), width + 1, bits[0].shape[1]), dtype=np.int64)
+    for b, (tree, m, a) in enumerate(zip(trees, verified, bits)):
+        n = len(tree)
+        pad = [0] * (width - n)
+        rank = preorder(tree.parent_list)
+        tokens += tree.token_list + pad
+        parent_rows += representative_rows(tree, rank) + pad
+        depths += tree.depth_list + pad
+        valid += [1] * m + [0] * (width - m)
+        order += rank + pad
+        ancestors[b, :n + 1] = a
+    return [tokens, parent_rows, depths, valid, ancestors, order]
 
 
 class StagingBuffer:
@@ -54,7 +79,7 @@ class StagingBuffer:
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = torch.device(device), dtype
-        self.host, self.dev = [None, None], [None, None]
+        self.host, self.dev, self.flat = [None, None], [None, None], [None, None]
         self.turn = 0
         self.align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
 
@@ -62,22 +87,24 @@ class StagingBuffer:
         """Each array's device copy (same shape), all from one transfer."""
         a_ = self.align
         sizes = [a.size for a in arrays]
-        starts, at = [], 0
-        for n in sizes:
-            starts.append(at)
-            at += -(-n // a_) * a_
-        total = max(1, at)
+        spans = [-(-n // a_) * a_ for n in sizes]
+        total = max(1, sum(spans))
         self.turn ^= 1
         t = self.turn
         if self.host[t] is None or self.host[t].numel() < total:
             cap = 1 << math.ceil(math.log2(total))
             self.host[t] = torch.empty(cap, dtype=self.dtype, pin_memory=self.device.type == "cuda")
             self.dev[t] = torch.empty(cap, dtype=self.dtype, device=self.device)
-        flat = self.host[t].numpy()
-        for a, n, s in zip(arrays, sizes, starts):
-            flat[s:s + n] = a.reshape(-1)
+            self.flat[t] = self.host[t].numpy()
+        flat, at = self.flat[t], 0
+        for a, n, span in zip(arrays, sizes, spans):
+            flat[at:at + n] = a.reshape(-1)
+            at += span
         self.dev[t][:total].copy_(self.host[t][:total], non_blocking=True)
-        return [self.dev[t][s:s + n].view(a.shape) for a, n, s in zip(arrays, sizes, starts)]
+        # the views in one call (a slice each in Python costs more than the copy at these sizes)
+        parts = self.dev[t][:sum(spans)].split(spans) if spans else ()
+        return [p if n == span and a.ndim == 1 else p[:n].view(a.shape)
+                for p, a, n, span in zip(parts, arrays, sizes, spans)]
 
 
 @dataclass
@@ -204,51 +231,62 @@ class GPUTreeRuntime(TreeRuntime):
         if step is None:
             return None
         reqs = step.requests
-        sizes = np.array([len(r.tree) for r in reqs], dtype=np.int64)
-        width = int(sizes.max())
-        starts = np.array([r.start for r in reqs], dtype=np.int64)
-        rows = np.array([r.row for r in reqs], dtype=np.int64)
-        roots = np.array([r.root_pos for r in reqs], dtype=np.int64)
-        node_rows, node_pos = step.depth_positions()
-        # the kernel: tree rows (root + nodes) packed, each with its ancestor bits
-        q_rows = np.concatenate([np.arange(s, s + n + 1) for s, n in zip(starts, sizes)])
-        cu = np.concatenate([[0], np.cumsum(sizes + 1)])
+        sizes = [len(r.tree) for r in reqs]
+        width = max(sizes)
         words = max(1, -(-(width + 1) // 32))
-        tree_words = [ancestor_words(r.tree.parent_list, words) for r in reqs]  # [n + 1, W] each
-        bits = int32_words(np.concatenate(tree_words))
+        rows = [r.row for r in reqs]
+        # one pass over the trees (host lists; an array each at the end): every tree row in the forward, the nodes'
+        # rows and positions (root + depth), each row's ancestor bits (its parent's plus its own)
+        q_rows, node_rows, node_pos, anc = [], [], [], []
+        for r, n in zip(reqs, sizes):
+            s, root = r.start, r.root_pos
+            q_rows.extend(range(s, s + n + 1))
+            node_rows.extend(range(s + 1, s + n + 1))
+            node_pos.extend([root + d for d in r.tree.depth_list])
+            a = [1]
+            for i, q in enumerate(r.tree.parent_list):
+                a.append(a[q + 1] | (2 << i))
+            anc.append(a)
+        cu = [0]
+        for n in sizes:
+            cu.append(cu[-1] + n + 1)
+        bits = _words(anc, words)  # [T, W] uint32
         # plain trees, greedy then sampled: verified together; where their rows' logits are (per batch row: drafts + 1)
         kinds = [self.plain(r.req_id) for r in reqs]
         greedy = [k for k, kind in enumerate(kinds) if kind == "greedy"]
         batched = greedy + [k for k, kind in enumerate(kinds) if kind == "sampled"]
-        logit_start = np.concatenate([[0], np.cumsum(step.num_drafts + 1)])
-        logit_rows = np.stack([logit_start[reqs[k].row] + np.minimum(np.arange(width + 1), sizes[k])
-                               for k in batched]) if batched else np.zeros((0, width + 1), dtype=np.int64)
-        trees = pack_trees([reqs[k].tree for k in batched], [reqs[k].num_verified for k in batched], width=width,
-                           words=[tree_words[k] for k in batched]) if batched else None
-        keep, num, cu_draft, cu_sampled = chain_indices(step.num_drafts, set(rows.tolist()))
-        firsts = (np.cumsum(step.num_drafts) - step.num_drafts)[rows]
-        longs = [node_rows, node_pos, rows, starts, sizes, np.array(batched, dtype=np.int64), logit_rows,
-                 keep, cu_draft, cu_sampled, firsts]
-        if trees is not None:
-            longs += [trees.tokens.numpy(), trees.parent_rows.numpy(), trees.depths.numpy(),
-                      trees.valid.numpy().astype(np.int64), trees.ancestors.numpy(), trees.order.numpy()]
-        dev = self._long.upload([np.ascontiguousarray(a, dtype=np.int64) for a in longs])
-        ints = self._int.upload([q_rows.astype(np.int32), cu.astype(np.int32), roots.astype(np.int32),
-                                 rows.astype(np.int32), bits.astype(np.int32), (sizes + 1).astype(np.int32)])
+        num_drafts = step.num_drafts
+        logit_start = np.concatenate([[0], np.cumsum(num_drafts + 1)]).tolist()
+        upto = np.arange(width + 1)
+        logit_rows = [np.minimum(upto, sizes[k]) + logit_start[rows[k]] for k in batched]
+        keep, num, cu_draft, cu_sampled = chain_indices(num_drafts, set(rows))
+        firsts = (np.cumsum(num_drafts) - num_drafts)[rows]
+        longs = [node_rows, node_pos, rows, [r.start for r in reqs], sizes, batched, logit_rows, keep, cu_draft,
+                 cu_sampled, firsts, [rows[k] for k in batched]]
+        shapes = [None] * len(longs)
+        shapes[6] = (len(batched), width + 1)
+        longs[6] = np.concatenate(logit_rows) if batched else []
+        if batched:
+            longs += _padded_trees([reqs[k].tree for k in batched], [reqs[k].num_verified for k in batched],
+                                   [bits[cu[k]:cu[k + 1]] for k in batched], width)
+            shapes += [(len(batched), width)] * 4 + [(len(batched), width + 1, words), (len(batched), width)]
+        dev = self._long.upload([np.asarray(a, dtype=np.int64).reshape(shape or -1) for a, shape in zip(longs, shapes)])
+        ints = self._int.upload([np.asarray(a, dtype=np.int32) for a in (q_rows, cu, [r.root_pos for r in reqs], rows)]
+                                + [bits.view(np.int32), np.asarray(sizes, dtype=np.int32) + 1])
         d_q_rows, d_cu, d_roots, d_bt_rows, d_bits, d_seq = ints
         (d_node_rows, d_node_pos, d_rows, d_starts, d_sizes, d_batched, d_logit_rows, d_keep, d_cu_draft,
-         d_cu_sampled, d_firsts) = dev[:11]
+         d_cu_sampled, d_firsts, d_batched_rows) = dev[:12]
         d_trees = None
-        if trees is not None:
-            tok, par, dep, val, anc, order = dev[11:]
-            d_trees = TreeBatch(tok, par, dep, val.bool(), anc, order)
+        if batched:
+            tok, par, dep, val, anc_words, order = dev[12:]
+            d_trees = TreeBatch(tok, par, dep, val.bool(), anc_words, order)
         hq, hkv, d = self.heads
-        plan = kernels.plan_launch(d_roots, d_cu, d_bits.view(len(q_rows), words), d_q_rows, d_bt_rows, hq, hkv, d,
-                                   max_rows=width + 1, longest=int((roots + sizes + 1).max()), tree_lens=d_seq,
-                                   block_q=self.block_q)
+        longest = max(r.root_pos + n + 1 for r, n in zip(reqs, sizes))
+        plan = kernels.plan_launch(d_roots, d_cu, d_bits, d_q_rows, d_bt_rows, hq, hkv, d, max_rows=width + 1,
+                                   longest=longest, tree_lens=d_seq, block_q=self.block_q)
         step.device = DeviceStep(plan, d_node_rows, d_node_pos, d_rows, d_seq, d_starts, d_sizes, width, batched,
-                                 len(greedy), d_batched, d_rows[d_batched] if batched else d_rows[:0], d_logit_rows,
-                                 d_trees, (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num))
+                                 len(greedy), d_batched, d_batched_rows, d_logit_rows, d_trees,
+                                 (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num))
         return step
 
     def write_step(self, step: TreeStep, positions: torch.Tensor, seq_lens: torch.Tensor) -> None:
