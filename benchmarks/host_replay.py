@@ -25,7 +25,7 @@ import argparse
 import hashlib
 import json
 import os
-import statistics
+import subprocess
 import sys
 import time
 import types
@@ -352,6 +352,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="replays per column (the median step's parts)")
     p.add_argument("--out", default=None, help="JSON of every column")
+    p.add_argument("--one", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # child: batch size, MB
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
@@ -388,19 +389,29 @@ def main() -> None:
         else:
             klass = getattr(module, cls)
             setattr(klass, name, _timed(getattr(klass, name), label, acc))
+    if args.one is not None:  # one replay, in a process of its own (a second replay in the same process runs
+        # slower: the first one's objects stay and the garbage collector walks them)
+        b, mb = args.one
+        r = replay(data, b, settings, model, mb, acc, args.max_tokens, heads_once)
+        r["parts"] = {label: 1e3 * acc[label][0] / r["steps"] for label, _, _ in parts}
+        r["parts"][SHADOW] = 1e3 * acc[SHADOW][0] / r["steps"]
+        r["host"] = [sum(r["host_ms"]) / r["steps"], sum(r["host_ms"]) / r["steps"] - r["parts"][HEADS]]
+        r["ref"] = sum(r["ref_ms"]) / r["steps"]
+        print("@@" + json.dumps({k: v for k, v in r.items() if k not in ("host_ms", "ref_ms")}), flush=True)
+        return
     columns = []
     for b in args.batch_size:
         for mb in args.evict_mb:
             runs = []
             for _ in range(args.repeats):
-                acc.clear()
-                r = replay(data, b, settings, model, mb, acc, args.max_tokens, heads_once)
-                r["parts"] = {label: 1e3 * acc[label][0] / r["steps"] for label, _, _ in parts}
-                r["parts"][SHADOW] = 1e3 * acc[SHADOW][0] / r["steps"]
-                host = [sum(r["host_ms"]) / r["steps"], 0.0]
-                host[1] = host[0] - r["parts"][HEADS]
-                r["host"], r["ref"] = host, sum(r["ref_ms"]) / r["steps"]
-                runs.append(r)
+                cmd = [sys.executable, __file__, "--one", str(b), str(mb), "--model", args.model, "--settings",
+                       args.settings, "--datasets", *args.datasets, "--num-prompts", str(args.num_prompts),
+                       "--max-tokens", str(args.max_tokens)]
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                line = next((x for x in out.stdout.splitlines() if x.startswith("@@")), None)
+                if line is None:
+                    sys.exit(f"replay failed:\n{out.stderr[-3000:]}")
+                runs.append(json.loads(line[2:]))
             runs.sort(key=lambda r: r["host"][1])
             med = runs[len(runs) // 2]
             med.update(batch=b, evict_mb=mb, spread=[runs[0]["host"][1], runs[-1]["host"][1]])
