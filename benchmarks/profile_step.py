@@ -158,7 +158,12 @@ def child(args) -> dict:
     model = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(model)
     sets = [d for ds in args.datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
-    prompts = [p for ds in sets for p in load_prompts(ds, args.num_prompts, tokenizer=tok)]
+    # the warm-up runs other prompts than the measured ones: vLLM's suffix cache and our suffix pool remember the
+    # outputs of earlier requests, and a measured prompt seen in the warm-up would be drafted from its own output
+    extra = -(-args.batch_size // len(sets))
+    loaded = [load_prompts(ds, args.num_prompts + extra, tokenizer=tok) for ds in sets]
+    prompts = [p for got in loaded for p in got[:args.num_prompts]]
+    warm = [p for got in loaded for p in got[args.num_prompts:]][:args.batch_size]
     install(acc)
     if args.gpu_plan:
         shadow_gpu_planning(acc, model)
@@ -170,7 +175,7 @@ def child(args) -> dict:
         if where is None:
             setattr(runner, name, _timed(getattr(runner, name), label, acc))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    llm.generate(prompts[:args.batch_size], params, use_tqdm=False)  # warm-up
+    llm.generate(warm, params, use_tqdm=False)  # warm-up
     acc.clear()
     prof = None
     if args.cprofile:
