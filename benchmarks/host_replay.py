@@ -47,6 +47,24 @@ ROWS_8B = {1: {1: 1.0, 4: 1.11, 16: 1.15, 64: 1.18}, 8: {1: 1.0, 4: 1.18, 16: 1.
            32: {1: 1.0, 4: 1.69, 16: 2.56, 64: 7.71}}
 
 
+# --fine: (label, where, method) as profile_step.PARTS
+FINE = [
+    ("fine: pools' extend (observe)", "vllm_adaspec.pools:PoolSet", "extend"),
+    ("fine: pools' start (observe, a request's first step)", "vllm_adaspec.pools:PoolSet", "start"),
+    ("fine: calibration feedback (observe)", "vllm_adaspec.proposers.multi_branch:MultiBranchDrafter", "_calibrate"),
+    ("fine: outcomes (driver)", "vllm_adaspec.proposers.driver:Driver", "_outcomes"),
+    ("fine: tree_rows (draft)", "vllm_adaspec.proposers.driver:Driver", "tree_rows"),
+    ("fine: pool taps (draft)", "vllm_adaspec.proposers.multi_branch:MultiBranchDrafter", "_pool_taps"),
+    ("fine: ranked (draft)", "vllm_adaspec.proposers.multi_branch:ranked", None),
+    ("fine: best_prefix (draft)", "vllm_adaspec.proposers.multi_branch:best_prefix", None),
+    ("fine: chains_where_cheaper (draft)", "vllm_adaspec.proposers.multi_branch:chains_where_cheaper", None),
+    ("fine: subtree (draft)", "vllm_adaspec.proposers.multi_branch:subtree", None),
+    ("fine: route (driver)", "vllm_adaspec.proposers.driver:Driver", "_route"),
+    ("fine: account (driver)", "vllm_adaspec.proposers.driver:Driver", "_account"),
+    ("fine: plan_step (GPU plan)", "vllm_adaspec.engine.tree_runtime:plan_step", None),
+]
+
+
 def forward_ms(batch: int, rows: int) -> float:
     """The simulated 8B step: the table's batch size nearest below (by log), linear in rows per request."""
     b = 1 if batch < 3 else 8 if batch < 16 else 32
@@ -352,6 +370,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="replays per column (the median step's parts)")
     p.add_argument("--out", default=None, help="JSON of every column")
+    p.add_argument("--fine", action="store_true", help="also time the drafter's smaller parts")
     p.add_argument("--one", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # child: batch size, MB
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -373,6 +392,8 @@ def main() -> None:
 
     acc = defaultdict(lambda: [0.0, 0])
     parts = [(label, where, name) for label, where, name in PARTS if where and where.startswith("vllm_adaspec")]
+    if args.fine:  # the drafter's smaller parts too (nested timers cost ~1 us a call: compare parts, not totals)
+        parts += FINE
     import importlib
 
     for label, where, name in parts:
@@ -406,7 +427,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 cmd = [sys.executable, __file__, "--one", str(b), str(mb), "--model", args.model, "--settings",
                        args.settings, "--datasets", *args.datasets, "--num-prompts", str(args.num_prompts),
-                       "--max-tokens", str(args.max_tokens)]
+                       "--max-tokens", str(args.max_tokens)] + (["--fine"] if args.fine else [])
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 line = next((x for x in out.stdout.splitlines() if x.startswith("@@")), None)
                 if line is None:

@@ -394,3 +394,30 @@ def test_a_tree_built_from_host_tuples_is_the_tree_and_keeps_its_host_lists():
     assert a.depth_list == b.depth_list == [1, 1, 2, 3, 2] and torch.equal(a.depths, b.depths)
     with pytest.raises(ValueError, match="node 1 has parent 1"):
         DraftTree.of((1, 2), (-1, 1))
+
+
+def test_preorder_is_the_depth_first_walk_with_children_in_node_order():
+    """trees.batch.preorder (sorted root paths) ranks nodes as a depth-first walk visiting children in node order
+    does, on random trees of 0-70 nodes."""
+    import random
+
+    from vllm_adaspec.trees.batch import preorder
+
+    def walk(parents):
+        kids: dict[int, list[int]] = {}
+        for j, q in enumerate(parents):
+            kids.setdefault(q, []).append(j)
+        rank, at = [0] * len(parents), 0
+
+        def visit(node):
+            nonlocal at
+            for c in kids.get(node, []):
+                rank[c], at = at, at + 1
+                visit(c)
+        visit(-1)
+        return rank
+
+    rng = random.Random(0)
+    for _ in range(500):
+        parents = [rng.randint(-1, i - 1) for i in range(rng.randint(0, 70))]
+        assert preorder(parents) == walk(parents), parents

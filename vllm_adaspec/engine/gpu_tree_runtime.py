@@ -35,7 +35,7 @@ from vllm_adaspec.engine.tree_runtime import TreeRuntime, TreeStep
 from vllm_adaspec.engine.tree_sampler import chain_indices
 from vllm_adaspec.kernels import kv_compaction, tree_verify
 from vllm_adaspec.kernels import tree_attention as kernels
-from vllm_adaspec.trees.batch import TreeBatch, draw_rows, pack_words, preorder, representative_rows
+from vllm_adaspec.trees.batch import TreeBatch, draw_rows, pack_words, representative_rows, walk_order
 
 ALIGN_BYTES = 16  # Triton specializes a pointer argument on 16-byte alignment: every staged array starts on one
 
@@ -61,9 +61,9 @@ def _padded_trees(trees, verified: list[int], bits: list[np.ndarray], width: int
     for b, (tree, m, a) in enumerate(zip(trees, verified, bits)):
         n = len(tree)
         pad = [0] * (width - n)
-        rank = preorder(tree.parent_list)
+        rank, walk = walk_order(tree.parent_list)
         tokens += tree.token_list + pad
-        parent_rows += representative_rows(tree, rank) + pad
+        parent_rows += representative_rows(tree, order=walk) + pad
         depths += tree.depth_list + pad
         valid += [1] * m + [0] * (width - m)
         order += rank + pad
@@ -83,12 +83,29 @@ class StagingBuffer:
         self.turn = 0
         self.align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
 
-    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """Each array's device copy (same shape), all from one transfer."""
+    def upload(self, arrays: list) -> list[torch.Tensor]:
+        """Each array's device copy, all from one transfer: numpy arrays keep their shape, Python lists are 1-D. In the
+        buffer the lists come first, laid out as one Python list and converted once, then each numpy array; the device
+        views come from one split (a numpy array and a device slice per small piece cost more than the copy)."""
         a_ = self.align
-        sizes = [a.size for a in arrays]
-        spans = [-(-n // a_) * a_ for n in sizes]
-        total = max(1, sum(spans))
+        lists = [i for i, a in enumerate(arrays) if not isinstance(a, np.ndarray)]
+        arrs = [i for i, a in enumerate(arrays) if isinstance(a, np.ndarray)]
+        flat, spans = [], []
+        for i in lists:
+            a = arrays[i]
+            pad = -len(a) % a_
+            flat += a
+            if pad:
+                flat += _ZEROS[:pad]
+            spans += (len(a), pad)
+        at = len(flat)
+        starts = []
+        for i in arrs:
+            n = arrays[i].size
+            starts.append(at)
+            spans += (n, -n % a_)
+            at += n + spans[-1]
+        total = max(1, at)
         self.turn ^= 1
         t = self.turn
         if self.host[t] is None or self.host[t].numel() < total:
@@ -96,15 +113,20 @@ class StagingBuffer:
             self.host[t] = torch.empty(cap, dtype=self.dtype, pin_memory=self.device.type == "cuda")
             self.dev[t] = torch.empty(cap, dtype=self.dtype, device=self.device)
             self.flat[t] = self.host[t].numpy()
-        flat, at = self.flat[t], 0
-        for a, n, span in zip(arrays, sizes, spans):
-            flat[at:at + n] = a.reshape(-1)
-            at += span
+        host = self.flat[t]
+        host[:len(flat)] = flat
+        for i, s in zip(arrs, starts):
+            host[s:s + arrays[i].size] = arrays[i].reshape(-1)
         self.dev[t][:total].copy_(self.host[t][:total], non_blocking=True)
-        # the views in one call (a slice each in Python costs more than the copy at these sizes)
-        parts = self.dev[t][:sum(spans)].split(spans) if spans else ()
-        return [p if n == span and a.ndim == 1 else p[:n].view(a.shape)
-                for p, a, n, span in zip(parts, arrays, sizes, spans)]
+        parts = self.dev[t][:at].split_with_sizes(spans)[::2]
+        out = [None] * len(arrays)
+        for i, p in zip(lists + arrs, parts):
+            a = arrays[i]
+            out[i] = p.view(a.shape) if isinstance(a, np.ndarray) and a.ndim != 1 else p
+        return out
+
+
+_ZEROS = [0] * 64  # alignment padding
 
 
 @dataclass
@@ -270,9 +292,10 @@ class GPUTreeRuntime(TreeRuntime):
             longs += _padded_trees([reqs[k].tree for k in batched], [reqs[k].num_verified for k in batched],
                                    [bits[cu[k]:cu[k + 1]] for k in batched], width)
             shapes += [(len(batched), width)] * 4 + [(len(batched), width + 1, words), (len(batched), width)]
-        dev = self._long.upload([np.asarray(a, dtype=np.int64).reshape(shape or -1) for a, shape in zip(longs, shapes)])
-        ints = self._int.upload([np.asarray(a, dtype=np.int32) for a in (q_rows, cu, [r.root_pos for r in reqs], rows)]
-                                + [bits.view(np.int32), np.asarray(sizes, dtype=np.int32) + 1])
+        dev = self._long.upload([a if shape is None else np.asarray(a, dtype=np.int64).reshape(shape)
+                                 for a, shape in zip(longs, shapes)])
+        ints = self._int.upload([q_rows, cu, [r.root_pos for r in reqs], rows, bits.view(np.int32),
+                                 [n + 1 for n in sizes]])
         d_q_rows, d_cu, d_roots, d_bt_rows, d_bits, d_seq = ints
         (d_node_rows, d_node_pos, d_rows, d_starts, d_sizes, d_batched, d_logit_rows, d_keep, d_cu_draft,
          d_cu_sampled, d_firsts, d_batched_rows) = dev[:12]

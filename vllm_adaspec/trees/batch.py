@@ -53,29 +53,35 @@ def pack_words(mask: torch.Tensor) -> torch.Tensor:
 def preorder(parents: list[int]) -> list[int]:
     """Each node's rank in depth-first order, children in node order: the order of the nodes' root paths (as node
     lists) compared lexicographically, which is the order verify_greedy's frontier keeps."""
-    kids: dict[int, list[int]] = {}
+    return walk_order(parents)[0]
+
+
+def walk_order(parents: list[int]) -> tuple[list[int], list[int]]:
+    """(rank, order): `preorder`'s ranks and the nodes in that order (the root paths sorted as tuples: one C-level
+    sort instead of a walk in Python)."""
+    paths: list[tuple] = []
     for j, q in enumerate(parents):
-        kids.setdefault(q, []).append(j)
-    rank, stack = [0] * len(parents), list(reversed(kids.get(-1, [])))
-    at = 0
-    while stack:
-        j = stack.pop()
-        rank[j], at = at, at + 1
-        stack.extend(reversed(kids.get(j, [])))
-    return rank
+        paths.append(paths[q] + (j,) if q >= 0 else (j,))
+    order = sorted(range(len(parents)), key=paths.__getitem__)
+    rank = [0] * len(parents)
+    for r, j in enumerate(order):
+        rank[j] = r
+    return rank, order
 
 
-def representative_rows(tree: DraftTree, rank: list[int] | None = None) -> list[int]:
+def representative_rows(tree: DraftTree, rank: list[int] | None = None, order: list[int] | None = None) -> list[int]:
     """For each node, the row whose output it must equal: its parent's, or, where siblings are equal (the same
     tokens from the root: the same text), the first such node's in `preorder` (verify_greedy's frontier[0]). 0 = the
-    root's row."""
+    root's row. (order: the nodes by rank, when known.)"""
     parents, tokens = tree.parent_list, tree.token_list
-    rank = preorder(parents) if rank is None else rank
+    if order is None:
+        rank = preorder(parents) if rank is None else rank
+        order = sorted(range(len(parents)), key=rank.__getitem__)
     first: dict[tuple[int, int], int] = {}
     rep = [0] * len(parents)  # rep[j]: the representative node of node j
-    for j in sorted(range(len(parents)), key=rank.__getitem__):  # parents before children, the first first
-        key = (rep[parents[j]] if parents[j] >= 0 else -1, tokens[j])
-        rep[j] = first.setdefault(key, j)
+    for j in order:  # parents before children, the first first
+        q = parents[j]
+        rep[j] = first.setdefault((rep[q] if q >= 0 else -1, tokens[j]), j)
     return [0 if q < 0 else rep[q] + 1 for q in parents]
 
 
@@ -98,9 +104,9 @@ def pack_trees(trees: list[DraftTree], verified: list[int] | None = None, width:
         k = len(tree)
         parents = tree.parent_list
         tokens[i, :k] = tree.token_list
-        rank = preorder(parents)
+        rank, walk = walk_order(parents)
         order[i, :k] = rank
-        parent_rows[i, :k] = representative_rows(tree, rank)
+        parent_rows[i, :k] = representative_rows(tree, order=walk)
         depths[i, :k] = tree.depth_list
         valid[i, :m] = True
         a = ancestor_words(parents) if words is None else words[i]

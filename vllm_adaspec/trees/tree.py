@@ -24,6 +24,9 @@ class DraftTree:
         n = self.tokens.shape[0]
         if self.parents.shape != (n,):
             raise ValueError(f"parents {tuple(self.parents.shape)} must match tokens {tuple(self.tokens.shape)}")
+        self._check_parents()
+
+    def _check_parents(self) -> None:
         p = self.parent_list
         bad = [i for i, q in enumerate(p) if not -1 <= q < i]
         if bad:
@@ -32,13 +35,14 @@ class DraftTree:
 
     @classmethod
     def of(cls, tokens, parents) -> "DraftTree":
-        """From host sequences (a plan's tuples), keeping them as the host lists: planning a GPU step reads the
-        tree's shape in Python several times, and a tensor's tolist each time costs more than the work."""
-        tree = cls.__new__(cls)
-        object.__setattr__(tree, "tokens", torch.tensor(tokens, dtype=torch.long))
-        object.__setattr__(tree, "parents", torch.tensor(parents, dtype=torch.long))
+        """From host sequences (a plan's tuples), keeping them as host lists; the tensors are made when first read.
+        Planning a GPU step reads only the tree's shape, in Python: two tensors per tree and their tolist each
+        time cost more than the work."""
+        tree = _HostTree.__new__(_HostTree)
         tree.__dict__["token_list"], tree.__dict__["parent_list"] = list(tokens), list(parents)
-        tree.__post_init__()
+        if len(tree.token_list) != len(tree.parent_list):
+            raise ValueError(f"parents ({len(tree.parent_list)}) must match tokens ({len(tree.token_list)})")
+        tree._check_parents()
         return tree
 
     # host copies, computed once (the tensors of a frozen tree never change)
@@ -55,7 +59,7 @@ class DraftTree:
         return depths_of(self.parent_list)
 
     def __len__(self) -> int:
-        return self.tokens.shape[0]
+        return len(self.token_list)
 
     @property
     def depths(self) -> torch.Tensor:
@@ -65,6 +69,18 @@ class DraftTree:
     def children(self, node: int) -> list[int]:
         """Children of `node` (-1 = the root), in node order."""
         return [i for i, q in enumerate(self.parents.tolist()) if q == node]
+
+
+class _HostTree(DraftTree):
+    """A DraftTree made from host lists (DraftTree.of): its tensors are built when first read."""
+
+    @cached_property
+    def tokens(self) -> torch.Tensor:  # noqa: F811 (the field, computed)
+        return torch.tensor(self.token_list, dtype=torch.long)
+
+    @cached_property
+    def parents(self) -> torch.Tensor:  # noqa: F811
+        return torch.tensor(self.parent_list, dtype=torch.long)
 
 
 def is_chain(parents) -> bool:
