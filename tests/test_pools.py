@@ -41,6 +41,31 @@ def test_context_falls_back_to_shorter_matches_and_is_incremental():
     assert as_paths(propose_context(idx, depth=3)) == {(7,): 1.0, (7, 9): 1.0, (7, 9, 6): 1.0}
 
 
+def test_context_matches_are_every_earlier_occurrence_of_the_longest_repeated_suffix():
+    """ContextIndex.matches against its definition, by brute force, on random token streams fed in pieces (small
+    vocabularies: many repeats): the longest n <= max_n whose last n tokens occurred before, and the position right
+    after every such occurrence (the current one excluded), increasing."""
+    rng = np.random.default_rng(0)
+
+    def brute(toks, max_n):
+        size = len(toks)
+        for n in range(min(max_n, size), 0, -1):
+            ends = [p for p in range(n, size) if toks[p - n:p] == toks[size - n:]]
+            if ends:
+                return n, ends
+        return 0, []
+
+    for trial in range(300):
+        max_n, idx, toks = int(rng.integers(1, 6)), None, []
+        idx = ContextIndex(max_n=max_n)
+        for _ in range(int(rng.integers(1, 8))):
+            piece = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(0, 40))).tolist()
+            idx.extend(piece if trial % 2 else np.array(piece, dtype=np.int32))
+            toks += piece
+            assert idx.matches() == brute(toks, max_n), (trial, toks)
+        assert idx.tokens.tolist() == toks
+
+
 def test_context_caps_matches_and_nodes():
     idx = ContextIndex(max_n=1)
     idx.extend([x for t in range(100) for x in (1, t + 100)] + [1])

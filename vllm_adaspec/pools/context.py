@@ -3,37 +3,68 @@ occurred before), in its own prompt and output, with all distinct continuations 
 
 vLLM's `ngram` keeps the first match only; here the continuations of every match (the most recent `max_matches`)
 form a trie: a node's probability given its parent is the share of the parent's matches that continue with it.
-The index of n-gram ends grows with each committed token (O(max_n) per token), so a step never rescans the
-request."""
+Matches are found by one vectorised scan of the request's tokens per drafting step."""
 
 from __future__ import annotations
 
-from vllm_adaspec.pools import Candidates, Pool, Taps, as_ints, continuation_trie, prob_bucket
+import numpy as np
+
+from vllm_adaspec.pools import Candidates, Pool, Taps, continuation_trie, prob_bucket
 
 
 class ContextIndex:
-    """One request's tokens and, for every n-gram (n <= max_n), the positions right after its occurrences."""
+    """One request's tokens (prompt and output), searched for its last tokens when it drafts. A vectorised scan over
+    the tokens per step costs a few microseconds and nothing per committed token, where a dict of every n-gram's ends
+    cost ~0.7 ms to build over an 800-token prompt and four inserts per token."""
 
     def __init__(self, max_n: int = 4):
         self.max_n = max_n
-        self.tokens: list[int] = []
-        self.ends: dict[tuple[int, ...], list[int]] = {}
+        self._buf = np.zeros(64, dtype=np.int64)  # the tokens, for the scan
+        self._list: list[int] = []  # the same, for the few matches' checks in Python
+        self._size = 0
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._buf[:self._size]
 
     def extend(self, tokens) -> None:
-        for t in tokens:
-            p = len(self.tokens)
-            for n in range(1, min(self.max_n, p) + 1):
-                self.ends.setdefault(tuple(self.tokens[p - n:p]), []).append(p)
-            self.tokens.append(int(t))
+        new = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        end = self._size + len(new)
+        if end > len(self._buf):
+            grown = np.zeros(max(end, 2 * len(self._buf)), dtype=np.int64)
+            grown[:self._size] = self._buf[:self._size]
+            self._buf = grown
+        self._buf[self._size:end] = new
+        self._list += new.tolist()
+        self._size = end
 
     def matches(self) -> tuple[int, list[int]]:
-        """(n, positions after each earlier occurrence of the last n tokens) for the longest n that occurred."""
-        toks = self.tokens
-        for n in range(min(self.max_n, len(toks)), 0, -1):
-            found = self.ends.get(tuple(toks[len(toks) - n:]))
-            if found:
-                return n, found
-        return 0, []
+        """(n, positions after each earlier occurrence of the last n tokens) for the longest n <= max_n that occurred
+        (positions p < len with tokens[p - n:p] equal to the last n, increasing)."""
+        size, toks = self._size, self._list
+        if size < 2:
+            return 0, []
+        ends = np.flatnonzero(self._buf[:size - 1] == toks[-1]) + 1  # after an earlier occurrence of the last token
+        if not len(ends):
+            return 0, []
+        n = 1
+        if len(ends) <= 32:  # the usual case: a few matches, checked in Python
+            ends = ends.tolist()
+            for k in range(2, self.max_n + 1):  # longer matches are among the shorter ones' positions
+                want = toks[size - k] if k <= size else None
+                longer = [p for p in ends if p >= k and toks[p - k] == want]
+                if not longer:
+                    break
+                ends, n = longer, k
+            return n, ends
+        buf = self._buf
+        for k in range(2, self.max_n + 1):
+            longer = ends[ends >= k]
+            longer = longer[buf[longer - k] == buf[size - k]]
+            if not len(longer):
+                break
+            ends, n = longer, k
+        return n, ends.tolist()
 
 
 def propose_context(index: ContextIndex, depth: int, max_matches: int = 8, max_nodes: int = 16) -> Candidates:
@@ -43,7 +74,7 @@ def propose_context(index: ContextIndex, depth: int, max_matches: int = 8, max_n
     n, ends = index.matches()
     if not n:
         return Candidates()
-    toks = index.tokens
+    toks = index._list
     return continuation_trie(((toks[p:p + depth], 1) for p in ends[-max_matches:]), depth, max_nodes,
                              lambda prob: ("context", n, prob_bucket(prob)))
 
@@ -58,10 +89,10 @@ class ContextPool(Pool):
 
     def start(self, req_id, prompt) -> None:
         self.index[req_id] = ContextIndex(self.max_n)
-        self.index[req_id].extend(as_ints(prompt))
+        self.index[req_id].extend(prompt)
 
     def extend(self, req_id, tokens) -> None:
-        self.index[req_id].extend(as_ints(tokens))
+        self.index[req_id].extend(tokens)
 
     def stop(self, req_id) -> None:
         self.index.pop(req_id, None)
