@@ -9,9 +9,9 @@ tensors), every step, with the target replaced by an oracle that knows its greed
 (computed once with transformers, float32, with the final hidden states the Medusa pool reads): greedy verification
 is lossless, so each tree or chain accepts exactly what the target would. The forward is simulated: the clock the
 cost model learns from advances by the H100 Llama-3-8B step of issue 41's table for the step's rows, so decisions are
-the ones a GPU engine's cost model would make (more rows, trees). `--evict-mb` streams that many MB between steps, to
-reproduce the CPU engine's cold caches (600: what the CPU forward does; the replay's numbers should then meet
-`profile_step.py`'s).
+the ones a GPU engine's cost model would make (more rows, trees). Requests run as vLLM runs a queue with
+max_num_seqs = the batch size (a finished request's place goes to the next prompt). Each replay runs in a process
+of its own. `--evict-mb` streams that many MB before each propose, as this CPU's forward does to the caches.
 
     .venv/bin/python benchmarks/host_replay.py --batch-size 1 8 --evict-mb 0 600
 
@@ -274,84 +274,94 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     hidden_size = data[0]["hidden"].shape[1]
     steps = tokens = forwards = tree_steps = nodes = 0
     host_ms, ref_ms = [], []
+    names = [f"r{k}" for k in range(len(data))]
+    plen = [len(d["prompt"]) for d in data]
+    limit = [min(max_tokens, len(d["cont"])) for d in data]
+    token_ids = np.zeros((len(data), max(plen) + max_tokens + 64), dtype=np.int32)
+    for k, d in enumerate(data):
+        token_ids[k, :plen[k]] = d["prompt"]
+    made = [0] * len(data)  # tokens generated per request
+    queue = list(range(len(data)))[::-1]
+    medusa = "medusa" in driver.drafter.pools
     try:
-        for g0 in range(0, len(data), batch_size):
-            group = data[g0:g0 + batch_size]
-            names = [f"r{g0 + k}" for k in range(len(group))]
-            width = max(len(d["prompt"]) for d in group) + max_tokens + 64
-            token_ids = np.zeros((len(group), width), dtype=np.int32)
-            made = [0] * len(group)  # tokens generated per request
-            batch = list(range(len(group)))  # the engine's batch rows, in order
-            # the prefill step: each request's first token, its hidden row the prompt's last
-            got = {k: [group[k]["cont"][0]] for k in batch}
-            port.verified_rows, port.results = None, {}
-            hid = [group[k]["hidden"][len(group[k]["prompt"]) - 1] for k in batch]
-            port.taps = Taps(hidden=torch.stack(hid) if "medusa" in driver.drafter.pools else None)
-            while batch:
-                for k in batch:  # commit what the step sampled
-                    s = len(group[k]["prompt"]) + made[k]
-                    token_ids[k, :len(group[k]["prompt"])] = group[k]["prompt"]
-                    token_ids[k, s:s + len(got[k])] = got[k]
-                    made[k] += len(got[k])
-                    tokens += len(got[k])
-                port.req_ids = [names[k] for k in batch]
-                port.num_prompt = np.array([len(group[k]["prompt"]) for k in batch])
-                port.temperature = np.zeros(len(batch), dtype=np.float32)
-                num_tokens = np.array([len(group[k]["prompt"]) + made[k] for k in batch])
-                if sink is not None:
-                    sink.sum()  # what a CPU forward does to the caches
-                # vLLM proposes right after sampling, for the step's whole batch (requests that just finished too)
-                t0 = time.perf_counter()
-                drafts = driver.propose([got[k] for k in batch], num_tokens, token_ids[batch])
-                t_propose = time.perf_counter() - t0
-                done = [k for k in batch if made[k] >= min(max_tokens, len(group[k]["cont"]))]
-                keep = [(k, d) for k, d in zip(batch, drafts) if k not in done]
-                batch = [k for k, _ in keep]
-                drafts = [d[:max(0, min(max_tokens, len(group[k]["cont"])) - made[k] - 1)] for k, d in keep]  # max_tokens
-                scheduled = {names[k]: 1 + len(d) for k, d in zip(batch, drafts)}
-                spec = {names[k]: d for k, d in zip(batch, drafts) if d}
-                t0 = time.perf_counter()
-                driver.on_schedule(scheduled, spec, [names[k] for k in done])
-                t_sched = time.perf_counter() - t0
-                if not batch:
-                    break
-                port.req_ids = [names[k] for k in batch]
-                query_start = np.concatenate([[0], np.cumsum([1 + len(d) for d in drafts])])
-                rows = int(query_start[-1])
-                roots = np.array([len(group[k]["prompt"]) + made[k] - 1 for k in batch])
-                t0 = time.perf_counter()
-                step = plan_step(port.req_ids, query_start, roots, spec, driver.plans, rows)
-                if step is not None:
-                    gpu.prepare(step)
-                t_plan = time.perf_counter() - t0
-                acc[SHADOW][0] += t_plan
-                acc[SHADOW][1] += 1
-                clock.offset += forward_ms(len(batch), rows) / 1e3
-                ref_ms.append(STEP_8B_MS[1 if len(batch) < 3 else 8])
-                host_ms.append(1e3 * (t_propose + t_sched + t_plan))
-                steps += 1
-                forwards += len(batch)
-                tree_steps += step is not None
-                nodes += rows - len(batch)
-                # verification by the oracle: what greedy verification of each plan accepts
-                results, got = {}, {}
-                for row, (k, d) in enumerate(zip(batch, drafts)):
-                    cont, at = group[k]["cont"], made[k]
-                    plan = driver.plans.get(names[k])
-                    path, tree = accepted_path(plan.scheduled(len(d)), cont, at) if d else ([], False)
-                    got[k] = [plan.tokens[j] for j in path] + [cont[at + len(path)]]
-                    if tree:
-                        results[row] = (path, got[k][-1], ())
-                port.results, port.verified_rows = results, [len(d) for d in drafts]
-                if "medusa" in driver.drafter.pools:
-                    # the forward's hidden rows (1 + drafts per request); each bonus row holds the final hidden
-                    # state of the position that produced the request's new last token
-                    at_rows = bonus_rows([len(got[k]) for k in batch], port.verified_rows,
-                                         {r: p for r, (p, *_) in results.items()})
-                    h = torch.zeros(rows, hidden_size)
-                    for row, k in enumerate(batch):
-                        h[at_rows[row]] = group[k]["hidden"][len(group[k]["prompt"]) + made[k] + len(got[k]) - 2]
-                    port.taps = Taps(hidden=h)
+        # continuous batching, as vLLM runs a queue of requests with max_num_seqs = batch_size: a finished
+        # request's place goes to the next prompt, whose prefill samples its first token in the same step
+        batch = [queue.pop() for _ in range(min(batch_size, len(queue)))]
+        got = {k: [data[k]["cont"][0]] for k in batch}
+        port.verified_rows, port.results = None, {}
+        hid = [data[k]["hidden"][plen[k] - 1] for k in batch]
+        port.taps = Taps(hidden=torch.stack(hid) if medusa else None)
+        finished: list[str] = []
+        while batch:
+            for k in batch:  # commit what the step sampled
+                s = plen[k] + made[k]
+                token_ids[k, s:s + len(got[k])] = got[k]
+                made[k] += len(got[k])
+                tokens += len(got[k])
+            port.req_ids = [names[k] for k in batch]
+            port.num_prompt = np.array([plen[k] for k in batch])
+            port.temperature = np.zeros(len(batch), dtype=np.float32)
+            num_tokens = np.array([plen[k] + made[k] for k in batch])
+            rows_now, sampled = token_ids[batch], [got[k] for k in batch]
+            if sink is not None:
+                sink.sum()  # what a CPU forward does to the caches
+            # vLLM proposes right after sampling, for the step's whole batch (requests that just finished too)
+            t0 = time.perf_counter()
+            drafts = driver.propose(sampled, num_tokens, rows_now)
+            t_propose = time.perf_counter() - t0
+            done = [k for k in batch if made[k] >= limit[k]]
+            keep = [(k, d) for k, d in zip(batch, drafts) if k not in done]
+            batch = [k for k, _ in keep]
+            drafts = [d[:max(0, limit[k] - made[k] - 1)] for k, d in keep]  # the scheduler's max_tokens cap
+            new = [queue.pop() for _ in range(min(len(done), len(queue)))]  # prefills join the step
+            scheduled = {names[k]: 1 + len(d) for k, d in zip(batch, drafts)}
+            scheduled.update({names[k]: plen[k] for k in new})
+            spec = {names[k]: d for k, d in zip(batch, drafts) if d}
+            t0 = time.perf_counter()
+            driver.on_schedule(scheduled, spec, [names[k] for k in done])
+            t_sched = time.perf_counter() - t0
+            if not batch and not new:
+                break
+            port.req_ids = [names[k] for k in batch + new]
+            query_start = np.concatenate([[0], np.cumsum([1 + len(d) for d in drafts] + [plen[k] for k in new])])
+            rows = int(query_start[-1]) - sum(plen[k] for k in new)  # decode rows (prefills: not simulated)
+            roots = np.array([plen[k] + made[k] - 1 for k in batch] + [0] * len(new))
+            t0 = time.perf_counter()
+            step = plan_step(port.req_ids, query_start, roots, spec, driver.plans, int(query_start[-1]))
+            if step is not None:
+                gpu.prepare(step)
+            t_plan = time.perf_counter() - t0
+            acc[SHADOW][0] += t_plan
+            acc[SHADOW][1] += 1
+            clock.offset += forward_ms(max(1, len(batch)), max(1, rows)) / 1e3
+            ref_ms.append(STEP_8B_MS[1 if len(batch) + len(new) < 3 else 8])
+            host_ms.append(1e3 * (t_propose + t_sched + t_plan))
+            steps += 1
+            forwards += len(batch) + len(new)
+            tree_steps += step is not None
+            nodes += rows - len(batch)
+            # verification by the oracle: what greedy verification of each plan accepts
+            results, got = {}, {}
+            for row, (k, d) in enumerate(zip(batch, drafts)):
+                cont, at = data[k]["cont"], made[k]
+                plan = driver.plans.get(names[k])
+                path, tree = accepted_path(plan.scheduled(len(d)), cont, at) if d else ([], False)
+                got[k] = [plan.tokens[j] for j in path] + [cont[at + len(path)]]
+                if tree:
+                    results[row] = (path, got[k][-1], ())
+            for k in new:
+                got[k] = [data[k]["cont"][0]]
+            batch = batch + new
+            port.results, port.verified_rows = results, [len(d) for d in drafts] + [0] * len(new)
+            if medusa:
+                # the forward's output rows (1 + drafts per decoding request, 1 per prefill); each bonus row holds
+                # the final hidden state of the position that produced the request's new last token
+                at_rows = bonus_rows([len(got[k]) for k in batch], port.verified_rows,
+                                     {r: p for r, (p, *_) in results.items()})
+                h = torch.zeros(len(batch) + sum(port.verified_rows), hidden_size)
+                for row, k in enumerate(batch):
+                    h[at_rows[row]] = data[k]["hidden"][plen[k] + made[k] + len(got[k]) - 2]
+                port.taps = Taps(hidden=h)
     finally:
         driver_mod.time = real_time
     return {"steps": steps, "tokens": tokens, "forwards": forwards, "tree_steps": tree_steps, "nodes": nodes,
@@ -363,7 +373,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--settings", default="{}", help="MultiBranchProposer settings (JSON; default: its defaults)")
     p.add_argument("--datasets", nargs="+", default=["mix"])
-    p.add_argument("--num-prompts", type=int, default=2, help="prompts per dataset")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts per dataset (4: batch 8 stays full most steps)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     p.add_argument("--evict-mb", type=int, nargs="+", default=[0, 600],
                    help="MB streamed before each propose (0: a GPU host's warm caches; 600: this CPU's forward)")
@@ -452,6 +462,7 @@ def main() -> None:
             ("... of the H100 Llama-3-8B step (issue 41)", lambda c: f"{100 * c['host'][1] / c['ref']:.1f}%"),
             ("tokens per target forward (tau)", lambda c: f"{c['tokens'] / c['forwards']:.2f}"),
             ("tokens per step", lambda c: f"{c['tokens'] / c['steps']:.2f}"),
+            ("requests per step", lambda c: f"{c['forwards'] / c['steps']:.2f}"),
             ("drafted rows per step", lambda c: f"{c['nodes'] / c['steps']:.1f}"),
             ("steps with a tree", lambda c: f"{100 * c['tree_steps'] / c['steps']:.0f}%"),
             ("steps", lambda c: str(c["steps"]))]
