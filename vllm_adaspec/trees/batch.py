@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_adaspec.trees.tree import DraftTree, ancestor_words, depths_of
+from vllm_adaspec.trees.tree import DraftTree, ancestor_words
 
 
 @dataclass

@@ -59,7 +59,7 @@ class DraftTree:
         return depths_of(self.parent_list)
 
     def __len__(self) -> int:
-        return len(self.token_list)
+        return len(self.parent_list)  # (read at construction: no device read, whatever device `tokens` is on)
 
     @property
     def depths(self) -> torch.Tensor:
