@@ -39,10 +39,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from vllm_adaspec.trees import DraftTree, verify_greedy  # noqa: E402
 
-# issue 41's table: an H100 Llama-3-8B forward (bf16, CUDA graphs, 1024-token context) by batch, and its cost with
-# r rows per request over one row
-STEP_8B_MS = {1: 6.61, 8: 7.17, 32: 8.21}
+from profile_step import STEP_8B_MS  # noqa: E402 (issue 41's H100 Llama-3-8B step by batch size)
+
+# issue 41's table: the same forward's cost with r rows per request over one row
 ROWS_8B = {1: {1: 1.0, 4: 1.11, 16: 1.15, 64: 1.18}, 8: {1: 1.0, 4: 1.18, 16: 1.28, 64: 2.25},
            32: {1: 1.0, 4: 1.69, 16: 2.56, 64: 7.71}}
 
@@ -186,8 +187,7 @@ def make_driver(model_path: str, settings_json: dict, port: ReplayPort):
     from transformers import AutoConfig
 
     from vllm_adaspec.config import parse_adaspec_config, resolve_config
-    from vllm_adaspec.heads.medusa import find_medusa
-    from vllm_adaspec.pools.corpus import find_corpus
+    from vllm_adaspec.engine.startup import _with_pool_files  # the pools' files, as start-up resolves them
     from vllm_adaspec.proposers.driver import Driver
     from vllm_adaspec.proposers.multi_branch import MultiBranchDrafter
 
@@ -195,18 +195,13 @@ def make_driver(model_path: str, settings_json: dict, port: ReplayPort):
     resolved = resolve_config(parse_adaspec_config({"adaspec": settings_json}, proposer="multi_branch"),
                               architectures=hf.architectures, num_layers=hf.num_hidden_layers,
                               num_speculative_tokens=16, proposer="multi_branch")
-    files = {}
-    if "corpus" in resolved.pools:
-        files["corpus"] = find_corpus(model_path, resolved.corpus)
-    if "medusa" in resolved.pools:
-        files["medusa"] = find_medusa(hf, resolved.medusa)
-    resolved = replace(resolved, checked=True, tree_unsupported=None, **files)
-    big = types.SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
     vllm_config = types.SimpleNamespace(
-        model_config=types.SimpleNamespace(seed=0, hf_text_config=hf),
+        model_config=types.SimpleNamespace(seed=0, hf_text_config=hf, tokenizer=model_path),
         parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
         device_config=types.SimpleNamespace(device_type="cuda"))
+    resolved = replace(_with_pool_files(resolved, vllm_config), checked=True, tree_unsupported=None)
+    big = types.SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
 
     class ReplayDriver(Driver):
         proposer, drafter_cls = "multi_branch", MultiBranchDrafter
@@ -237,19 +232,13 @@ class SimClock:
 
 def accepted_path(plan, cont: list[int], at: int) -> tuple[list[int], bool]:
     """Greedy verification against the known continuation (cont[at] is the next token): the accepted nodes (a
-    tree's node indices root to deepest, a chain's 0..a-1), and whether it is a tree."""
-    tokens, parents = plan.tokens[:plan.num_verified], plan.parents
-    path, node, depth = [], -1, 0
-    while at + depth < len(cont):
-        want = cont[at + depth]
-        nxt = next((j for j, t in enumerate(tokens) if t == want and (parents is None and j == depth
-                                                                        or parents is not None and parents[j] == node)),
-                   None)
-        if nxt is None:
-            break
-        path.append(nxt)
-        node, depth = nxt, depth + 1
-    return path, plan.is_tree
+    tree's node indices root to deepest, a chain's 0..a-1), and whether it is a tree. A row's argmax is the
+    continuation's token at its depth: right on the accepted path, the only rows verification reads."""
+    n = plan.num_verified
+    parents = plan.parents[:n] if plan.parents is not None else tuple(range(-1, n - 1))
+    tree = DraftTree.of(plan.tokens[:n], parents)
+    argmax = torch.tensor([cont[min(at + d, len(cont) - 1)] for d in [0] + tree.depth_list])
+    return verify_greedy(tree, argmax)[0], plan.is_tree
 
 
 def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: str, evict_mb: int, acc,
@@ -386,7 +375,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
 
-    from profile_step import HEADS, PARTS, SHADOW, _timed
+    from profile_step import HEADS, PARTS, SHADOW, install
     from vllm_adaspec.data.prompts import WORKLOAD_MIX, load_prompts
     from vllm_adaspec.models import resolve_model
 
@@ -404,22 +393,7 @@ def main() -> None:
     parts = [(label, where, name) for label, where, name in PARTS if where and where.startswith("vllm_adaspec")]
     if args.fine:  # the drafter's smaller parts too (nested timers cost ~1 us a call: compare parts, not totals)
         parts += FINE
-    import importlib
-
-    for label, where, name in parts:
-        mod, cls = where.split(":")
-        module = importlib.import_module(mod)
-        if name is None:
-            setattr(module, cls, _timed(getattr(module, cls), label, acc))
-        elif cls == "Drafter":
-            from profile_step import _drafter_classes
-
-            for klass in _drafter_classes():
-                if name in vars(klass):
-                    setattr(klass, name, _timed(vars(klass)[name], label, acc))
-        else:
-            klass = getattr(module, cls)
-            setattr(klass, name, _timed(getattr(klass, name), label, acc))
+    install(acc, parts)
     if args.one is not None:  # one replay, in a process of its own (a second replay in the same process runs
         # slower: the first one's objects stay and the garbage collector walks them)
         b, mb = args.one
