@@ -36,6 +36,7 @@ from vllm_adaspec.engine.tree_sampler import chain_indices
 from vllm_adaspec.kernels import kv_compaction, tree_verify
 from vllm_adaspec.kernels import tree_attention as kernels
 from vllm_adaspec.trees.batch import TreeBatch, draw_rows, pack_words, representative_rows, walk_order
+from vllm_adaspec.trees.tree import ancestor_rows, split_words
 
 ALIGN_BYTES = 16  # Triton specializes a pointer argument on 16-byte alignment: every staged array starts on one
 
@@ -43,14 +44,6 @@ ALIGN_BYTES = 16  # Triton specializes a pointer argument on 16-byte alignment: 
 def int32_words(words: np.ndarray) -> np.ndarray:
     """32-bit words held in int64 (0 .. 2^32 - 1) as the int32 the kernel reads (the same bits)."""
     return words.astype(np.uint32).view(np.int32)
-
-
-def _words(anc: list[list[int]], words: int) -> np.ndarray:
-    """Ancestor rows as Python ints (bit c: row c) -> [rows, words] uint32, bit c % 32 of word c // 32."""
-    flat = [x for a in anc for x in a]
-    if words == 1:
-        return np.array(flat, dtype=np.uint32).reshape(-1, 1)
-    return np.array([[(x >> (32 * j)) & 0xFFFFFFFF for x in flat] for j in range(words)], dtype=np.uint32).T
 
 
 def _padded_trees(trees, verified: list[int], bits: list[np.ndarray], width: int) -> list:
@@ -265,14 +258,11 @@ class GPUTreeRuntime(TreeRuntime):
             q_rows.extend(range(s, s + n + 1))
             node_rows.extend(range(s + 1, s + n + 1))
             node_pos.extend([root + d for d in r.tree.depth_list])
-            a = [1]
-            for i, q in enumerate(r.tree.parent_list):
-                a.append(a[q + 1] | (2 << i))
-            anc.append(a)
+            anc += ancestor_rows(r.tree.parent_list)
         cu = [0]
         for n in sizes:
             cu.append(cu[-1] + n + 1)
-        bits = _words(anc, words)  # [T, W] uint32
+        words64 = split_words(anc, words)  # [T, W] int64 in 0 .. 2^32 - 1
         # plain trees, greedy then sampled: verified together; where their rows' logits are (per batch row: drafts + 1)
         kinds = [self.plain(r.req_id) for r in reqs]
         greedy = [k for k, kind in enumerate(kinds) if kind == "greedy"]
@@ -290,11 +280,11 @@ class GPUTreeRuntime(TreeRuntime):
         longs[6] = np.concatenate(logit_rows) if batched else []
         if batched:
             longs += _padded_trees([reqs[k].tree for k in batched], [reqs[k].num_verified for k in batched],
-                                   [bits[cu[k]:cu[k + 1]] for k in batched], width)
+                                   [words64[cu[k]:cu[k + 1]] for k in batched], width)
             shapes += [(len(batched), width)] * 4 + [(len(batched), width + 1, words), (len(batched), width)]
         dev = self._long.upload([a if shape is None else np.asarray(a, dtype=np.int64).reshape(shape)
                                  for a, shape in zip(longs, shapes)])
-        ints = self._int.upload([q_rows, cu, [r.root_pos for r in reqs], rows, bits.view(np.int32),
+        ints = self._int.upload([q_rows, cu, [r.root_pos for r in reqs], rows, int32_words(words64),
                                  [n + 1 for n in sizes]])
         d_q_rows, d_cu, d_roots, d_bt_rows, d_bits, d_seq = ints
         (d_node_rows, d_node_pos, d_rows, d_starts, d_sizes, d_batched, d_logit_rows, d_keep, d_cu_draft,

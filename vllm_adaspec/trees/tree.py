@@ -108,17 +108,25 @@ def ancestor_mask(tree: DraftTree) -> torch.Tensor:
 
 def ancestor_words(parents: list[int], words: int | None = None) -> np.ndarray:
     """ancestor_mask as 32-bit words, without the dense mask: [n + 1, W] int64 in 0 .. 2^32 - 1, bit c % 32 of word
-    c // 32 of row r set iff row c is r or an ancestor of it (W: words per row, at least ceil((n + 1) / 32)). Breadth-
-    first parents come before their children, so each row is its parent's plus its own bit (Python integers: O(n))."""
+    c // 32 of row r set iff row c is r or an ancestor of it (W: words per row, at least ceil((n + 1) / 32))."""
     n = len(parents)
-    w = max(1, -(-(n + 1) // 32)) if words is None else words
+    return split_words(ancestor_rows(parents), max(1, -(-(n + 1) // 32)) if words is None else words)
+
+
+def ancestor_rows(parents: list[int]) -> list[int]:
+    """[n + 1] Python ints, bit c of row r set iff row c is r or an ancestor of it. Breadth-first parents come before
+    their children, so each row is its parent's plus its own bit (O(n))."""
     rows = [1]
     for i, q in enumerate(parents):
-        rows.append(rows[q + 1] | (1 << (i + 1)))
-    out = np.zeros((n + 1, w), dtype=np.int64)
-    for j in range(w):
-        out[:, j] = [(b >> (32 * j)) & 0xFFFFFFFF for b in rows]
-    return out
+        rows.append(rows[q + 1] | (2 << i))
+    return rows
+
+
+def split_words(rows: list[int], words: int) -> np.ndarray:
+    """Bit rows (Python ints) -> [len(rows), words] int64 in 0 .. 2^32 - 1, bit c % 32 of word c // 32."""
+    if words == 1:
+        return np.array(rows, dtype=np.int64).reshape(-1, 1)
+    return np.array([[(b >> (32 * j)) & 0xFFFFFFFF for b in rows] for j in range(words)], dtype=np.int64).T
 
 
 def ancestor_bits(tree: DraftTree) -> torch.Tensor:
