@@ -20,7 +20,7 @@ class ContextIndex:
     def __init__(self, max_n: int = 4):
         self.max_n = max_n
         self._buf = np.zeros(64, dtype=np.int64)  # the tokens, for the scan
-        self._list: list[int] = []  # the same, for the few matches' checks in Python
+        self.token_list: list[int] = []  # the same, for the few matches' checks and the continuations
         self._size = 0
 
     @property
@@ -35,13 +35,13 @@ class ContextIndex:
             grown[:self._size] = self._buf[:self._size]
             self._buf = grown
         self._buf[self._size:end] = new
-        self._list += new.tolist()
+        self.token_list += new.tolist()
         self._size = end
 
     def matches(self) -> tuple[int, list[int]]:
         """(n, positions after each earlier occurrence of the last n tokens) for the longest n <= max_n that occurred
         (positions p < len with tokens[p - n:p] equal to the last n, increasing)."""
-        size, toks = self._size, self._list
+        size, toks = self._size, self.token_list
         if size < 2:
             return 0, []
         ends = np.flatnonzero(self._buf[:size - 1] == toks[-1]) + 1  # after an earlier occurrence of the last token
@@ -74,7 +74,7 @@ def propose_context(index: ContextIndex, depth: int, max_matches: int = 8, max_n
     n, ends = index.matches()
     if not n:
         return Candidates()
-    toks = index._list
+    toks = index.token_list
     return continuation_trie(((toks[p:p + depth], 1) for p in ends[-max_matches:]), depth, max_nodes,
                              lambda prob: ("context", n, prob_bucket(prob)))
 
