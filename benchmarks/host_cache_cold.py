@@ -29,10 +29,9 @@ def candidate_sets(rng: random.Random, n: int, pools: int = 4, nodes: int = 12) 
     for _ in range(n):
         step = []
         for p in range(pools):
-            c = Candidates()
+            c = Candidates(pool=f"pool{p}")
             for j in range(nodes):
-                c.add(rng.randint(-1, j - 1) if j else -1, rng.randint(0, 50), rng.random(),
-                      (f"pool{p}", rng.randint(0, 4), rng.randint(0, 9)))
+                c.add(rng.randint(-1, j - 1) if j else -1, rng.randint(0, 50), rng.random(), rng.randint(0, 4))
             step.append(c)
         out.append(step)
     return out

@@ -160,7 +160,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
                 d = suffix.cache.speculate(rid, np.asarray(context[-24:], dtype=np.int32), max_spec_tokens=budget,
                                            max_spec_factor=1.0, min_token_prob=0.1, use_tree_spec=False)
                 cands = [Candidates(list(d.token_ids), list(range(-1, len(d.token_ids) - 1)),
-                                    [1.0] * len(d.token_ids), [("v",)] * len(d.token_ids))]
+                                    [1.0] * len(d.token_ids), [0] * len(d.token_ids), "v")]
             trie = merge(cands, calib, streak_state(last_acc) if streak else ())
             order = (ranked(trie) if classifier is None else classifier_order(trie, classifier))[:budget]
             if vllm_suffix:

@@ -79,7 +79,7 @@ def test_the_pool_weights_continuations_by_hits():
         paths[i] = (paths[p] if p >= 0 else ()) + (t,)
     probs = {paths[i]: q for i, q in enumerate(cand.probs)}
     assert probs == {(2,): 0.75, (2, 3): pytest.approx(2 / 3), (2, 4): pytest.approx(1 / 3), (5,): 0.25}
-    assert all(k[0] == "branches" for k in cand.keys)
+    assert cand.pool == "branches" and set(cand.evidence) == {3}  # evidence: the continuations found (3)
     assert len(propose_branches(c, 9, depth=2)) == 0 and len(propose_branches(c, 1, depth=1)) == 2
 
 

@@ -67,7 +67,7 @@ def test_propose_medusa_fills_the_tree_with_each_heads_ranked_tokens():
     c = propose_medusa(t, ids, probs)
     assert c.tokens == [10, 20, 11, 21] and c.parents == [-1, 0, -1, 0]
     assert c.probs == pytest.approx([0.7, 0.55, 0.2, 0.25])
-    assert c.keys == [("medusa", 1, 7), ("medusa", 2, 5), ("medusa", 1, 2), ("medusa", 2, 2)]
+    assert c.pool == "medusa" and c.evidence == [1, 2, 1, 2]  # evidence: the head (depth)
 
 
 def test_checkpoint_round_trip_lookup_and_errors(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ def test_context_keeps_every_match_and_weights_continuations():
     assert paths[(10,)] == pytest.approx(2 / 3) and paths[(20,)] == pytest.approx(1 / 3)  # vLLM's ngram: 10 only
     assert paths[(10, 11)] == pytest.approx(0.5) and paths[(10, 12)] == pytest.approx(0.5)
     assert paths[(20, 21)] == 1.0
-    assert {k[:2] for k in c.keys} == {("context", 3)}
+    assert c.pool == "context" and set(c.evidence) == {3}  # evidence: the match length
 
 
 def test_context_falls_back_to_shorter_matches_and_is_incremental():

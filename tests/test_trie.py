@@ -12,10 +12,10 @@ from vllm_adaspec.trees.trie import (PRIOR_SCALE, Calibration, best_prefix, cost
 
 def cands(*paths, key="a"):
     """Candidates from (token path, prob given parent) pairs, parents inserted first."""
-    c, where = Candidates(), {}
+    c, where = Candidates(pool=key), {}
     for toks, p in paths:
         parent = where[toks[:-1]] if len(toks) > 1 else -1
-        where[toks] = c.add(parent, toks[-1], p, (key, 0))
+        where[toks] = c.add(parent, toks[-1], p)
     return c
 
 
@@ -44,10 +44,10 @@ def path(t, i):
 def test_ranked_prefixes_are_closed_under_parents_and_subtree_is_breadth_first():
     rng = random.Random(0)
     for _ in range(50):
-        c = Candidates()
+        c = Candidates(pool="a")
         for _ in range(rng.randint(1, 20)):
             parent = rng.randrange(-1, len(c)) if len(c) else -1
-            c.add(parent, rng.randrange(50), rng.random(), ("a", 0))
+            c.add(parent, rng.randrange(50), rng.random())
         t = merge([c], Calibration())
         order = ranked(t)
         for k in range(len(order) + 1):

@@ -34,27 +34,30 @@ if TYPE_CHECKING:
 
 @dataclass
 class Candidates:
+    """One pool's candidate tree for one request: nodes in parent-before-child order."""
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)  # -1 = child of the root (the last committed token)
     probs: list[float] = field(default_factory=list)  # P(node | parent accepted), the pool's estimate
-    keys: list[tuple] = field(default_factory=list)  # calibration bucket of each node
+    evidence: list[int] = field(default_factory=list)  # the pool's case for each node (a match length, a head's
+    # depth, a successor's rank): part of the node's calibration key (trees/trie.merge buckets it)
+    pool: str = ""  # which pool proposed them (the calibration key's pool part)
 
-    def add(self, parent: int, token: int, prob: float, key: tuple) -> int:
+    def add(self, parent: int, token: int, prob: float, evidence: int = 0) -> int:
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.probs.append(float(prob))
-        self.keys.append(key)
+        self.evidence.append(evidence)
         return len(self.tokens) - 1
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
-def continuation_trie(continuations, depth: int, max_nodes: int, key) -> Candidates:
+def continuation_trie(continuations, depth: int, max_nodes: int, pool: str, evidence: int) -> Candidates:
     """Candidates from weighted continuations [(tokens, weight), ...] of the root: shared prefixes are one node (at
     most `max_nodes`, each continuation cut at `depth`), and a node's probability given its parent is the share of
-    the parent's weight that continues with it (the root's: of all weight). key(prob) -> its calibration key."""
-    out = Candidates()
+    the parent's weight that continues with it (the root's: of all weight). Every node carries `evidence`."""
+    tokens, parents = [], []
     children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     count: list[float] = []
     total = 0
@@ -64,17 +67,16 @@ def continuation_trie(continuations, depth: int, max_nodes: int, key) -> Candida
         for t in cont[:depth]:
             node = children.get((parent, t))
             if node is None:
-                if len(out) >= max_nodes:
+                if len(tokens) >= max_nodes:
                     break
-                node = children[(parent, t)] = out.add(parent, t, 0.0, ())
+                node = children[(parent, t)] = len(tokens)
+                tokens.append(t)
+                parents.append(parent)
                 count.append(0)
             count[node] += weight
             parent = node
-    for i, parent in enumerate(out.parents):
-        prob = count[i] / (count[parent] if parent >= 0 else total)
-        out.probs[i] = prob
-        out.keys[i] = key(prob)
-    return out
+    probs = [c / (count[p] if p >= 0 else total) for c, p in zip(count, parents)]
+    return Candidates(tokens, parents, probs, [evidence] * len(tokens), pool)
 
 
 def prob_bucket(p: float) -> int:

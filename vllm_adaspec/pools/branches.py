@@ -21,7 +21,7 @@ import random
 from collections import OrderedDict
 from typing import Callable
 
-from vllm_adaspec.pools import Candidates, Taps, TailPool, as_ints, continuation_trie, prob_bucket
+from vllm_adaspec.pools import Candidates, Taps, TailPool, as_ints, continuation_trie
 
 GRAM = 4  # gram length G (the paper's): a key token and up to three continuation tokens
 BRANCH_INITS = ("prompt", "random")
@@ -121,7 +121,7 @@ def propose_branches(cache: GramCache, last_token: int, depth: int, max_nodes: i
     probability given its parent is its share of the parent's hits, as in the context pool."""
     found = cache.lookup(last_token)
     matches = min(len(found), 4)
-    return continuation_trie(found, depth, max_nodes, lambda prob: ("branches", matches, prob_bucket(prob)))
+    return continuation_trie(found, depth, max_nodes, "branches", matches)
 
 
 class BranchesPool(TailPool):

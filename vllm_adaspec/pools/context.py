@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_adaspec.pools import Candidates, Pool, Taps, continuation_trie, prob_bucket
+from vllm_adaspec.pools import Candidates, Pool, Taps, continuation_trie
 
 
 class ContextIndex:
@@ -73,10 +73,9 @@ def propose_context(index: ContextIndex, depth: int, max_matches: int = 8, max_n
     step, benchmarks/RESULTS.md, session 22.)"""
     n, ends = index.matches()
     if not n:
-        return Candidates()
+        return Candidates(pool="context")
     toks = index.token_list
-    return continuation_trie(((toks[p:p + depth], 1) for p in ends[-max_matches:]), depth, max_nodes,
-                             lambda prob: ("context", n, prob_bucket(prob)))
+    return continuation_trie(((toks[p:p + depth], 1) for p in ends[-max_matches:]), depth, max_nodes, "context", n)
 
 
 class ContextPool(Pool):

@@ -14,7 +14,7 @@ import os
 import json
 import numpy as np
 
-from vllm_adaspec.pools import Candidates, Taps, TailPool, prob_bucket
+from vllm_adaspec.pools import Candidates, Taps, TailPool
 
 FORMAT = "vllm-adaspec/corpus/1"
 
@@ -125,7 +125,7 @@ def propose_corpus(table: CorpusTable, context: list[int], depth: int, width: in
                    min_prob: float = 0.1) -> Candidates:
     """Depth by depth from the last two tokens: each node's `width` most frequent successors of at least
     `min_prob`, until `max_nodes` (8: 32 cost the drafter time and added no tokens per step; session 22)."""
-    out = Candidates()
+    tokens, parents, node_probs, evidence = [], [], [], []
     prev2 = context[-2] if len(context) >= 2 else -1
     frontier = [(-1, prev2, context[-1])]
     for _ in range(depth):
@@ -133,13 +133,17 @@ def propose_corpus(table: CorpusTable, context: list[int], depth: int, width: in
         for parent, a, b in frontier:
             ids, probs, n = table.best(a, b, width)
             for t, p in zip(ids, probs):
-                if t < 0 or p < min_prob or len(out) >= max_nodes:
+                if t < 0 or p < min_prob or len(tokens) >= max_nodes:
                     break
-                nxt.append((out.add(parent, t, p, ("corpus", n, prob_bucket(p))), b, t))
+                nxt.append((len(tokens), b, t))
+                tokens.append(t)
+                parents.append(parent)
+                node_probs.append(p)
+                evidence.append(n)
         if not nxt:
             break
         frontier = nxt
-    return out
+    return Candidates(tokens, parents, node_probs, evidence, "corpus")
 
 
 

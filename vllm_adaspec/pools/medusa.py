@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_adaspec.pools import Candidates, Pool, Taps, prob_bucket
+from vllm_adaspec.pools import Candidates, Pool, Taps
 
 
 @dataclass(frozen=True)
@@ -59,11 +59,9 @@ def propose_medusa(tree: SparseTree, top_ids: np.ndarray, top_probs: np.ndarray)
     """top_ids / top_probs [K, R]: each head's R best tokens (full vocabulary ids) and their probabilities under
     the head. Candidates in the tree's shape; each node's probability is its head's own, its calibration evidence
     the head (depth). Siblings can repeat a token only if a head ranks it twice, which it cannot."""
-    out = Candidates()
-    for parent, d, r in zip(tree.parents, tree.depth, tree.rank):
-        p = float(top_probs[d - 1, r])
-        out.add(parent, int(top_ids[d - 1, r]), p, ("medusa", d, prob_bucket(p)))
-    return out
+    at = (np.asarray(tree.depth) - 1, np.asarray(tree.rank))
+    return Candidates(top_ids[at].tolist(), list(tree.parents), top_probs[at].astype(np.float64).tolist(),
+                      list(tree.depth), "medusa")
 
 
 def ranked_tokens(heads, h, last_tokens: list[int], width: int):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_adaspec.pools import Candidates, Taps, TailPool, prob_bucket
+from vllm_adaspec.pools import Candidates, Taps, TailPool
 
 
 class RecycleTable:
@@ -32,7 +32,7 @@ def propose_recycled(table: RecycleTable, last_token: int, depth: int, width: in
                      max_nodes: int = 64, min_prob: float = 0.02) -> Candidates:
     """Breadth-first over the table from `last_token`: each node's `width` most probable successors, down to
     `depth`, keeping children whose recorded probability is at least `min_prob`, until `max_nodes`."""
-    out = Candidates()
+    out = Candidates(pool="recycled")
     frontier = [(-1, int(last_token))]
     for _ in range(depth):
         nxt = []
@@ -43,7 +43,7 @@ def propose_recycled(table: RecycleTable, last_token: int, depth: int, width: in
                     break
                 if len(out) >= max_nodes:
                     return out
-                nxt.append((out.add(parent, t, p, ("recycled", j, prob_bucket(p))), t))
+                nxt.append((out.add(parent, t, p, j), t))
         if not nxt:
             break
         frontier = nxt

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_adaspec.pools import Candidates, Taps, TailPool, prob_bucket
+from vllm_adaspec.pools import Candidates, Taps, TailPool
 
 
 def suffix_available() -> bool:
@@ -65,10 +65,9 @@ class SuffixPool(TailPool):
         draft = self.cache.speculate(req_id, context, max_spec_tokens=int(max_nodes),
                                      max_spec_factor=self.max_spec_factor, max_spec_offset=self.max_spec_offset,
                                      min_token_prob=self.min_token_prob, use_tree_spec=True)
-        out = Candidates()
-        m = min(int(draft.match_len), 8)
-        for tok, parent, path_p in zip(draft.token_ids, draft.parents, draft.probs):
-            base = draft.probs[parent] if parent >= 0 else 1.0
-            prob = min(1.0, path_p / base) if base > 0 else 0.0
-            out.add(int(parent), int(tok), prob, ("suffix", m, prob_bucket(prob)))
-        return out
+        path, parents = draft.probs, list(draft.parents)
+        probs = []
+        for parent, path_p in zip(parents, path):
+            base = path[parent] if parent >= 0 else 1.0
+            probs.append(min(1.0, path_p / base) if base > 0 else 0.0)
+        return Candidates(list(draft.token_ids), parents, probs, [min(int(draft.match_len), 8)] * len(probs), "suffix")
