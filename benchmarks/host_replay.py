@@ -11,7 +11,9 @@ is lossless, so each tree or chain accepts exactly what the target would. The fo
 cost model learns from advances by the H100 Llama-3-8B step of issue 41's table for the step's rows, so decisions are
 the ones a GPU engine's cost model would make (more rows, trees). Requests run as vLLM runs a queue with
 max_num_seqs = the batch size (a finished request's place goes to the next prompt). Each replay runs in a process
-of its own. `--evict-mb` streams that many MB before each propose, as this CPU's forward does to the caches.
+of its own. `--evict-mb` streams that many MB before each propose, as this CPU's forward does to the caches. The
+Medusa heads are device work on a GPU: their results at every position are computed before the replay and handed
+over when the pool asks (`--heads-on-host` runs them on this CPU between the host's parts, as before session 24).
 
     .venv/bin/python benchmarks/host_replay.py --batch-size 1 8 --evict-mb 0 600
 
@@ -104,6 +106,51 @@ def continuations(model_path: str, prompts: list[str], max_tokens: int, cache_di
     return out
 
 
+# --- the Medusa heads, as a GPU engine's host sees them ---
+
+DEVICE: dict[int, dict] = {}  # id(heads) -> {(hidden row bytes, last token): (ids [K, W], probs [K, W])}
+
+
+def device_results(heads, data: list[dict], cache_dir: Path | None) -> dict:
+    """The heads' ranked tokens at every position a replay can hand them (the final hidden state of position j, the
+    token at j + 1), at the widest any step asks for: computed here in batches, not between the host's parts."""
+    from vllm_adaspec.pools.medusa import MAX_NODES, sparse_tree
+
+    width = sparse_tree(heads.accuracy, MAX_NODES).max_rank
+    key = hashlib.sha256(json.dumps([heads.folder, width, [d["cont"] for d in data]]).encode()).hexdigest()[:16]
+    path = cache_dir / f"host_replay_heads_{key}.pt" if cache_dir is not None else None
+    rows = [(k, j) for k, d in enumerate(data) for j in range(len(d["prompt"]) - 1, len(d["prompt"]) + len(d["cont"]) - 1)]
+    seq = [d["prompt"] + d["cont"] for d in data]
+    if path is not None and path.exists():
+        ids, probs = torch.load(path)
+    else:
+        ids, probs = [], []
+        with torch.inference_mode():
+            for at in range(0, len(rows), 256):
+                chunk = rows[at:at + 256]
+                h = torch.stack([data[k]["hidden"][j] for k, j in chunk])
+                i, p = RANKED(heads, h, [seq[k][j + 1] for k, j in chunk], width)
+                ids.append(i.cpu())
+                probs.append(p.cpu())
+        ids, probs = torch.cat(ids), torch.cat(probs)
+        if path is not None:
+            torch.save((ids, probs), path)
+    return {(data[k]["hidden"][j].numpy().tobytes(), seq[k][j + 1]): (ids[n], probs[n]) for n, (k, j) in enumerate(rows)}
+
+
+def ranked_on_device(heads, h, last_tokens: list[int], width: int):
+    """pools.medusa.ranked_tokens as a GPU engine's host gets it: the heads ran on the device (here: before the
+    replay, `device_results`), the host reads their top tokens. Running them on this CPU between the host's parts
+    (`--heads-on-host`) also streams their weights (~110 MB a step) through the host's caches and wakes torch's
+    threads: the host parts after them ran up to 1.5x slower."""
+    table = DEVICE[id(heads)]
+    got = [table[(h[r].numpy().tobytes(), t)] for r, t in enumerate(last_tokens)]
+    return torch.stack([g[0] for g in got])[..., :width], torch.stack([g[1] for g in got])[..., :width]
+
+
+RANKED = None  # pools.medusa.ranked_tokens itself (device_results computes with it)
+
+
 # --- the engine, as the driver sees it ---
 
 class ReplayPort:
@@ -163,9 +210,17 @@ class ReplayPort:
         return {}
 
 
-def medusa_from(model_path: str):
-    """MedusaHeads on the transformers model's LM head and embeddings (what engine/medusa_heads builds on vLLM's)."""
+def medusa_from(model_path: str, data: list[dict] | None = None, cache_dir: Path | None = None):
+    """MedusaHeads on the transformers model's LM head and embeddings (what engine/medusa_heads builds on vLLM's).
+    With `data` (the oracle's continuations), the heads' results at every position of every continuation are
+    computed once here (cached under cache_dir) for `ranked_on_device` to hand over during the replay."""
     def build(folder):
+        heads = _build(folder)
+        if data is not None:
+            DEVICE[id(heads)] = device_results(heads, data, cache_dir)
+        return heads
+
+    def _build(folder):
         from transformers import AutoModelForCausalLM
 
         from vllm_adaspec.engine.medusa_heads import MedusaHeads
@@ -370,6 +425,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="replays per column (the median step's parts)")
     p.add_argument("--out", default=None, help="JSON of every column")
     p.add_argument("--fine", action="store_true", help="also time the drafter's smaller parts")
+    p.add_argument("--heads-on-host", action="store_true",
+                   help="run the Medusa heads on this CPU inside each step (default: their results computed before "
+                        "the replay and handed over as a GPU's device work would be)")
     p.add_argument("--one", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # child: batch size, MB
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -385,7 +443,13 @@ def main() -> None:
     prompts = [q for ds in sets for q in load_prompts(ds, args.num_prompts, tokenizer=tok)]
     data = continuations(model, prompts, args.max_tokens, ROOT / "benchmarks" / "out")
     settings = json.loads(args.settings)
-    heads = medusa_from(model)
+    global RANKED
+    import vllm_adaspec.pools.medusa as medusa_pool
+
+    RANKED = medusa_pool.ranked_tokens
+    if not args.heads_on_host:  # before the timers wrap it: the lookup is timed as the heads' part
+        medusa_pool.ranked_tokens = ranked_on_device
+    heads = medusa_from(model, None if args.heads_on_host else data, ROOT / "benchmarks" / "out")
     built = {}
     heads_once = lambda folder: built.setdefault(folder, heads(folder))  # noqa: E731
 
@@ -411,7 +475,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 cmd = [sys.executable, __file__, "--one", str(b), str(mb), "--model", args.model, "--settings",
                        args.settings, "--datasets", *args.datasets, "--num-prompts", str(args.num_prompts),
-                       "--max-tokens", str(args.max_tokens)] + (["--fine"] if args.fine else [])
+                       "--max-tokens", str(args.max_tokens)] + (["--fine"] if args.fine else []) \
+                    + (["--heads-on-host"] if args.heads_on_host else [])
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 line = next((x for x in out.stdout.splitlines() if x.startswith("@@")), None)
                 if line is None:
