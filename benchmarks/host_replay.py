@@ -24,6 +24,7 @@ work (device work on a GPU), against the 8B step of the batch size. Run alone.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -327,6 +328,8 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     made = [0] * len(data)  # tokens generated per request
     queue = list(range(len(data)))[::-1]
     medusa = "medusa" in driver.drafter.pools
+    gc.collect()  # as vLLM's engine core after start-up (freeze_gc_heap): collections skip what start-up made
+    gc.freeze()
     try:
         # continuous batching, as vLLM runs a queue of requests with max_num_seqs = batch_size: a finished
         # request's place goes to the next prompt, whose prefill samples its first token in the same step
