@@ -268,16 +268,20 @@ class GPUTreeRuntime(TreeRuntime):
         greedy = [k for k, kind in enumerate(kinds) if kind == "greedy"]
         batched = greedy + [k for k, kind in enumerate(kinds) if kind == "sampled"]
         num_drafts = step.num_drafts
-        logit_start = np.concatenate([[0], np.cumsum(num_drafts + 1)]).tolist()
-        upto = np.arange(width + 1)
-        logit_rows = [np.minimum(upto, sizes[k]) + logit_start[rows[k]] for k in batched]
-        keep, num, cu_draft, cu_sampled = chain_indices(num_drafts, set(rows))
-        firsts = (np.cumsum(num_drafts) - num_drafts)[rows]
+        logit_start = [0]  # each batch row's first logits row (its drafts, then its bonus row)
+        for n in num_drafts.tolist():
+            logit_start.append(logit_start[-1] + n + 1)
+        logit_rows = []  # [Rb * (N + 1)]: a tree's rows, then its last row again as padding
+        for k in batched:
+            s, n = logit_start[rows[k]], sizes[k]
+            logit_rows += range(s, s + n)
+            logit_rows += [s + n] * (width + 1 - n)
+        keep, num, cu_draft, cu_sampled = chain_indices(num_drafts, rows)
+        firsts = [logit_start[i] - i for i in rows]  # their roots' draft rows (drafts before them)
         longs = [node_rows, node_pos, rows, [r.start for r in reqs], sizes, batched, logit_rows, keep, cu_draft,
                  cu_sampled, firsts, [rows[k] for k in batched]]
         shapes = [None] * len(longs)
         shapes[6] = (len(batched), width + 1)
-        longs[6] = np.concatenate(logit_rows) if batched else []
         if batched:
             longs += _padded_trees([reqs[k].tree for k in batched], [reqs[k].num_verified for k in batched],
                                    [words64[cu[k]:cu[k + 1]] for k in batched], width)

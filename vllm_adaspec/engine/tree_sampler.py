@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
+from typing import Collection
 
 import numpy as np
 import torch
@@ -189,14 +190,15 @@ def accept_one_more(tree: DraftTree, path: list[int], bonus: int, logits: torch.
     return path + [kids[0]], int(logits[kids[0] + 1].argmax())
 
 
-def chain_indices(num_draft_tokens, tree_rows: set[int]) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
+def chain_indices(num_draft_tokens, tree_rows: Collection[int]) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
     """Host side of `chains_only` (known when the step is planned): (the draft rows kept [D], drafts per batch row
     with the tree rows' taken out, their cumulative sums for drafts and for sampled rows)."""
-    ends = np.cumsum(num_draft_tokens)
-    starts = ends - np.asarray(num_draft_tokens)
-    num = [0 if i in tree_rows else int(n) for i, n in enumerate(num_draft_tokens)]
-    keep = np.concatenate([np.arange(starts[i], ends[i]) for i in range(len(num)) if num[i]] or [np.zeros(0, int)])
-    return keep.astype(np.int64), num, np.cumsum(num), np.cumsum([n + 1 for n in num])
+    drafts = np.asarray(num_draft_tokens, dtype=np.int64)
+    chain = np.ones(len(drafts), dtype=bool)
+    chain[list(tree_rows)] = False
+    num = np.where(chain, drafts, 0)
+    keep = np.flatnonzero(np.repeat(chain, drafts))  # the chain rows' draft rows, in order
+    return keep, num.tolist(), np.cumsum(num), np.cumsum(num + 1)
 
 
 def chains_only(metadata, sampling_metadata, tree_rows: set[int], staged=None) -> tuple:

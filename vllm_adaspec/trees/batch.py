@@ -74,6 +74,8 @@ def representative_rows(tree: DraftTree, rank: list[int] | None = None, order: l
     tokens from the root: the same text), the first such node's in `preorder` (verify_greedy's frontier[0]). 0 = the
     root's row. (order: the nodes by rank, when known.)"""
     parents, tokens = tree.parent_list, tree.token_list
+    if len(set(zip(parents, tokens))) == len(parents):  # no equal siblings (a trie's nodes): each its own parent's
+        return [q + 1 for q in parents]
     if order is None:
         rank = preorder(parents) if rank is None else rank
         order = sorted(range(len(parents)), key=rank.__getitem__)
