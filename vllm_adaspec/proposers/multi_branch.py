@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -312,7 +313,7 @@ def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch:
     tree_rows += sum(len(chosen[e]) for e in branching)
     for e in branching:
         nodes, trie = chosen[e], tries[e]
-        chain = best_path(trie, len(nodes), among=set(nodes))
+        chain = best_path(trie, len(nodes), among=nodes)
         t_chain = tokens - y_tree * sum(trie.path[i] for i in nodes) + y_chain * sum(trie.path[i] for i in chain)
         r_chain = rows - len(nodes) + len(chain)
         a_chain = attention - per_row[e] * (len(nodes) - len(chain))
@@ -324,13 +325,13 @@ def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch:
             tree_requests, tree_rows = tree_requests - 1, tree_rows - len(nodes)
 
 
-def best_path(trie: Trie, budget: int, among: set[int] | None = None) -> list[int]:
+def best_path(trie: Trie, budget: int, among: Sequence[int] | None = None) -> list[int]:
     """Chain fallback: from the root, always the child with the highest path probability, up to `budget` nodes
     (only `among` these nodes, when given)."""
     kids: dict[int, list[int]] = {}
-    for i, p in enumerate(trie.parents):
-        if among is None or i in among:
-            kids.setdefault(p, []).append(i)
+    parents = trie.parents
+    for i in (range(len(parents)) if among is None else sorted(among)):  # (node order: ties go to the first)
+        kids.setdefault(parents[i], []).append(i)
     out, node = [], -1
     while len(out) < budget and kids.get(node):
         node = max(kids[node], key=lambda c: trie.path[c])

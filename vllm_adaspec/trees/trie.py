@@ -88,44 +88,49 @@ def merge(pools: Sequence[Candidates], calibrate: Calibration, state: tuple = ()
     index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     raw: list[float] = []
     pools_of: list = []  # per node: the one pool's (name,), or a set of names once a second pool proposes it
-    evidence: list[int] = []
+    evidence: list[int] = []  # per node: the strongest evidence behind it, at most 4
     # (the hot loop of a step's drafting, ~30 nodes per request: local names, no per-node set unless pools overlap)
     for cand in pools:
         name = (cand.pool, )
         where: list[int] = []  # candidate node -> trie node (a candidate's parent comes before it)
         for tok, parent, prob, ev in zip(cand.tokens, cand.parents, cand.probs, cand.evidence):
             tp = where[parent] if parent >= 0 else -1
-            node = index.get((tp, tok))
+            k = (tp, tok)
+            node = index.get(k)
             if node is None:
-                node = index[(tp, tok)] = len(tokens)
+                node = index[k] = len(tokens)
                 tokens.append(tok)
                 parents.append(tp)
-                depth.append(1 if tp < 0 else depth[tp] + 1)
+                depth.append(depth[tp] + 1 if tp >= 0 else 1)
                 raw.append(prob if prob > 0.0 else 0.0)
                 pools_of.append(name)
-                evidence.append(ev if ev > 0 else 0)
+                evidence.append(ev if ev < 4 else 4)
             else:
                 if prob > raw[node]:
                     raw[node] = prob
                 names = pools_of[node]
-                if isinstance(names, set):
+                if names.__class__ is set:
                     names.add(name[0])
                 elif names != name:
                     pools_of[node] = {names[0], name[0]}
                 if ev > evidence[node]:
-                    evidence[node] = ev
+                    evidence[node] = ev if ev < 4 else 4
             where.append(node)
-    siblings: dict[int, int] = {}
+    siblings: dict[int, int] = {}  # parent -> its children, at most 3
     for parent in parents:
         siblings[parent] = siblings.get(parent, 0) + 1
+    for parent, n in siblings.items():
+        if n > 3:
+            siblings[parent] = 3
     cond, path, keys = t.cond, t.path, t.keys
     counts, strength = calibrate.counts, calibrate.strength  # (Calibration.__call__, inlined)
+    prior, get = strength * PRIOR_SCALE, counts.get
     for parent, names, r, ev in zip(parents, pools_of, raw, evidence):  # parents come before their children
-        key = (tuple(sorted(names)) if isinstance(names, set) else names, min(9, int(r * 10)),
-               min(siblings[parent], 3), min(ev, 4)) + state
+        key = (tuple(sorted(names)) if names.__class__ is set else names, int(r * 10) if r < 0.9 else 9,
+               siblings[parent], ev if ev > 0 else 0) + state  # (int(r * 10): prob_bucket of r >= 0)
         keys.append([key])
-        acc, tested = counts.get(key, _UNSEEN)
-        c = (acc + strength * PRIOR_SCALE * r) / (tested + strength)
+        acc, tested = get(key, _UNSEEN)
+        c = (acc + prior * r) / (tested + strength)
         cond.append(c)
         path.append(c * path[parent] if parent >= 0 else c)
     return t
