@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_adaspec.pools import Candidates, Taps, TailPool
+from vllm_adaspec.pools import Candidates, Taps, TailPool, as_ints
 
 
 def suffix_available() -> bool:
@@ -45,7 +45,8 @@ class SuffixPool(TailPool):
 
     def extend(self, req_id, tokens) -> None:
         if len(tokens):
-            self.cache.add_active_response(req_id, np.ascontiguousarray(tokens, dtype=np.int32))
+            tokens = as_ints(tokens)  # (a short list goes to the cache as is: cheaper than an array and its checks)
+            self.cache.add_active_response(req_id, tokens)
             super().extend(req_id, tokens)
 
     def stop(self, req_id) -> None:
@@ -57,11 +58,12 @@ class SuffixPool(TailPool):
         return len(self.cache.active_requests)
 
     def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
-        return [self.speculate(r, np.asarray(self.tails[r]), max_nodes=b) for r, b in zip(requests, budgets)]
+        return [self.speculate(r, self.tails[r], max_nodes=b) for r, b in zip(requests, budgets)]
 
-    def speculate(self, req_id, context: np.ndarray, max_nodes: int) -> Candidates:
-        """One request's tree given its context [T] (its last tokens; the cache matches at most max_depth)."""
-        context = np.ascontiguousarray(context[-self.max_depth:], dtype=np.int32)
+    def speculate(self, req_id, context, max_nodes: int) -> Candidates:
+        """One request's tree given its context [T] (its last tokens, a list or an array; the cache matches at most
+        max_depth)."""
+        context = as_ints(context[-self.max_depth:])
         draft = self.cache.speculate(req_id, context, max_spec_tokens=int(max_nodes),
                                      max_spec_factor=self.max_spec_factor, max_spec_offset=self.max_spec_offset,
                                      min_token_prob=self.min_token_prob, use_tree_spec=True)
