@@ -13,7 +13,7 @@ from vllm_adaspec.pools import POOLS, Candidates, Pool, PoolSet, Taps, TailPool,
 from vllm_adaspec.pools.branches import BranchesPool, GramCache, harvest, init_branches, propose_branches
 from vllm_adaspec.pools.context import ContextIndex, ContextPool, propose_context
 from vllm_adaspec.pools.corpus import CorpusPool, build_table, propose_corpus
-from vllm_adaspec.pools.medusa import MAX_NODES, MedusaPool, propose_medusa, sparse_tree
+from vllm_adaspec.pools.medusa import MAX_NODES, MedusaPool, propose_medusa, ranked_tokens, sparse_tree
 from vllm_adaspec.pools.recycled import RecycledPool, RecycleTable, propose_recycled
 from vllm_adaspec.pools.suffix import suffix_available
 
@@ -270,6 +270,11 @@ def test_medusa_pool_builds_each_budgets_tree_once_and_needs_hidden_states():
     assert len(big) == MAX_NODES and pool.tree(16) is pool.trees[MAX_NODES]
     assert all(t in heads.vocab.tolist() for c in got for t in c.tokens)  # full ids, not draft-vocabulary indices
     assert pool.live() == 0 and pool.propose([], [], Taps(h[:0], [])) == []
+    # one tree for every request: gathered for the batch at once, the same candidates as request by request
+    same = pool.propose(["a", "b", "c"], [6, 6, 6], Taps(h, [1, 2, 3]))
+    top_ids, top_p = ranked_tokens(heads, h, [1, 2, 3], pool.tree(6).max_rank)
+    assert same == [propose_medusa(pool.tree(6), top_ids[r].numpy(), top_p[r].numpy()) for r in range(3)]
+    assert len({id(c.parents) for c in same}) == 3  # each request's lists its own
     with pytest.raises(RuntimeError, match="did not hand over the target's hidden states"):
         pool.propose(["a"], [4], Taps(None, [1]))
 

@@ -110,4 +110,11 @@ class MedusaPool(Pool):
         top_ids, top_p = ranked_tokens(self.heads, taps.hidden, taps.last_tokens, width)
         top_ids, top_p = top_ids.cpu().numpy(), top_p.cpu().numpy()  # (the step's one copy to the host)
         self.last_top_ids = top_ids
-        return [propose_medusa(t, top_ids[r], top_p[r]) for r, t in enumerate(trees)]
+        if any(t is not trees[0] for t in trees):
+            return [propose_medusa(t, top_ids[r], top_p[r]) for r, t in enumerate(trees)]
+        # one tree for every request (the usual case): each node's token and probability gathered for all at once
+        t = trees[0]
+        at = (slice(None), np.asarray(t.depth) - 1, np.asarray(t.rank))
+        ids, probs = top_ids[at].tolist(), top_p[at].astype(np.float64).tolist()  # [R][N]
+        parents, depth = list(t.parents), list(t.depth)
+        return [Candidates(i, parents.copy(), p, depth.copy(), "medusa") for i, p in zip(ids, probs)]

@@ -63,7 +63,9 @@ class SuffixPool(TailPool):
     def speculate(self, req_id, context, max_nodes: int) -> Candidates:
         """One request's tree given its context [T] (its last tokens, a list or an array; the cache matches at most
         max_depth)."""
-        context = as_ints(context[-self.max_depth:])
+        context = context[-self.max_depth:]
+        if not isinstance(context, list):  # (the pool's own tails are lists of ints already)
+            context = as_ints(context)
         draft = self.cache.speculate(req_id, context, max_spec_tokens=int(max_nodes),
                                      max_spec_factor=self.max_spec_factor, max_spec_offset=self.max_spec_offset,
                                      min_token_prob=self.min_token_prob, use_tree_spec=True)
