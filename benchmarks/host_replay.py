@@ -338,7 +338,6 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
         port.verified_rows, port.results = None, {}
         hid = [data[k]["hidden"][plen[k] - 1] for k in batch]
         port.taps = Taps(hidden=torch.stack(hid) if medusa else None)
-        finished: list[str] = []
         while batch:
             for k in batch:  # commit what the step sampled
                 s = plen[k] + made[k]
