@@ -70,10 +70,12 @@ def test_pruning_drops_a_node_with_its_subtree_and_keeps_the_rest_as_they_were()
 
 def test_calibration_moves_a_pool_from_its_own_estimate_to_measured_acceptance():
     cal = Calibration(strength=4)
-    assert cal(("recycled", 0, 9), 0.9) == pytest.approx(0.9)  # no evidence yet: the pool's number
+    one = cands(((5,), 0.9), key="recycled")
+    t = merge([one], cal)
+    assert t.cond == pytest.approx([PRIOR_SCALE * 0.9])  # no evidence yet: the pool's number (scaled)
     for i in range(100):
-        cal.observe(("recycled", 0, 9), accepted=i % 5 == 0)  # really accepted 20% of the time
-    assert cal(("recycled", 0, 9), 0.9) == pytest.approx((20 + 3.6) / 104)
+        cal.observe(t.keys[0][0], accepted=i % 5 == 0)  # really accepted 20% of the time
+    assert merge([one], cal).cond == pytest.approx([(20 + 4 * PRIOR_SCALE * 0.9) / 104])
 
 
 def test_feedback_counts_only_nodes_whose_parent_was_accepted():

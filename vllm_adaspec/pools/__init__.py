@@ -79,11 +79,6 @@ def continuation_trie(continuations, depth: int, max_nodes: int, pool: str, evid
     return Candidates(tokens, parents, probs, [evidence] * len(tokens), pool)
 
 
-def prob_bucket(p: float) -> int:
-    """0..9: which tenth of [0, 1] a probability falls in (calibration keys)."""
-    return min(9, max(0, int(p * 10)))
-
-
 def as_ints(tokens) -> list[int]:
     """Python ints of a token sequence (a list or an array): table keys must not be numpy scalars (int32 overflow
     in corpus keys, slow hashing)."""

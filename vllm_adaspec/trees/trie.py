@@ -20,15 +20,12 @@ from vllm_adaspec.pools import Candidates
 
 class Calibration:
     """key -> [accepted, tested] over verified nodes whose parent was accepted; a Beta prior centred on the pool's
-    own probability with `strength` pseudo-observations until evidence accumulates."""
+    own probability with `strength` pseudo-observations until evidence accumulates: a node's calibrated chance is
+    (accepted + strength * prior) / (tested + strength) (`merge` computes it in its loop)."""
 
     def __init__(self, strength: float = 4.0):
         self.strength = strength
         self.counts: dict[tuple, list[float]] = {}
-
-    def __call__(self, key: tuple, raw: float) -> float:
-        acc, tested = self.counts.get(key, (0.0, 0.0))
-        return (acc + self.strength * raw) / (tested + self.strength)
 
     def observe(self, key: tuple, accepted: bool) -> None:
         c = self.counts.setdefault(key, [0.0, 0.0])
@@ -127,7 +124,7 @@ def merge(pools: Sequence[Candidates], calibrate: Calibration, state: tuple = ()
     prior, get = strength * PRIOR_SCALE, counts.get
     for parent, names, r, ev in zip(parents, pools_of, raw, evidence):  # parents come before their children
         key = (tuple(sorted(names)) if names.__class__ is set else names, int(r * 10) if r < 0.9 else 9,
-               siblings[parent], ev if ev > 0 else 0) + state  # (int(r * 10): prob_bucket of r >= 0)
+               siblings[parent], ev if ev > 0 else 0) + state  # (r >= 0: its tenth of [0, 1], 9 at most)
         keys.append([key])
         acc, tested = get(key, _UNSEEN)
         c = (acc + prior * r) / (tested + strength)
