@@ -16,6 +16,7 @@ Medusa heads are device work on a GPU: their results at every position are compu
 over when the pool asks (`--heads-on-host` runs them on this CPU between the host's parts, as before session 24).
 
     .venv/bin/python benchmarks/host_replay.py --batch-size 1 8 --evict-mb 0 600
+    .venv/bin/python benchmarks/host_replay.py --digest   # decisions unchanged by a host-side change? (~1 min)
 
 Prints ms per step of each part; the host side is propose + on_schedule + the GPU plan, less the Medusa heads' tensor
 work (device work on a GPU), against the 8B step of the batch size. Run alone.
@@ -277,12 +278,16 @@ def make_driver(model_path: str, settings_json: dict, port: ReplayPort):
 
 
 class SimClock:
-    """perf_counter for the driver: real time plus the simulated forwards so far."""
+    """perf_counter for the driver: real time plus the simulated forwards so far. simulated=True (--digest): the
+    simulated forwards only (and 1 us a read), so that the drafter's decisions do not depend on this run's timings."""
 
-    def __init__(self):
-        self.offset = 0.0
+    def __init__(self, simulated: bool = False):
+        self.offset, self.simulated, self.reads = 0.0, simulated, 0
 
     def perf_counter(self) -> float:
+        if self.simulated:
+            self.reads += 1
+            return self.offset + self.reads * 1e-6
         return time.perf_counter() + self.offset
 
 
@@ -298,7 +303,9 @@ def accepted_path(plan, cont: list[int], at: int) -> tuple[list[int], bool]:
 
 
 def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: str, evict_mb: int, acc,
-           max_tokens: int, heads) -> dict:
+           max_tokens: int, heads, digest=None) -> dict:
+    """One replay; digest (a hashlib object, --digest): every propose call's drafts and plans go into it, and the
+    driver's clock is the simulated one only (the same inputs then make the same decisions, run after run)."""
     import vllm_adaspec.proposers.driver as driver_mod
     from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
     from vllm_adaspec.engine.tree_runtime import plan_step
@@ -308,7 +315,7 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
 
     from profile_step import SHADOW
 
-    clock = SimClock()
+    clock = SimClock(simulated=digest is not None)
     real_time = driver_mod.time
     driver_mod.time = types.SimpleNamespace(perf_counter=clock.perf_counter, time=time.time)
     port = ReplayPort(heads)
@@ -354,6 +361,9 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
             # vLLM proposes right after sampling, for the step's whole batch (requests that just finished too)
             t0 = time.perf_counter()
             drafts = driver.propose(sampled, num_tokens, rows_now)
+            if digest is not None:
+                digest.update(repr((drafts, sorted((r, p.tokens, p.parents) for r, p in driver.plans.items())))
+                              .encode())
             t_propose = time.perf_counter() - t0
             done = [k for k in batch if made[k] >= limit[k]]
             keep = [(k, d) for k, d in zip(batch, drafts) if k not in done]
@@ -430,6 +440,9 @@ def main() -> None:
     p.add_argument("--heads-on-host", action="store_true",
                    help="run the Medusa heads on this CPU inside each step (default: their results computed before "
                         "the replay and handed over as a GPU's device work would be)")
+    p.add_argument("--digest", action="store_true",
+                   help="one replay per batch size on the simulated clock alone; print a digest of every drafted "
+                        "token and plan (a host-side change that must not change decisions leaves it the same)")
     p.add_argument("--one", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # child: batch size, MB
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -460,6 +473,13 @@ def main() -> None:
     if args.fine:  # the drafter's smaller parts too (nested timers cost ~1 us a call: compare parts, not totals)
         parts += FINE
     install(acc, parts)
+    if args.digest:
+        for b in args.batch_size:
+            h = hashlib.sha256()
+            r = replay(data, b, settings, model, 0, acc, args.max_tokens, heads_once, digest=h)
+            print(f"batch {b}: {r['steps']} steps, {r['tokens']} tokens, tau {r['tokens'] / r['forwards']:.3f}, "
+                  f"digest {h.hexdigest()[:16]}", flush=True)
+        return
     if args.one is not None:  # one replay, in a process of its own (a second replay in the same process runs
         # slower: the first one's objects stay and the garbage collector walks them)
         b, mb = args.one
