@@ -17,6 +17,7 @@ over when the pool asks (`--heads-on-host` runs them on this CPU between the hos
 
     .venv/bin/python benchmarks/host_replay.py --batch-size 1 8 --evict-mb 0 600
     .venv/bin/python benchmarks/host_replay.py --digest   # decisions unchanged by a host-side change? (~1 min)
+    .venv/bin/python benchmarks/host_replay.py --batch-size 8 --evict-mb 0 --repeats 4 --against HEAD~3
 
 Prints ms per step of each part; the host side is propose + on_schedule + the GPU plan, less the Medusa heads' tensor
 work (device work on a GPU), against the 8B step of the batch size. Run alone.
@@ -81,6 +82,27 @@ def forward_ms(batch: int, rows: int) -> float:
     return STEP_8B_MS[b] * (y0 + (y1 - y0) * (per - x0) / (x1 - x0))
 
 
+def ref_tree(ref: str) -> Path:
+    """A temporary worktree of git `ref` holding this script and profile_step.py (the measurement stays this one) and
+    the cached continuations and heads' results. (vllm_adaspec.kernels still comes from the installed package: the
+    kernels' host code, plan_launch, is this tree's.)"""
+    import shutil
+    import tempfile
+
+    tree = Path(tempfile.mkdtemp(prefix="host_replay_ref_"))
+    tree.rmdir()
+    done = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref], capture_output=True,
+                          text=True)
+    if done.returncode:
+        sys.exit(f"--against {ref}: {done.stderr.strip()}")
+    for name in ("host_replay.py", "profile_step.py"):
+        shutil.copy(ROOT / "benchmarks" / name, tree / "benchmarks" / name)
+    (tree / "benchmarks" / "out").mkdir(exist_ok=True)
+    for cached in (ROOT / "benchmarks" / "out").glob("host_replay_*.pt"):
+        (tree / "benchmarks" / "out" / cached.name).symlink_to(cached)
+    return tree
+
+
 # --- the oracle: each prompt's greedy continuation and the final hidden states along it ---
 
 def continuations(model_path: str, prompts: list[str], max_tokens: int, cache_dir: Path) -> list[dict]:
@@ -119,7 +141,9 @@ def device_results(heads, data: list[dict], cache_dir: Path | None) -> dict:
     from vllm_adaspec.pools.medusa import MAX_NODES, sparse_tree
 
     width = sparse_tree(heads.accuracy, MAX_NODES).max_rank
-    key = hashlib.sha256(json.dumps([heads.folder, width, [d["cont"] for d in data]]).encode()).hexdigest()[:16]
+    weights = [list(heads.w.shape), float(heads.w.double().sum()), float(heads.lm_rows.double().sum())]  # (not the path:
+    # an --against worktree loads the same heads from another folder)
+    key = hashlib.sha256(json.dumps([weights, width, [d["cont"] for d in data]]).encode()).hexdigest()[:16]
     path = cache_dir / f"host_replay_heads_{key}.pt" if cache_dir is not None else None
     rows = [(k, j) for k, d in enumerate(data) for j in range(len(d["prompt"]) - 1, len(d["prompt"]) + len(d["cont"]) - 1)]
     seq = [d["prompt"] + d["cont"] for d in data]
@@ -440,6 +464,9 @@ def main() -> None:
     p.add_argument("--heads-on-host", action="store_true",
                    help="run the Medusa heads on this CPU inside each step (default: their results computed before "
                         "the replay and handed over as a GPU's device work would be)")
+    p.add_argument("--against", default=None, metavar="REF",
+                   help="also replay the drafter of git REF (a worktree of it, with this script), alternating with "
+                        "this tree's, one column each: host-side changes compared within one run")
     p.add_argument("--digest", action="store_true",
                    help="one replay per batch size on the simulated clock alone; print a digest of every drafted "
                         "token and plan (a host-side change that must not change decisions leaves it the same)")
@@ -490,27 +517,39 @@ def main() -> None:
         r["ref"] = sum(r["ref_ms"]) / r["steps"]
         print("@@" + json.dumps({k: v for k, v in r.items() if k not in ("host_ms", "ref_ms")}), flush=True)
         return
+    trees = [("", ROOT)]
+    if args.against:
+        trees.append((args.against, ref_tree(args.against)))
     columns = []
-    for b in args.batch_size:
-        for mb in args.evict_mb:
-            runs = []
-            for _ in range(args.repeats):
-                cmd = [sys.executable, __file__, "--one", str(b), str(mb), "--model", args.model, "--settings",
-                       args.settings, "--datasets", *args.datasets, "--num-prompts", str(args.num_prompts),
-                       "--max-tokens", str(args.max_tokens)] + (["--fine"] if args.fine else []) \
-                    + (["--heads-on-host"] if args.heads_on_host else [])
-                out = subprocess.run(cmd, capture_output=True, text=True)
-                line = next((x for x in out.stdout.splitlines() if x.startswith("@@")), None)
-                if line is None:
-                    sys.exit(f"replay failed:\n{out.stderr[-3000:]}")
-                runs.append(json.loads(line[2:]))
-            runs.sort(key=lambda r: r["host"][1])
-            med = runs[len(runs) // 2]
-            med.update(batch=b, evict_mb=mb, spread=[runs[0]["host"][1], runs[-1]["host"][1]])
-            columns.append(med)
-            print(f"[replay] batch {b}, evict {mb} MB: host less heads {med['host'][1]:.2f} ms "
-                  f"({[round(r['host'][1], 2) for r in runs]})", file=sys.stderr, flush=True)
-    head = "| ms per step | " + " | ".join(f"b{c['batch']}, {c['evict_mb']} MB" for c in columns) + " |"
+    try:
+        for b in args.batch_size:
+            for mb in args.evict_mb:
+                runs = {name: [] for name, _ in trees}
+                for k in range(args.repeats):
+                    for name, tree in trees[::1 if k % 2 == 0 else -1]:  # alternating: the machine's drift hits both
+                        cmd = [sys.executable, str(tree / "benchmarks" / "host_replay.py"), "--one", str(b), str(mb),
+                               "--model", args.model, "--settings", args.settings, "--datasets", *args.datasets,
+                               "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)] \
+                            + (["--fine"] if args.fine else []) + (["--heads-on-host"] if args.heads_on_host else [])
+                        out = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
+                        line = next((x for x in out.stdout.splitlines() if x.startswith("@@")), None)
+                        if line is None:
+                            sys.exit(f"replay failed ({name or 'this tree'}):\n{out.stderr[-3000:]}")
+                        runs[name].append(json.loads(line[2:]))
+                for name, _ in trees:
+                    got = sorted(runs[name], key=lambda r: r["host"][1])
+                    med = got[len(got) // 2]
+                    med.update(batch=b, evict_mb=mb, tree=name, spread=[got[0]["host"][1], got[-1]["host"][1]])
+                    columns.append(med)
+                    print(f"[replay] batch {b}, evict {mb} MB{', ' + name if name else ''}: host less heads "
+                          f"{med['host'][1]:.2f} ms ({[round(r['host'][1], 2) for r in got]})", file=sys.stderr,
+                          flush=True)
+    finally:
+        if args.against:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(trees[1][1])],
+                           capture_output=True)
+    head = "| ms per step | " + " | ".join(f"b{c['batch']}, {c['evict_mb']} MB{', ' + c['tree'] if c['tree'] else ''}"
+                                          for c in columns) + " |"
     print(head + "\n|---|" + "---|" * len(columns))
     for label, _, _ in parts:
         indent = len(label) - len(label.lstrip()) - 6
