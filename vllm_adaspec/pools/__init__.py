@@ -2,8 +2,9 @@
 
 Each pool proposes, for one request, a small tree of candidate tokens rooted at the request's last committed token
 (`Candidates`): nodes in parent-before-child order, each with the pool's own estimate of the probability that the
-target continues with it given that its parent was accepted, and a calibration key (the pool's evidence for it,
-bucketed) under which verification outcomes are counted (trees/trie.py merges pools and calibrates them).
+target continues with it given that its parent was accepted, and the pool's evidence for it (a match length, a
+head, a rank), which with the pool's name is part of the key under which verification outcomes are counted
+(trees/trie.py merges pools and calibrates them).
 
     context   the earlier occurrences of the request's last tokens in its prompt and output (prompt lookup that
               keeps every recent match and weights continuations by how often they occur)
