@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -33,6 +34,12 @@ class SparseTree:
     @property
     def max_rank(self) -> int:
         return 1 + max(self.rank, default=-1)
+
+    @cached_property
+    def at(self) -> tuple[np.ndarray, np.ndarray]:
+        """(head index [N], rank [N]): where each node's token lies in the heads' [K, width] top tokens (built once,
+        read every step)."""
+        return np.asarray(self.depth) - 1, np.asarray(self.rank)
 
 
 def sparse_tree(accuracy: list[list[float]], budget: int) -> SparseTree:
@@ -59,7 +66,7 @@ def propose_medusa(tree: SparseTree, top_ids: np.ndarray, top_probs: np.ndarray)
     """top_ids / top_probs [K, R]: each head's R best tokens (full vocabulary ids) and their probabilities under
     the head. Candidates in the tree's shape; each node's probability is its head's own, its calibration evidence
     the head (depth). Siblings can repeat a token only if a head ranks it twice, which it cannot."""
-    at = (np.asarray(tree.depth) - 1, np.asarray(tree.rank))
+    at = tree.at
     return Candidates(top_ids[at].tolist(), list(tree.parents), top_probs[at].astype(np.float64).tolist(),
                       list(tree.depth), "medusa")
 
@@ -114,7 +121,7 @@ class MedusaPool(Pool):
             return [propose_medusa(t, top_ids[r], top_p[r]) for r, t in enumerate(trees)]
         # one tree for every request (the usual case): each node's token and probability gathered for all at once
         t = trees[0]
-        at = (slice(None), np.asarray(t.depth) - 1, np.asarray(t.rank))
+        at = (slice(None), *t.at)
         ids, probs = top_ids[at].tolist(), top_p[at].astype(np.float64).tolist()  # [R][N]
         parents, depth = list(t.parents), list(t.depth)
         return [Candidates(i, parents.copy(), p, depth.copy(), "medusa") for i, p in zip(ids, probs)]
