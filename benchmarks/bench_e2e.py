@@ -490,6 +490,8 @@ def interleaved(args, model: str, tok, datasets: list[str]) -> int:
     table = mix_table(results) if len(datasets) > 1 else ""
     table += "\n\nEvery cell:\n\n" + markdown(results, args)
     write(args, results, table)
+    if args.out and len(datasets) > 1:
+        plot_mix(results, Path(args.out).with_suffix(".png"))
     print(table)
     return 0
 
@@ -499,10 +501,30 @@ def geomean(values) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
+def paired_ratios(results: dict, name: str, ref: str, keys: list[str]) -> list[float]:
+    """Per round, `name`'s speed over `ref`'s on the same prompts (each round's ratio to its own plain run, so the
+    same prompts at the same moment), as the geometric mean over `keys`: what differs between two methods with the
+    prompts' own difficulty and the machine's drift of that round divided out. [] without per-round data."""
+    rounds = [(results[name][k].get("speedup_rounds"), results[ref][k].get("speedup_rounds")) for k in keys]
+    if not rounds or any(not a or not b or len(a) != len(b) for a, b in rounds):
+        return []
+    return [geomean(a[i] / b[i] for a, b in rounds) for i in range(len(rounds[0][0]))]
+
+
+def _paired_cell(results: dict, name: str, ref: str, keys: list[str]) -> str:
+    r = paired_ratios(results, name, ref, keys)
+    if not r:
+        return "-"
+    worst = min(keys, key=lambda k: statistics.median(paired_ratios(results, name, ref, [k])))
+    return (f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f}); "
+            f"{statistics.median(paired_ratios(results, name, ref, [worst])):.2f}x ({worst.split('|')[0]})")
+
+
 def mix_table(results: dict) -> str:
     """Per batch size: each task type's speedup over plain (median over rounds, and its range) and tau for every
-    method, then the geometric mean over the types (speedup; tau), and each method's geometric-mean ratio to vLLM's
-    `suffix` when it ran."""
+    method, then the geometric mean over the types (speedup; tau); when vLLM's `suffix` ran, each method against it
+    paired by round (`paired_ratios`: the ranges over plain mostly measure how the prompts of each round differ, the
+    paired ratio divides that out), over the mix and per type."""
     names = [n for n in results if n != "plain"]
     out = []
     for bs in sorted({int(k.split("|")[1]) for k in results["plain"]}):
@@ -522,13 +544,58 @@ def mix_table(results: dict) -> str:
             f"**{geomean(results[n][k]['speedup'] for k in keys):.2f}x** / {geomean(results[n][k]['tau'] for k in keys):.2f}"
             for n in names) + " |")
         if "suffix" in results:
-            lines.append("| vs vLLM suffix (geo. mean; worst type) | | " + " | ".join(
-                f"{geomean(results[n][k]['speedup'] / results['suffix'][k]['speedup'] for k in keys):.2f}x; "
-                f"{min(results[n][k]['speedup'] / results['suffix'][k]['speedup'] for k in keys):.2f}x "
-                f"({min(keys, key=lambda k: results[n][k]['speedup'] / results['suffix'][k]['speedup']).split('|')[0]})"
-                for n in names) + " |")
+            lines.append("| vs vLLM suffix, paired by round: geo. mean over types, median (range); worst type | | "
+                         + " | ".join(_paired_cell(results, n, "suffix", keys) for n in names) + " |")
+            lines += ["", f"batch {bs}: each method / vLLM suffix on the same prompts in the same round (per type: "
+                          "median over rounds, range)", "",
+                      "| task type | " + " | ".join(n for n in names if n != "suffix") + " |",
+                      "|---|" + "---|" * (len(names) - 1)]
+            for key in keys:
+                cells = []
+                for n in names:
+                    if n != "suffix":
+                        r = paired_ratios(results, n, "suffix", [key])
+                        cells.append(f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" if r else "-")
+                lines.append(f"| {key.split('|')[0]} | " + " | ".join(cells) + " |")
         out.append("\n".join(lines))
     return "\n\n".join(out)
+
+
+def plot_mix(results: dict, path: Path) -> None:
+    """mix_table as a figure: per batch size a panel, per task type a group of bars (every method's speedup over
+    plain, the median over rounds) with the rounds' range as a whisker; vLLM's `suffix` dashed per type."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in results if n != "plain"]
+    sizes = sorted({int(k.split("|")[1]) for k in results["plain"]})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(1.6 + 2.2 * len(results["plain"]) / len(sizes) * len(sizes),
+                                                     4.2), squeeze=False)
+    width = 0.8 / len(names)
+    for ax, bs in zip(axes[0], sizes):
+        keys = [k for k in results["plain"] if int(k.split("|")[1]) == bs]
+        for j, n in enumerate(names):
+            xs = [i - 0.4 + width * (j + 0.5) for i in range(len(keys))]
+            mid = [results[n][k]["speedup"] for k in keys]
+            rng = [results[n][k].get("speedup_rounds") or [m] for k, m in zip(keys, mid)]
+            err = [[m - min(r) for m, r in zip(mid, rng)], [max(r) - m for m, r in zip(mid, rng)]]
+            ax.bar(xs, mid, width, yerr=err, capsize=2, label=n, error_kw={"lw": 0.8})
+        if "suffix" in results:
+            for i, k in enumerate(keys):
+                ax.hlines(results["suffix"][k]["speedup"], i - 0.45, i + 0.45, colors="k", linestyles="dashed", lw=0.8)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        low = min(min(results[n][k].get("speedup_rounds") or [results[n][k]["speedup"]]) for n in names for k in keys)
+        ax.set_ylim(bottom=max(0.0, min(0.9, low) - 0.1))  # the bars differ by percents: start near the lowest
+        ax.set_xticks(range(len(keys)), [k.split("|")[0] for k in keys])
+        ax.set_title(f"batch {bs}")
+        ax.set_ylabel("speedup over plain (median of rounds; whiskers: range)", fontsize=8)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=min(4, len(names)))
+    fig.suptitle("Interleaved rounds: every method per task type (dashed: vLLM suffix)")
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(names) - 1) // 4), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def branch_grid(results: dict) -> dict:

@@ -1,0 +1,49 @@
+"""The interleaved benchmark's comparison of methods (benchmarks/bench_e2e.py): paired by round, over the mix."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_e2e  # noqa: E402
+
+
+def cell(rounds: list[float], tau: float = 2.0) -> dict:
+    return {"speedup_rounds": rounds, "speedup": sorted(rounds)[len(rounds) // 2], "tau": tau, "tok_s": 10.0,
+            "identical": 2, "n": 2}
+
+
+def results() -> dict:
+    # round 2's prompts are easy for every method (2x over round 1): ours stays 10% over suffix on translation in
+    # every round, and 0.95x / 1.0x / 1.05x on math
+    return {
+        "plain": {"translation|1": cell([1.0, 1.0, 1.0]), "math|1": cell([1.0, 1.0, 1.0])},
+        "suffix": {"translation|1": cell([1.5, 3.0, 1.6]), "math|1": cell([1.2, 2.4, 1.3])},
+        "ours": {"translation|1": cell([1.65, 3.3, 1.76]), "math|1": cell([1.14, 2.4, 1.365])},
+    }
+
+
+def test_paired_ratios_divide_out_each_rounds_prompts():
+    r = results()
+    assert bench_e2e.paired_ratios(r, "ours", "suffix", ["translation|1"]) == pytest.approx([1.1, 1.1, 1.1])
+    assert bench_e2e.paired_ratios(r, "ours", "suffix", ["math|1"]) == pytest.approx([0.95, 1.0, 1.05])
+    mix = bench_e2e.paired_ratios(r, "ours", "suffix", ["translation|1", "math|1"])
+    assert mix == pytest.approx([math.sqrt(1.1 * x) for x in (0.95, 1.0, 1.05)])
+    # the medians over plain hide it: ours' ranges over plain (1.65-3.3) swallow suffix's (1.5-3.0)
+    assert min(r["ours"]["translation|1"]["speedup_rounds"]) < max(r["suffix"]["translation|1"]["speedup_rounds"])
+
+
+def test_paired_ratios_need_every_round():
+    r = results()
+    r["ours"]["math|1"]["speedup_rounds"] = [1.0, 1.0]
+    assert bench_e2e.paired_ratios(r, "ours", "suffix", ["translation|1", "math|1"]) == []
+
+
+def test_mix_table_reports_the_paired_ratio_and_the_worst_type():
+    table = bench_e2e.mix_table(results())
+    row = next(line for line in table.splitlines() if line.startswith("| vs vLLM suffix, paired"))
+    ours = row.split(" | ")[-1]
+    assert ours.startswith(f"{math.sqrt(1.1):.2f}x ({math.sqrt(1.1 * 0.95):.2f}-{math.sqrt(1.1 * 1.05):.2f}); 1.00x (math)")
+    assert "| translation | 1.10x (1.10-1.10) |" in table
