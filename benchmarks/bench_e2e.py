@@ -511,13 +511,13 @@ def paired_ratios(results: dict, name: str, ref: str, keys: list[str]) -> list[f
     return [geomean(a[i] / b[i] for a, b in rounds) for i in range(len(rounds[0][0]))]
 
 
-def _paired_cell(results: dict, name: str, ref: str, keys: list[str]) -> str:
-    r = paired_ratios(results, name, ref, keys)
+def _paired_cell(r: list[float], per_key: dict[str, list[float]]) -> str:
+    """The mix's paired ratios `r`: median (range); and the type with the lowest median of `per_key`'s."""
     if not r:
         return "-"
-    worst = min(keys, key=lambda k: statistics.median(paired_ratios(results, name, ref, [k])))
+    worst = min(per_key, key=lambda k: statistics.median(per_key[k]))
     return (f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f}); "
-            f"{statistics.median(paired_ratios(results, name, ref, [worst])):.2f}x ({worst.split('|')[0]})")
+            f"{statistics.median(per_key[worst]):.2f}x ({worst.split('|')[0]})")
 
 
 def mix_table(results: dict) -> str:
@@ -544,18 +544,17 @@ def mix_table(results: dict) -> str:
             f"**{geomean(results[n][k]['speedup'] for k in keys):.2f}x** / {geomean(results[n][k]['tau'] for k in keys):.2f}"
             for n in names) + " |")
         if "suffix" in results:
+            per_key = {n: {k: paired_ratios(results, n, "suffix", [k]) for k in keys} for n in names}
             lines.append("| vs vLLM suffix, paired by round: geo. mean over types, median (range); worst type | | "
-                         + " | ".join(_paired_cell(results, n, "suffix", keys) for n in names) + " |")
+                         + " | ".join(_paired_cell(paired_ratios(results, n, "suffix", keys), per_key[n])
+                                      for n in names) + " |")
+            others = [n for n in names if n != "suffix"]
             lines += ["", f"batch {bs}: each method / vLLM suffix on the same prompts in the same round (per type: "
                           "median over rounds, range)", "",
-                      "| task type | " + " | ".join(n for n in names if n != "suffix") + " |",
-                      "|---|" + "---|" * (len(names) - 1)]
+                      "| task type | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
             for key in keys:
-                cells = []
-                for n in names:
-                    if n != "suffix":
-                        r = paired_ratios(results, n, "suffix", [key])
-                        cells.append(f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" if r else "-")
+                cells = [f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" if r else "-"
+                         for r in (per_key[n][key] for n in others)]
                 lines.append(f"| {key.split('|')[0]} | " + " | ".join(cells) + " |")
         out.append("\n".join(lines))
     return "\n\n".join(out)
@@ -571,8 +570,7 @@ def plot_mix(results: dict, path: Path) -> None:
 
     names = [n for n in results if n != "plain"]
     sizes = sorted({int(k.split("|")[1]) for k in results["plain"]})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(1.6 + 2.2 * len(results["plain"]) / len(sizes) * len(sizes),
-                                                     4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(1.6 + 2.2 * len(results["plain"]), 4.2), squeeze=False)
     width = 0.8 / len(names)
     for ax, bs in zip(axes[0], sizes):
         keys = [k for k in results["plain"] if int(k.split("|")[1]) == bs]

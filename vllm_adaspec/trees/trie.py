@@ -21,7 +21,8 @@ from vllm_adaspec.pools import Candidates
 class Calibration:
     """key -> [accepted, tested] over verified nodes whose parent was accepted; a Beta prior centred on the pool's
     own probability with `strength` pseudo-observations until evidence accumulates: a node's calibrated chance is
-    (accepted + strength * prior) / (tested + strength) (`merge` computes it in its loop)."""
+    (accepted + strength * PRIOR_SCALE * p) / (tested + strength), p the pools' best probability for it (`merge`
+    computes it in its loop)."""
 
     def __init__(self, strength: float = 4.0):
         self.strength = strength
