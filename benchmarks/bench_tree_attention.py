@@ -54,21 +54,22 @@ def random_tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
     return ancestor_mask(DraftTree(torch.zeros(n, dtype=torch.long), torch.tensor(parents, dtype=torch.long)))
 
 
-def make_case(batch: int, prefix: int, nodes: int, hq: int, hkv: int, d: int, dtype, block_size: int = 16, seed=0):
+def make_case(batch: int, prefix: int, nodes: int, hq: int, hkv: int, d: int, dtype, block_size: int = 16, seed=0,
+              device: str = "cuda"):
     """A batch of trees over paged prefixes, made on the device: (q, k_cache, v_cache, block_table, prefix_lens,
     cu_rows, bits)."""
     g = torch.Generator().manual_seed(seed)
     rows = nodes + 1
     per_req = math.ceil((prefix + rows) / block_size)
     blocks = batch * per_req
-    table = torch.randperm(blocks, device="cuda").view(batch, per_req).to(torch.int32)
-    k_cache = torch.randn(blocks, block_size, hkv, d, device="cuda", dtype=dtype)
-    v_cache = torch.randn(blocks, block_size, hkv, d, device="cuda", dtype=dtype)
-    q = torch.randn(batch * rows, hq, d, device="cuda", dtype=dtype)
+    table = torch.randperm(blocks, device=device).view(batch, per_req).to(torch.int32)
+    k_cache = torch.randn(blocks, block_size, hkv, d, device=device, dtype=dtype)
+    v_cache = torch.randn(blocks, block_size, hkv, d, device=device, dtype=dtype)
+    q = torch.randn(batch * rows, hq, d, device=device, dtype=dtype)
     mask = torch.cat([random_tree_mask(nodes, g) for _ in range(batch)])
-    cu = torch.arange(0, batch * rows + 1, rows, dtype=torch.int32, device="cuda")
-    plen = torch.full((batch,), prefix, dtype=torch.int32, device="cuda")
-    return q, k_cache, v_cache, table, plen, cu, ancestor_bits(mask).cuda()
+    cu = torch.arange(0, batch * rows + 1, rows, dtype=torch.int32, device=device)
+    plen = torch.full((batch,), prefix, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, table, plen, cu, ancestor_bits(mask).to(device)
 
 
 def bench_shapes(args, copy_gbs: float, do_bench) -> list[dict]:

@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -119,9 +120,11 @@ def random_plan(n: int, g) -> DraftPlan:
     return DraftPlan(tuple(int(t) for t in torch.randint(1000, (n,), generator=g)), tuple(parents), tree_path=True)
 
 
-def step_batch(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, heads, vocab, dtype, time_it=False):
+def step_batch(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, heads, vocab, dtype, run=None):
     """One verification step of `trees` trees of `nodes` nodes: plan, attention in every layer, batched
-    verification (half greedy, half sampled), compaction. Returns {piece: seconds} when timed."""
+    verification (half greedy, half sampled), compaction, each piece through `run(name, fn)` (timed(), no_wait(),
+    or called as is). The batched verdict's read-back (take_results: after vLLM's own wait for the sampled tokens)
+    runs outside."""
     req_ids = [("g" if i % 2 == 0 else "s") + str(i) for i in range(trees)]
     plans = {r: random_plan(nodes, g) for r in req_ids}
     rows = [nodes + 1] * trees
@@ -139,41 +142,68 @@ def step_batch(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, hea
     tokens = torch.full((trees, nodes + 2), -1, dtype=torch.int32, device=DEVICE)
     sm = SimpleNamespace(temperature=torch.full((trees,), 0.8, device=DEVICE), top_k=None, top_p=None)
     slot_mapping = torch.arange(t, device=DEVICE)
-    timings = {}
-
-    def timed(name, fn):
-        if not time_it:
-            return fn()
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            a.record()
-            r = fn()
-            b.record()
-            host = time.perf_counter() - t0
-            torch.cuda.synchronize()
-            timings[name] = (max(a.elapsed_time(b) / 1e3, host), host)
-            return r
-        t0 = time.perf_counter()
-        r = fn()
-        timings[name] = (time.perf_counter() - t0,) * 2
-        return r
-
-    timed("plan", lambda: rt.begin_step(req_ids, qs, roots, positions, spec, plans, t, seq_lens, set(), set()))
+    run = run or (lambda name, fn: fn())
+    run("plan", lambda: rt.begin_step(req_ids, qs, roots, positions, spec, plans, t, seq_lens, set(), set()))
     step = rt.step
     assert step is not None and len(step.requests) == trees
     md = SimpleNamespace(num_actual_tokens=t, slot_mapping=slot_mapping, block_table=table)
-    timed("attention, every layer", lambda: [rt.attend(None, d ** -0.5, q, None, None, kv, md, out)
+    run("attention, every layer", lambda: [rt.attend(None, d ** -0.5, q, None, None, kv, md, out)
                                             for kv in layers_kv])
-    verdict = timed("verification", lambda: rt.verify_batched(step, logits, tokens, sm))
-    timed("compaction, every layer", lambda: rt.finish_step(step, {}, verdict))
+    verdict = run("verification", lambda: rt.verify_batched(step, logits, tokens, sm))
+    run("compaction, every layer", lambda: rt.finish_step(step, {}, verdict))
     rt.take_step()
     rt.take_results()
-    return timings
 
 
-def draft_step(rt, g, prefix: int, table) -> None:
+def timed(timings: dict):
+    """run(name, fn) that times each piece into timings[name] = (device or host seconds, whichever is longer;
+    host seconds): CUDA events around it, waiting for the device before and after (so never under no_wait)."""
+    def run(name, fn):
+        if DEVICE != "cuda":
+            t0 = time.perf_counter()
+            r = fn()
+            timings[name] = (time.perf_counter() - t0,) * 2
+            return r
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        a.record()
+        r = fn()
+        b.record()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        timings[name] = (max(a.elapsed_time(b) / 1e3, host), host)
+        return r
+    return run
+
+
+def where(e: BaseException) -> str:
+    """The innermost frames of this checkout in e's traceback (the harness itself left out): what waited."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if f.filename.startswith(str(ROOT)) and not f.filename.endswith("device_check.py")]
+    return " <- ".join(f"{Path(f.filename).relative_to(ROOT)}:{f.lineno} {f.name}: {f.line}" for f in frames[::-1][:3])
+
+
+def no_wait(found: dict):
+    """run(name, fn) under torch.cuda.set_sync_debug_mode("error"): a piece that waits for the device is recorded in
+    found[name] (where it waited) and run again, allowed to wait, so the next piece has its inputs."""
+    def run(name, fn):
+        if DEVICE != "cuda":
+            return fn()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn()
+        except RuntimeError as e:
+            if "synchroniz" not in str(e):
+                raise
+            found.setdefault(name, where(e) or str(e))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return fn()
+    return run
+
+
+def draft_step(rt, g, prefix: int, table_cpu) -> None:
     """An early-exit draft step's plan (two trees, a few nodes run): staged as a kernel plan."""
     from vllm_adaspec.proposers.early_exit import EarlyExitDrafter
     from vllm_adaspec.trees import GrowingTree, add_children
@@ -183,7 +213,7 @@ def draft_step(rt, g, prefix: int, table) -> None:
     add_children(t1, 0, [7, 8], [0.5, 0.4])
     add_children(t2, -1, [3, 4], [0.7, 0.2])
     roots = np.array([prefix, prefix // 2])
-    pre = EarlyExitDrafter._draft_prefix(roots, table[:2].cpu())
+    pre = EarlyExitDrafter._draft_prefix(roots, table_cpu[:2])
     mask = EarlyExitDrafter._draft_mask([(0, 2), (1, 0), (0, 3)], [t1, t2], [{0: 1, 1: 2, 2: 3, 3: 4}, {0: 1}],
                                         roots, pre)
     rt.on_device(mask)
@@ -198,6 +228,7 @@ def check_step() -> bool:
     per_req = -(-(prefix + k + 2) // bs)
     blocks = trees * per_req + 4
     table = torch.randperm(blocks, generator=g)[:trees * per_req].view(trees, per_req).to(torch.int32).to(DEVICE)
+    table_cpu = table.cpu()  # the host copy vLLM keeps (an early-exit draft step plans from it)
     layers_kv = [torch.randn(blocks, hkv, bs, 2 * d, device=DEVICE, dtype=dtype) for _ in range(layers)]
     ta.VARIANTS = ta.KernelVariants()  # the engine's count starts at its start-up (the kernel check ran others)
     before = compiled_entries()
@@ -209,7 +240,7 @@ def check_step() -> bool:
     for n in range(1, k + 1):
         for p in (9, prefix):
             step_batch(rt, 2, n, p, g, layers_kv, table, heads, min(vocab, 1024), dtype)
-    draft_step(rt, g, prefix, table)
+    draft_step(rt, g, prefix, table_cpu)
     after = compiled_entries()
     cold = ta.VARIANTS.cold
     ok = cold == 0 and (after is None or after == after_start)
@@ -220,27 +251,28 @@ def check_step() -> bool:
         near = min((w for w in ta.VARIANTS.warm if w[0] == key[0]),
                    key=lambda w: sum(a != b for a, b in zip(w[1], key[1])))
         say(f"  cold {key[0]} variant: " + ", ".join(f"{a} (warm: {b})" for a, b in zip(key[1], near[1]) if a != b))
-    # the step's pieces at the engine's shapes, no wait for the device, timed
-    if DEVICE == "cuda":
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        for nodes in ((4,) if ARGS.cpu else (16, 64)):
-            runs = [step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype,
-                               time_it=True) for _ in range(1 if ARGS.cpu else 7)]
-            for piece in runs[0]:
-                dev = statistics.median(r[piece][0] for r in runs) * 1e3
-                host = statistics.median(r[piece][1] for r in runs) * 1e3
-                say(f"step piece, {trees} trees x {nodes} nodes, {layers} layers: {piece:24s} {dev:7.3f} ms "
-                    f"(host {host:6.3f} ms), no device wait")
-            draft_step(rt, g, prefix, table)
-    except RuntimeError as e:
-        say(f"step pieces: FAILED ({e})")
-        ok = False
-    finally:
-        if DEVICE == "cuda":
-            torch.cuda.set_sync_debug_mode(0)
+    # the step's pieces at the engine's shapes: first each under the sync debug mode (a wait for the device is found
+    # and where it happened said), then timed (the timing itself waits)
+    found: dict = {}
+    for nodes in ((4,) if ARGS.cpu else (16, 64)):
+        step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=no_wait(found))
+        runs = []
+        for _ in range(1 if ARGS.cpu else 7):
+            runs.append({})
+            step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=timed(runs[-1]))
+        for piece in runs[0]:
+            dev = statistics.median(r[piece][0] for r in runs) * 1e3
+            host = statistics.median(r[piece][1] for r in runs) * 1e3
+            say(f"step piece, {trees} trees x {nodes} nodes, {layers} layers: {piece:24s} {dev:7.3f} ms "
+                f"(host {host:6.3f} ms), {'WAITS for the device' if piece in found else 'no device wait'}")
+    no_wait(found)("draft step's plan", lambda: draft_step(rt, g, prefix, table_cpu))
+    for piece, at in found.items():
+        say(f"  {piece} waits for the device at {at}")
+    say(f"device waits in the step's pieces: {len(found)} ({'ok' if not found else 'FAILED'})")
+    ok &= not found
     contained = (rt.faults.count, rt.kernel_fallbacks)
-    say(f"faults, kernel fallbacks over every step: {contained} ({'ok' if contained == (0, 0) else 'FAILED'})")
+    say(f"faults, kernel fallbacks over every step: {contained} ({'ok' if contained == (0, 0) else 'FAILED'})"
+        + (f": {dict(rt.faults.by_place)}" if rt.faults.count else ""))
     return ok and contained == (0, 0)
 
 

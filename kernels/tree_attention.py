@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -228,7 +229,7 @@ if triton is not None:
 
 
 def choose_splits(batch: int, kv_heads: int, q_blocks: int, longest: int, block_n: int, programs: int) -> int:
-    """How many chunks to cut the keys into: enough programs to fill `programs` slots (about two per SM), never a
+    """How many chunks to cut the keys into: enough programs to fill `programs` slots (one per SM), never a
     chunk shorter than 4 key tiles, at most MAX_SPLITS."""
     base = batch * kv_heads * q_blocks
     want = max(1, math.ceil(programs / base))
@@ -278,15 +279,20 @@ class TreeAttentionLaunch:
     m: torch.Tensor
     l: torch.Tensor
     variant_checked: bool = False  # its launches' variant recorded in VARIANTS (the first layer: the rest are alike)
+    num_warps: int | None = None  # the split kernel's launch options (None: launch's defaults)
+    num_stages: int | None = None
+    compiled: dict = field(default_factory=dict)  # (kernel, layer key) -> Triton's compiled kernel (_launch_kernel)
 
 
 def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num_kv_heads: int, head_size: int,
                 max_rows: int, longest: int, block_n: int = BLOCK_N, splits: int | None = None, tree_lens=None,
-                block_q: int | None = None) -> TreeAttentionLaunch:
+                block_q: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None) -> TreeAttentionLaunch:
     """max_rows: the most query rows of one request, longest: the most keys of one (prefix + tree keys): host ints,
     so nothing here waits for the device. splits: key chunks (default `choose_splits` for the device's SM count).
     tree_lens: tree keys per request (default: its rows, as in verification). block_q: the engine's tile
-    (`tile_rows` of its largest tree; default: this step's)."""
+    (`tile_rows` of its largest tree; default: this step's). num_warps / num_stages: the split kernel's (default: 4
+    warps for tiles of up to 64 rows x heads, else 8; Triton's stages)."""
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
     if num_heads % num_kv_heads:
@@ -302,8 +308,11 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     q_blocks = _cdiv(max_rows, block_q)
     if splits is None:
         dev = bits.device
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n, 2 * sms)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+        # one program per SM: on an H100 (session 26's sweep, benchmarks/kernel_sweep.py) half the splits of two
+        # per SM cut the kernel's GPU time 15-18% at batch 8 (8 trees of 16 nodes over 2k-8k prefixes; 7% with 64
+        # nodes) and 7-14% at batch 1 over 8k-32k prefixes: fewer partials to write and reduce, each chunk longer
+        splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n, sms)
     splits = min(int(splits), MAX_SPLITS)
     chunk = _cdiv(_cdiv(longest, splits), block_n) * block_n
     splits = _cdiv(longest, chunk)
@@ -311,10 +320,14 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     acc = torch.empty(splits, rows, num_heads, head_size, dtype=torch.float32, device=bits.device)
     m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
     return TreeAttentionLaunch(prefix_lens, tree_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads,
-                               head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m))
+                               head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m),
+                               num_warps=num_warps, num_stages=num_stages)
 
 
 # --- compiled variants ------------------------------------------------------------------------------------------
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
 
 def _arg_key(name: str, value, kernel: str):
     """What Triton specializes a launch on for one argument (its rules as of 3.x): a tensor by dtype and 16-byte
@@ -322,8 +335,8 @@ def _arg_key(name: str, value, kernel: str):
     a constexpr by its value."""
     if isinstance(value, torch.Tensor):
         return (name, str(value.dtype), value.data_ptr() % 16 == 0)
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return (name, value)
+    if isinstance(value, bool) or value is None or isinstance(value, str) or name.isupper() or name in LAUNCH_OPTIONS:
+        return (name, value)  # constexprs (upper-case here) and launch options: a kernel per value
     if isinstance(value, int):
         width = "i32" if -2**31 <= value < 2**31 else "i64"
         if name in NO_SPECIALIZE[kernel]:
@@ -354,12 +367,43 @@ class KernelVariants:
 VARIANTS = KernelVariants()
 
 
-def _launch_kernel(kernel, name: str, grid, args: dict, record: bool) -> None:
+FAST_LAUNCH = True  # a plan's later layers launch the compiled kernel its first layer resolved (off: Triton's JIT
+# dispatch every launch; turned off for good if a compiled kernel's launch ever fails)
+
+
+def _launch_kernel(kernel, name: str, grid, args: dict, record: bool, compiled: dict | None = None,
+                   layer: tuple = ()) -> None:
     """Launch; `record`: first note the launch's variant (about 15 us of Python: once per plan, not per layer, whose
-    tensors share their dtypes, strides and alignment)."""
+    tensors share their dtypes, strides and alignment). `compiled` (the plan's): the compiled kernel each (kernel,
+    `layer`) resolved through Triton's JIT dispatch (binding and specializing ~45 arguments: ~50 us of Python a
+    launch on an H100's host, more than the kernel's GPU time at short prefixes), launched directly by the layers
+    after it: the same kernel, positional arguments in the kernel's order. `layer`: what could change Triton's
+    specialization from one layer's tensors to the next (dtypes, alignment, strides)."""
+    global FAST_LAUNCH
     if record:
         VARIANTS.seen((name, tuple(_arg_key(k, v, name) for k, v in args.items())))
-    kernel[grid](**args)
+    if compiled is not None and FAST_LAUNCH:
+        fast = compiled.get((name, layer))
+        if fast is not None:
+            try:
+                # (a compiled kernel's launcher reads grid[0..2]: Triton's dispatch pads a shorter grid with 1s)
+                fast[tuple(grid) + (1,) * (3 - len(grid))](*[args[n] for n in kernel.arg_names])
+                return
+            except Exception as e:  # a Triton whose compiled kernels launch otherwise: its JIT dispatch from now on
+                FAST_LAUNCH = False
+                compiled.clear()
+                warnings.warn(f"tree attention: launching a compiled kernel directly failed ({type(e).__name__}: "
+                              f"{e}); Triton's dispatch launches every layer from now on", RuntimeWarning)
+    got = kernel[grid](**args)
+    if compiled is not None and FAST_LAUNCH and hasattr(got, "run") and hasattr(got, "__getitem__"):
+        compiled[(name, layer)] = got  # a CompiledKernel (the interpreter returns none)
+
+
+def _layer_key(q, k_cache, v_cache, block_table, out) -> tuple:
+    """What of one layer's tensors Triton specializes on and a plan's first layer could differ in from the next."""
+    return (q.dtype, k_cache.dtype, out.dtype, block_table.dtype, q.stride(), k_cache.stride(), v_cache.stride(),
+            out.stride(), block_table.stride(0), q.data_ptr() % 16, k_cache.data_ptr() % 16,
+            v_cache.data_ptr() % 16, out.data_ptr() % 16, block_table.data_ptr() % 16)
 
 
 def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: float, out) -> torch.Tensor:
@@ -379,6 +423,7 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
     direct = plan.splits == 1
     record = not plan.variant_checked or VARIANTS.warming
     plan.variant_checked = True
+    layer = _layer_key(q, k_cache, v_cache, block_table, out)
     _launch_kernel(_tree_attention_split_kernel, "split", grid, dict(
         q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, bt_ptr=block_table,
         plen_ptr=plan.prefix_lens, tlen_ptr=plan.tree_lens, cu_ptr=plan.cu_rows, bits_ptr=plan.bits,
@@ -394,14 +439,15 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
         DOT_F32=interpret and q.dtype == torch.bfloat16,
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else None,
-        num_warps=4 if plan.block_q * _next_pow2(group) <= 64 else 8), record)
+        num_warps=plan.num_warps or (4 if plan.block_q * _next_pow2(group) <= 64 else 8),
+        **({"num_stages": plan.num_stages} if plan.num_stages else {})), record, plan.compiled, layer)
     if direct:
         return out
     _launch_kernel(_tree_attention_reduce_kernel, "reduce", (plan.q_rows.shape[0], plan.num_heads), dict(
         acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, qrows_ptr=plan.q_rows, splits=plan.splits,
         stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2), stride_ms=m.stride(0),
         stride_mt=m.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1), D=d, BLOCK_D=_next_pow2(d),
-        BLOCK_S=MAX_SPLITS), record)
+        BLOCK_S=MAX_SPLITS), record, plan.compiled, layer)
     return out
 
 

@@ -176,3 +176,68 @@ def test_the_device_script_runs_here_on_cpu_tensors():
     proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert proc.returncode == 0 and "device check: PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "0 cold launches (ok)" in proc.stdout and "no device wait" in proc.stdout
+
+
+class _Compiled:
+    """A stand-in for Triton's CompiledKernel: `[grid](*args)` launches it, positional arguments in the kernel's
+    order (what a GPU's launch takes; the interpreter has no compiled kernels)."""
+
+    def __init__(self, calls, fail=False):
+        self.calls, self.fail = calls, fail
+
+    def run(self, *a):
+        raise AssertionError("launched through __getitem__")
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            if self.fail:
+                raise TypeError("a Triton that launches otherwise")
+            self.calls.append(("compiled", (grid[0], grid[1], grid[2]), args))  # as Triton's runner reads it
+        return runner
+
+
+class _Jit:
+    """A stand-in for a JITFunction: `[grid](**kwargs)` dispatches (binds, specializes) and returns the compiled
+    kernel, as Triton's JITFunction.run does."""
+    arg_names = ["x_ptr", "n", "BLOCK"]
+
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+
+    def __getitem__(self, grid):
+        def dispatch(**kwargs):
+            self.calls.append(("jit", grid, kwargs))
+            return _Compiled(self.calls, self.fail)
+        return dispatch
+
+
+def test_a_plans_later_layers_launch_the_compiled_kernel_directly(monkeypatch):
+    """On a GPU a plan's first layer goes through Triton's JIT dispatch (~50 us of Python an H100 host spends per
+    launch: binding and specializing ~45 arguments); the layers after it launch the compiled kernel it returned, with
+    the same arguments in the kernel's order. A layer whose tensors Triton would specialize differently dispatches
+    again; a compiled launch that fails falls back to the dispatch, for good."""
+    monkeypatch.setattr(ta, "FAST_LAUNCH", True)
+    jit, compiled = _Jit(), {}
+    args = {"BLOCK": 64, "x_ptr": "X", "n": 7, "num_warps": 4}  # any order; launch options are not arguments
+    for _ in range(3):  # a grid of two dimensions (the reduction's): padded for the compiled kernel's launcher
+        ta._launch_kernel(jit, "split", (2, 5), args, False, compiled, layer=("a",))
+    assert [c[0] for c in jit.calls] == ["jit", "compiled", "compiled"]
+    assert jit.calls[1][1:] == ((2, 5, 1), ("X", 7, 64))
+    ta._launch_kernel(jit, "split", (2, 1, 1), args, False, compiled, layer=("b",))  # another layer key
+    assert jit.calls[-1][0] == "jit"
+    assert set(compiled) == {("split", ("a",)), ("split", ("b",))}
+    bad, compiled = _Jit(fail=True), {}
+    ta._launch_kernel(bad, "split", (1, 1, 1), args, False, compiled)
+    with pytest.warns(RuntimeWarning, match="launching a compiled kernel directly failed"):
+        ta._launch_kernel(bad, "split", (1, 1, 1), args, False, compiled)
+    assert [c[0] for c in bad.calls] == ["jit", "jit"] and not ta.FAST_LAUNCH and not compiled
+    ta._launch_kernel(bad, "split", (1, 1, 1), args, False, compiled)  # off for good: dispatch, nothing kept
+    assert [c[0] for c in bad.calls] == ["jit"] * 3 and not compiled
+
+
+def test_launch_options_and_constexprs_are_variants_by_value():
+    """VARIANTS counts compiles: two values of a constexpr or of num_warps are two kernels (a multiple-of-16 rule
+    would call BLOCK_N 32 and 64 one)."""
+    assert ta._arg_key("BLOCK_N", 32, "split") != ta._arg_key("BLOCK_N", 64, "split")
+    assert ta._arg_key("num_warps", 4, "split") != ta._arg_key("num_warps", 8, "split")
+    assert ta._arg_key("stride_kb", 32, "split") == ta._arg_key("stride_kb", 64, "split")  # specialized alike

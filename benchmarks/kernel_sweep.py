@@ -1,0 +1,253 @@
+"""Where the tree-attention kernel's time goes on a GPU, and which launch options cut it: one run a session lent a
+device can afford (about 3 minutes on an H100).
+
+Per shape (a subset of bench_tree_attention.py's: the ones issue 41's targets are furthest from):
+- the kernel as bench_tree_attention.py times it (eager launches back to back: Python's launch cost included where
+  it exceeds the GPU's), its host cost per launch (launches queued without a wait), and its GPU time alone (ten
+  launches captured in one CUDA graph, replayed), beside the FlashAttention anchor captured the same way;
+- the GPU time of every launch option (BLOCK_N x num_warps x num_stages; at 3 stages also half and twice the
+  planned splits),
+  each checked against the default's output first; the best one per shape and over all shapes (geometric mean).
+
+    python benchmarks/kernel_sweep.py --out benchmarks/out/kernel_sweep.json
+    python benchmarks/kernel_sweep.py --cpu      # the wiring on CPU tensors, one tiny shape, Triton interpreted
+    python benchmarks/kernel_sweep.py --launch   # only the launch's host cost, Triton's dispatch every launch
+                                                 # against the plan's compiled kernels (FAST_LAUNCH), outputs equal
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkout import use_checkout  # noqa: E402
+
+use_checkout()
+
+SHAPES = [  # (heads, batch, prefix, nodes)
+    ((32, 8, 128), 1, 8192, 16), ((32, 8, 128), 1, 32768, 16), ((32, 8, 128), 8, 2048, 16),
+    ((32, 8, 128), 8, 8192, 16), ((32, 8, 128), 8, 8192, 64), ((32, 8, 128), 64, 2048, 16),
+    ((9, 3, 64), 8, 8192, 16), ((9, 3, 64), 1, 2048, 16)]
+OPTIONS = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))  # BLOCK_N, num_warps, num_stages
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu", action="store_true", help="CPU tensors, one tiny shape, Triton's interpreter")
+    p.add_argument("--deadline", type=float, default=200.0, help="seconds; the sweep stops starting shapes after it")
+    p.add_argument("--launch", action="store_true", help="only the launch's host cost, with and without FAST_LAUNCH")
+    p.add_argument("--out", default="benchmarks/out/kernel_sweep.json")
+    return p.parse_args(argv)
+
+
+ARGS = parse(sys.argv[1:] if __name__ == "__main__" else [])
+if ARGS.cpu:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from bench_tree_attention import make_case  # noqa: E402
+from vllm_adaspec.kernels import tree_attention as ta  # noqa: E402
+from vllm_adaspec.kernels.tree_attention import launch, plan_launch, tile_rows  # noqa: E402
+
+DEVICE = "cpu" if ARGS.cpu else "cuda"
+
+
+def gpu_time(fn, reps: int = 10) -> float:
+    """Milliseconds of one fn() on the GPU alone: `reps` calls captured in one CUDA graph, replayed (Python's launch
+    cost out). On CPU: wall time of one call."""
+    if DEVICE != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median") / reps
+
+
+def eager_time(fn) -> float:
+    if DEVICE != "cuda":
+        return gpu_time(fn)
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def host_time(fn, n: int = 200) -> float:
+    """Milliseconds of Python per call, calls queued without a wait (the GPU may fall behind: it is not waited on)."""
+    fn()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n * 1e3
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return host
+
+
+def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hkv, d = heads
+    rows = nodes + 1
+    q, k_cache, v_cache, table, plen, cu, bits = make_case(b, prefix, nodes, *heads, dtype, device=DEVICE)
+    scale = d ** -0.5
+    t = q.shape[0]
+    plan_args = (plen, cu, bits, torch.arange(t, dtype=torch.int32, device=DEVICE),
+                 torch.arange(b, dtype=torch.int32, device=DEVICE), hq, hkv, d)
+    kw = {"max_rows": rows, "longest": prefix + rows, "block_q": tile_rows(rows, hq, hkv)}
+    plan = plan_launch(*plan_args, **kw)
+    want = torch.empty_like(q)
+    launch(plan, q, k_cache, v_cache, table, scale, want)
+    row = {"heads": list(heads), "batch": b, "prefix": prefix, "nodes": nodes, "splits": plan.splits,
+           "block_q": plan.block_q,
+           "eager_ms": eager_time(lambda: launch(plan, q, k_cache, v_cache, table, scale, want)),
+           "host_ms": host_time(lambda: launch(plan, q, k_cache, v_cache, table, scale, want)),
+           "gpu_ms": gpu_time(lambda: launch(plan, q, k_cache, v_cache, table, scale, want))}
+    if DEVICE == "cuda":
+        group = hq // hkv
+        aq = torch.randn(b, hkv, rows * group, d, device=DEVICE, dtype=dtype)
+        ak = torch.randn(b, hkv, prefix + rows, d, device=DEVICE, dtype=dtype)
+        av = torch.randn_like(ak)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            row["anchor_gpu_ms"] = gpu_time(lambda: torch.nn.functional.scaled_dot_product_attention(aq, ak, av,
+                                                                                                    scale=scale))
+            row["anchor_eager_ms"] = eager_time(lambda: torch.nn.functional.scaled_dot_product_attention(
+                aq, ak, av, scale=scale))
+    options = {}
+    splits_around = sorted({max(1, plan.splits // 2), plan.splits, min(64, plan.splits * 2)})
+    for block_n, warps, stages in OPTIONS:
+        for splits in (splits_around if stages == 3 else (plan.splits,)):  # splits varied at 3 stages only
+            if time.perf_counter() > deadline:
+                break
+            key = f"n{block_n} w{warps} s{stages} x{splits}"
+            try:
+                p = plan_launch(*plan_args, **kw, block_n=block_n, splits=splits, num_warps=warps, num_stages=stages)
+                out = torch.empty_like(q)
+                launch(p, q, k_cache, v_cache, table, scale, out)
+                err = float((out.float() - want.float()).abs().max())
+                if not err <= 2e-2:
+                    options[key] = {"error": f"off by {err:.3g}"}
+                    continue
+                options[key] = {"gpu_ms": gpu_time(lambda: launch(p, q, k_cache, v_cache, table, scale, out))}
+            except Exception as e:  # e.g. out of shared memory: this option does not exist for the shape
+                options[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    row["options"] = options
+    timed = {k: v["gpu_ms"] for k, v in options.items() if "gpu_ms" in v}
+    if timed:
+        best = min(timed, key=timed.get)
+        row["best"], row["best_gpu_ms"] = best, timed[best]
+    return row
+
+
+def launch_cost(heads, b, prefix, nodes, dtype) -> dict:
+    """Host milliseconds per launch (one layer: the split kernel and, with splits, the reduction) through Triton's
+    dispatch every time and through the plan's compiled kernels, eager and graphed GPU times, and whether the
+    two give the same output bit for bit."""
+    hq, hkv, d = heads
+    rows = nodes + 1
+    q, k_cache, v_cache, table, plen, cu, bits = make_case(b, prefix, nodes, *heads, dtype, device=DEVICE)
+    t = q.shape[0]
+    plan_args = (plen, cu, bits, torch.arange(t, dtype=torch.int32, device=DEVICE),
+                 torch.arange(b, dtype=torch.int32, device=DEVICE), hq, hkv, d)
+    kw = {"max_rows": rows, "longest": prefix + rows, "block_q": tile_rows(rows, hq, hkv)}
+    row = {"heads": list(heads), "batch": b, "prefix": prefix, "nodes": nodes}
+    outs = {}
+    for fast in (False, True):
+        ta.FAST_LAUNCH = fast
+        plan = plan_launch(*plan_args, **kw)
+        out = torch.zeros_like(q)
+        fn = lambda: launch(plan, q, k_cache, v_cache, table, d ** -0.5, out)  # noqa: E731
+        name = "compiled" if fast else "dispatch"
+        row[f"{name}_host_ms"] = host_time(fn)
+        row[f"{name}_eager_ms"] = eager_time(fn)
+        row["splits"], row["kept"] = plan.splits, len(plan.compiled)
+        outs[fast] = out.clone()
+    row["gpu_ms"] = gpu_time(fn)
+    row["equal"] = bool(torch.equal(outs[False], outs[True]))
+    return row
+
+
+def main() -> int:
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --cpu)")
+        return 2
+    start = time.perf_counter()
+    deadline = start + ARGS.deadline
+    dtype = torch.float32 if ARGS.cpu else torch.bfloat16
+    shapes = [((4, 2, 16), 2, 70, 4)] if ARGS.cpu else SHAPES
+    if ARGS.cpu:
+        global OPTIONS
+        OPTIONS = [(16, 4, 2), (32, 4, 3)]  # (and 1 or 2 splits at 3 stages)
+    if ARGS.launch:
+        rows = [launch_cost(heads, b, prefix, nodes, dtype) for heads, b, prefix, nodes in shapes]
+        for r in rows:
+            print(f"launch heads {r['heads']} batch {r['batch']:2d} prefix {r['prefix']:5d} nodes {r['nodes']:2d} "
+                  f"({r['splits']} splits): host per launch {r['dispatch_host_ms'] * 1e3:6.1f} us dispatched, "
+                  f"{r['compiled_host_ms'] * 1e3:6.1f} us compiled ({r['kept']} kept); eager "
+                  f"{r['dispatch_eager_ms'] * 1e3:6.1f} / {r['compiled_eager_ms'] * 1e3:6.1f} us, GPU alone "
+                  f"{r['gpu_ms'] * 1e3:6.1f} us; outputs {'equal' if r['equal'] else 'DIFFER'}", flush=True)
+        ok = all(r["equal"] for r in rows) and (ARGS.cpu or all(r["kept"] for r in rows))
+        print(f"launch check: {'PASS' if ok else 'FAIL'}", flush=True)
+        Path(ARGS.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ARGS.out).write_text(json.dumps({"rows": rows}, indent=1))
+        return 0 if ok else 1
+    rows = []
+    for heads, b, prefix, nodes in shapes:
+        if time.perf_counter() > deadline:
+            print(f"deadline: {heads} batch {b} prefix {prefix} nodes {nodes} not run", flush=True)
+            continue
+        r = sweep_shape(heads, b, prefix, nodes, dtype, deadline)
+        rows.append(r)
+        anchor = r.get("anchor_gpu_ms")
+        print(f"heads {r['heads']} batch {b:2d} prefix {prefix:5d} nodes {nodes:2d} ({r['splits']} splits): eager "
+              f"{r['eager_ms'] * 1e3:7.1f} us, host {r['host_ms'] * 1e3:6.1f} us/launch, GPU {r['gpu_ms'] * 1e3:7.1f} us"
+              + (f"; anchor GPU {anchor * 1e3:6.1f} us (eager {r['anchor_eager_ms'] * 1e3:6.1f}): kernel GPU / anchor "
+                 f"{r['gpu_ms'] / anchor:.2f}x" if anchor else "")
+              + (f"; best {r['best']} {r['best_gpu_ms'] * 1e3:7.1f} us"
+                 + (f" ({r['best_gpu_ms'] / anchor:.2f}x anchor)" if anchor else "") if "best" in r else ""),
+              flush=True)
+        fails = {k: v["error"] for k, v in r["options"].items() if "error" in v}
+        if fails:
+            print(f"  {len(fails)} options failed, e.g. {next(iter(fails.items()))}", flush=True)
+    # one option for every shape: the geometric mean of GPU time over the default's, where every shape has it
+    common = None
+    for r in rows:
+        keys = {k.rsplit(' x', 1)[0] + (" x=" if int(k.rsplit('x', 1)[1]) == r["splits"] else " x?")
+                for k, v in r["options"].items() if "gpu_ms" in v}
+        common = keys if common is None else common & keys
+    ranked = []
+    for opt in sorted(o for o in (common or ()) if o.endswith(" x=")):
+        base = opt[:-3]
+        ratios = [r["options"][f"{base} x{r['splits']}"]["gpu_ms"] / r["gpu_ms"] for r in rows]
+        ranked.append((math.exp(statistics.fmean(math.log(x) for x in ratios)), base, ratios))
+    ranked.sort()
+    for gm, base, ratios in ranked[:6]:
+        print(f"option {base} (planned splits) over the default, every shape: geo mean {gm:.3f} "
+              f"({', '.join(f'{x:.2f}' for x in ratios)})", flush=True)
+    out = Path(ARGS.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "rows": rows,
+                               "ranked": ranked, "seconds": time.perf_counter() - start}, indent=1))
+    print(f"kernel sweep: {len(rows)} shapes in {time.perf_counter() - start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
