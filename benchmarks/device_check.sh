@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The device checks of a session lent a GPU, as one command (the `device` tool runs it first; under 6 minutes on an
+# The device checks of a session lent a GPU, as one command (the `device` tool runs it first; about 5 minutes on an
 # H100): the tree kernel on the device, no compile after start-up, the step's pieces without a device wait and their
 # times (benchmarks/device_check.py), then the kernel against FlashAttention and the verification cost curves
-# (benchmarks/bench_tree_attention.py). What it prints goes into benchmarks/RESULTS.md.
+# (benchmarks/bench_tree_attention.py), then the launch's host cost with and without the compiled-kernel path
+# (benchmarks/kernel_sweep.py --launch). What it prints goes into benchmarks/RESULTS.md.
 #   bash benchmarks/device_check.sh            # results also under $OUT (the device tool's folder) if set
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,5 +13,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 timeout 150 python benchmarks/device_check.py 2>&1 | tee "$out/device_check.txt"; a=${PIPESTATUS[0]}
 timeout 180 python benchmarks/bench_tree_attention.py --cost-curve --out "$out/tree_attention.json" 2>&1 \
   | tee "$out/bench_tree_attention.txt"; b=${PIPESTATUS[0]}
-echo "device_check.py exit $a, bench_tree_attention.py exit $b"
-exit $(( a != 0 || b != 0 ))
+timeout 90 python benchmarks/kernel_sweep.py --launch --out "$out/launch.json" 2>&1 | tee "$out/launch.txt"
+c=${PIPESTATUS[0]}
+echo "device_check.py exit $a, bench_tree_attention.py exit $b, kernel_sweep.py --launch exit $c"
+exit $(( a != 0 || b != 0 || c != 0 ))

@@ -386,8 +386,10 @@ def _launch_kernel(kernel, name: str, grid, args: dict, record: bool, compiled: 
         fast = compiled.get((name, layer))
         if fast is not None:
             try:
-                # (a compiled kernel's launcher reads grid[0..2]: Triton's dispatch pads a shorter grid with 1s)
-                fast[tuple(grid) + (1,) * (3 - len(grid))](*[args[n] for n in kernel.arg_names])
+                # a compiled kernel's launcher reads grid[0..2] (Triton's dispatch pads a shorter grid with 1s); it
+                # takes a pointer as an int as readily as a tensor, without a data_ptr() call and a driver query each
+                fast[tuple(grid) + (1,) * (3 - len(grid))](*[a.data_ptr() if isinstance(a, torch.Tensor) else a
+                                                             for a in (args[n] for n in kernel.arg_names)])
                 return
             except Exception as e:  # a Triton whose compiled kernels launch otherwise: its JIT dispatch from now on
                 FAST_LAUNCH = False

@@ -159,23 +159,30 @@ def test_the_start_up_check_passes_here_and_catches_a_wrong_kernel(triton_interp
     assert ta.check_on_device("cpu", torch.float32, 9, 3, 64) > 0.1
 
 
-def test_the_device_script_runs_here_on_cpu_tensors():
-    """benchmarks/device_check.py, what a session lent a GPU runs first (benchmarks/device_check.sh), run here on CPU
-    tensors under the interpreter with tiny shapes: every check it makes on a device passes here, so a lent device's
-    minutes are not lost to a script that could not have run."""
+def test_the_device_script_runs_here_on_cpu_tensors(tmp_path):
+    """benchmarks/device_check.py and kernel_sweep.py --launch, what a session lent a GPU runs first
+    (benchmarks/device_check.sh), run here on CPU tensors under the interpreter with tiny shapes: every check they
+    make on a device passes here, so a lent device's minutes are not lost to a script that could not have run."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # as on the device: a bare copy of the checkout, the package not installed (pip's editable finder taken away)
-    bare = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in repr(f)]; "
-            f"sys.argv = [{str(root / 'benchmarks' / 'device_check.py')!r}, '--cpu']; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, timeout=300, env=env, cwd=root)
-    assert proc.returncode == 0 and "device check: PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def bare(script, *args):  # as on the device: a bare copy of the checkout, the package not installed
+        code = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in repr(f)]; "
+                f"sys.argv = [{str(root / 'benchmarks' / script)!r}, '--cpu', *{list(args)!r}]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                              cwd=root)
+        return proc, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    proc, tail = bare("device_check.py")
+    assert proc.returncode == 0 and "device check: PASS" in proc.stdout, tail
     assert "0 cold launches (ok)" in proc.stdout and "no device wait" in proc.stdout
+    proc, tail = bare("kernel_sweep.py", "--launch", "--out", str(tmp_path / "launch.json"))
+    assert proc.returncode == 0 and "outputs equal" in proc.stdout and "launch check: PASS" in proc.stdout, tail
 
 
 class _Compiled:
@@ -218,11 +225,12 @@ def test_a_plans_later_layers_launch_the_compiled_kernel_directly(monkeypatch):
     again; a compiled launch that fails falls back to the dispatch, for good."""
     monkeypatch.setattr(ta, "FAST_LAUNCH", True)
     jit, compiled = _Jit(), {}
-    args = {"BLOCK": 64, "x_ptr": "X", "n": 7, "num_warps": 4}  # any order; launch options are not arguments
+    x = torch.zeros(4)
+    args = {"BLOCK": 64, "x_ptr": x, "n": 7, "num_warps": 4}  # any order; launch options are not arguments
     for _ in range(3):  # a grid of two dimensions (the reduction's): padded for the compiled kernel's launcher
         ta._launch_kernel(jit, "split", (2, 5), args, False, compiled, layer=("a",))
     assert [c[0] for c in jit.calls] == ["jit", "compiled", "compiled"]
-    assert jit.calls[1][1:] == ((2, 5, 1), ("X", 7, 64))
+    assert jit.calls[1][1:] == ((2, 5, 1), (x.data_ptr(), 7, 64))  # pointers as ints
     ta._launch_kernel(jit, "split", (2, 1, 1), args, False, compiled, layer=("b",))  # another layer key
     assert jit.calls[-1][0] == "jit"
     assert set(compiled) == {("split", ("a",)), ("split", ("b",))}
