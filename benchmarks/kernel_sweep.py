@@ -5,8 +5,8 @@ Per shape (a subset of bench_tree_attention.py's: the ones issue 41's targets ar
 - the kernel as bench_tree_attention.py times it (eager launches back to back: Python's launch cost included where
   it exceeds the GPU's), its host cost per launch (launches queued without a wait), and its GPU time alone (ten
   launches captured in one CUDA graph, replayed), beside the FlashAttention anchor captured the same way;
-- the GPU time of every launch option (BLOCK_N x num_warps x num_stages; at 3 stages also half and twice the
-  planned splits),
+- the GPU time of every launch option (BLOCK_N x num_warps x num_stages x whole prefix tiles without masks; at 3
+  stages also half and twice the planned splits),
   each checked against the default's output first; the best one per shape and over all shapes (geometric mean).
 
     python benchmarks/kernel_sweep.py --out benchmarks/out/kernel_sweep.json
@@ -36,7 +36,9 @@ SHAPES = [  # (heads, batch, prefix, nodes)
     ((32, 8, 128), 1, 8192, 16), ((32, 8, 128), 1, 32768, 16), ((32, 8, 128), 8, 2048, 16),
     ((32, 8, 128), 8, 8192, 16), ((32, 8, 128), 8, 8192, 64), ((32, 8, 128), 64, 2048, 16),
     ((9, 3, 64), 8, 8192, 16), ((9, 3, 64), 1, 2048, 16)]
-OPTIONS = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))  # BLOCK_N, num_warps, num_stages
+# BLOCK_N, num_warps, num_stages, whole prefix tiles without masks (`even`; session 26's run had no `even` and
+# stages 2-4: 4 was never a shape's best)
+OPTIONS = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (False, True)))
 
 
 def parse(argv):
@@ -132,13 +134,14 @@ def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
                 aq, ak, av, scale=scale))
     options = {}
     splits_around = sorted({max(1, plan.splits // 2), plan.splits, min(64, plan.splits * 2)})
-    for block_n, warps, stages in OPTIONS:
-        for splits in (splits_around if stages == 3 else (plan.splits,)):  # splits varied at 3 stages only
+    for block_n, warps, stages, even in OPTIONS:
+        for splits in (splits_around if stages == 3 and not even else (plan.splits,)):  # (at 3 stages only)
             if time.perf_counter() > deadline:
                 break
-            key = f"n{block_n} w{warps} s{stages} x{splits}"
+            key = f"n{block_n} w{warps} s{stages} e{int(even)} x{splits}"
             try:
-                p = plan_launch(*plan_args, **kw, block_n=block_n, splits=splits, num_warps=warps, num_stages=stages)
+                p = plan_launch(*plan_args, **kw, block_n=block_n, splits=splits, num_warps=warps, num_stages=stages,
+                                even=even)
                 out = torch.empty_like(q)
                 launch(p, q, k_cache, v_cache, table, scale, out)
                 err = float((out.float() - want.float()).abs().max())
@@ -194,7 +197,7 @@ def main() -> int:
     shapes = [((4, 2, 16), 2, 70, 4)] if ARGS.cpu else SHAPES
     if ARGS.cpu:
         global OPTIONS
-        OPTIONS = [(16, 4, 2), (32, 4, 3)]  # (and 1 or 2 splits at 3 stages)
+        OPTIONS = [(16, 4, 2, False), (32, 4, 3, False), (32, 4, 2, True)]  # (and 1 or 2 splits at 3 stages)
     if ARGS.launch:
         rows = [launch_cost(heads, b, prefix, nodes, dtype) for heads, b, prefix, nodes in shapes]
         for r in rows:

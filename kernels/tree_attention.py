@@ -113,18 +113,32 @@ if triton is not None:
     def _attend_tile(q, acc, m_i, l_i, start, end, table, k_ptr, v_ptr, kvh, bits_ptr, bits_rows, m_valid, p_len,
                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bits, scale,
                      TREE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                     D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, FULL: tl.constexpr = False):
         """One tile of keys start .. start + BLOCK_N (those < end) into the online softmax of the tile's rows. Prefix
-        tiles (TREE False) are visible to every row; tree tiles read each row's ancestor bits."""
+        tiles (TREE False) are visible to every row; tree tiles read each row's ancestor bits. FULL: a prefix tile
+        whose every key is < end: no mask on its loads or its scores (padding rows score against zeros and are
+        never written)."""
         pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < end
         offs_d = tl.arange(0, BLOCK_D)
-        page = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        if FULL:
+            page = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+        else:
+            valid = pos < end
+            page = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         k_off = page * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
         v_off = page * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kvh * stride_vh
-        kv_mask = valid[:, None] & (offs_d < D)[None, :]
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FULL:
+            d_mask = (offs_d < D)[None, :]
+            if BLOCK_D == D:
+                k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :])
+                v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :])
+            else:
+                k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=d_mask, other=0.0)
+                v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=d_mask, other=0.0)
+        else:
+            kv_mask = valid[:, None] & (offs_d < D)[None, :]
+            k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if DOT_F32:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale  # [M, N]
@@ -133,9 +147,10 @@ if triton is not None:
             word = tl.load(bits_ptr + bits_rows[:, None] * stride_bits + (j // 32)[None, :],
                            mask=m_valid[:, None] & valid[None, :], other=0)
             visible = valid[None, :] & (((word >> (j % 32)[None, :]) & 1) != 0)
-        else:
+            s = tl.where(visible, s, float("-inf"))
+        elif not FULL:
             visible = valid[None, :] & m_valid[:, None]
-        s = tl.where(visible, s, float("-inf"))
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
@@ -152,7 +167,7 @@ if triton is not None:
             stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_bt, stride_bits, stride_ot, stride_oh,
             DIRECT: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-            DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+            DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False):
         b = tl.program_id(0)
         kvh = tl.program_id(1) // n_qb
         qb = tl.program_id(1) % n_qb
@@ -183,7 +198,15 @@ if triton is not None:
                     q = q.to(tl.float32)
                 bits_rows = (row0 + qi).to(tl.int64)
                 prefix_end = tl.minimum(hi, p_len)
-                for start in range(lo, prefix_end, BLOCK_N):  # prefix keys: no mask to read
+                tail = lo
+                if EVEN:  # whole prefix tiles without masks, then the rest (at most one tile) as below
+                    tail = lo + (tl.maximum(prefix_end - lo, 0) // BLOCK_N) * BLOCK_N
+                    for start in range(lo, tail, BLOCK_N):
+                        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, prefix_end, table, k_ptr, v_ptr, kvh,
+                                                     bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks,
+                                                     stride_kh, stride_vb, stride_vs, stride_vh, stride_bits, scale,
+                                                     False, BLOCK_SIZE, BLOCK_N, BLOCK_D, D, DOT_F32, PRECISION, True)
+                for start in range(tail, prefix_end, BLOCK_N):  # prefix keys: no mask to read
                     acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, prefix_end, table, k_ptr, v_ptr, kvh,
                                                  bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks, stride_kh,
                                                  stride_vb, stride_vs, stride_vh, stride_bits, scale, False,
@@ -281,18 +304,20 @@ class TreeAttentionLaunch:
     variant_checked: bool = False  # its launches' variant recorded in VARIANTS (the first layer: the rest are alike)
     num_warps: int | None = None  # the split kernel's launch options (None: launch's defaults)
     num_stages: int | None = None
+    even: bool = False  # whole prefix tiles without masks (plan_launch)
     compiled: dict = field(default_factory=dict)  # (kernel, layer key) -> Triton's compiled kernel (_launch_kernel)
 
 
 def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num_kv_heads: int, head_size: int,
                 max_rows: int, longest: int, block_n: int = BLOCK_N, splits: int | None = None, tree_lens=None,
                 block_q: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None) -> TreeAttentionLaunch:
+                num_stages: int | None = None, even: bool = False) -> TreeAttentionLaunch:
     """max_rows: the most query rows of one request, longest: the most keys of one (prefix + tree keys): host ints,
     so nothing here waits for the device. splits: key chunks (default `choose_splits` for the device's SM count).
     tree_lens: tree keys per request (default: its rows, as in verification). block_q: the engine's tile
     (`tile_rows` of its largest tree; default: this step's). num_warps / num_stages: the split kernel's (default: 4
-    warps for tiles of up to 64 rows x heads, else 8; Triton's stages)."""
+    warps for tiles of up to 64 rows x heads, else 8; Triton's stages). even: whole prefix tiles without masks (a
+    variant for the device's sweep, benchmarks/kernel_sweep.py; off until a device times it)."""
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
     if num_heads % num_kv_heads:
@@ -321,7 +346,7 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
     return TreeAttentionLaunch(prefix_lens, tree_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads,
                                head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m),
-                               num_warps=num_warps, num_stages=num_stages)
+                               num_warps=num_warps, num_stages=num_stages, even=even)
 
 
 # --- compiled variants ------------------------------------------------------------------------------------------
@@ -440,7 +465,7 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
         # Triton's interpreter multiplies bf16 tl.dot operands wrongly (as of 3.9); it gets fp32 operands there
         DOT_F32=interpret and q.dtype == torch.bfloat16,
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
-        PRECISION="ieee" if q.dtype == torch.float32 or interpret else None,
+        PRECISION="ieee" if q.dtype == torch.float32 or interpret else None, EVEN=plan.even,
         num_warps=plan.num_warps or (4 if plan.block_q * _next_pow2(group) <= 64 else 8),
         **({"num_stages": plan.num_stages} if plan.num_stages else {})), record, plan.compiled, layer)
     if direct:
@@ -467,7 +492,7 @@ def launch_reference(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table
 def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, bits, scale,
                           max_rows: int | None = None, longest: int | None = None, block_n: int = BLOCK_N,
                           splits: int | None = None, q_rows=None, bt_rows=None, out=None, tree_lens=None,
-                          block_q: int | None = None) -> torch.Tensor:
+                          block_q: int | None = None, even: bool = False) -> torch.Tensor:
     """Plan and launch in one call. Without q_rows / bt_rows, q holds exactly the plan's rows (packed as cu_rows) and
     block_table one row per request; returns the output [T, Hq, D] in q's dtype (`out`, or a new tensor). max_rows /
     longest are computed from the tensors when not given (a device sync)."""
@@ -487,7 +512,7 @@ def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows
         raise ValueError(f"q head size {q.shape[2]} and caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do "
                          "not fit")
     plan = plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, q.shape[1], hkv, d, max_rows, longest,
-                       block_n=block_n, splits=splits, tree_lens=tree_lens, block_q=block_q)
+                       block_n=block_n, splits=splits, tree_lens=tree_lens, block_q=block_q, even=even)
     return launch(plan, q, k_cache, v_cache, block_table, scale, torch.empty_like(q) if out is None else out)
 
 

@@ -81,6 +81,18 @@ def test_matches_float64_reference(triton_interpret, prefix_lens, tree_sizes, hq
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("prefix_lens,tree_sizes,splits", [
+    ([5, 170, 0], [3, 8, 0], 3),  # short, long and no prefix; chunks ending inside and past the prefix
+    ([64, 96, 700], [16, 1, 64], 1),  # prefixes of whole tiles and not, one split
+])
+def test_whole_prefix_tiles_without_masks_match_the_reference(triton_interpret, prefix_lens, tree_sizes, splits):
+    """The `even` variant (a candidate for the device's sweep): whole prefix tiles loaded and scored without masks,
+    the rest as before: the same attention."""
+    case = with_bits(make_case(prefix_lens, tree_sizes, 9, 3, 64, 16, torch.float32, seed=2))
+    got = ta.tree_attention_triton(*case, 0.125, splits=splits, block_n=32, even=True)
+    torch.testing.assert_close(got.double(), ta.tree_attention_reference(*case, 0.125), atol=1e-4, rtol=1e-4)
+
+
 def test_matches_the_cpu_tree_paths_attention(triton_interpret):
     """The CPU engine's tree attention (engine/tree_runtime.masked_attention_batch: the prefix visible, among the
     tree rows ancestors-or-self) on the same tree, keys and values: the two paths compute the same rows."""
@@ -183,6 +195,8 @@ def test_the_device_script_runs_here_on_cpu_tensors(tmp_path):
     assert "0 cold launches (ok)" in proc.stdout and "no device wait" in proc.stdout
     proc, tail = bare("kernel_sweep.py", "--launch", "--out", str(tmp_path / "launch.json"))
     assert proc.returncode == 0 and "outputs equal" in proc.stdout and "launch check: PASS" in proc.stdout, tail
+    proc, tail = bare("kernel_sweep.py", "--out", str(tmp_path / "sweep.json"))  # every launch option checked
+    assert proc.returncode == 0 and "kernel sweep: 1 shapes" in proc.stdout and "failed" not in proc.stdout, tail
 
 
 class _Compiled:
