@@ -305,7 +305,7 @@ class TreeAttentionLaunch:
     num_warps: int | None = None  # the split kernel's launch options (None: launch's defaults)
     num_stages: int | None = None
     even: bool = False  # whole prefix tiles without masks (plan_launch)
-    compiled: dict = field(default_factory=dict)  # (kernel, layer key) -> Triton's compiled kernel (_launch_kernel)
+    compiled: dict = field(default_factory=dict)  # layer key -> its ready launches (`launch`, `_ready_launch`)
 
 
 def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num_kv_heads: int, head_size: int,
@@ -392,57 +392,80 @@ class KernelVariants:
 VARIANTS = KernelVariants()
 
 
-FAST_LAUNCH = True  # a plan's later layers launch the compiled kernel its first layer resolved (off: Triton's JIT
+FAST_LAUNCH = True  # a plan's later layers launch the compiled kernels its first layer resolved (off: Triton's JIT
 # dispatch every launch; turned off for good if a compiled kernel's launch ever fails)
+LAYER_ARGS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "bt_ptr")  # what differs from one layer's launch to the next
 
 
-def _launch_kernel(kernel, name: str, grid, args: dict, record: bool, compiled: dict | None = None,
-                   layer: tuple = ()) -> None:
-    """Launch; `record`: first note the launch's variant (about 15 us of Python: once per plan, not per layer, whose
-    tensors share their dtypes, strides and alignment). `compiled` (the plan's): the compiled kernel each (kernel,
-    `layer`) resolved through Triton's JIT dispatch (binding and specializing ~45 arguments: ~50 us of Python a
-    launch on an H100's host, more than the kernel's GPU time at short prefixes), launched directly by the layers
-    after it: the same kernel, positional arguments in the kernel's order. `layer`: what could change Triton's
-    specialization from one layer's tensors to the next (dtypes, alignment, strides)."""
-    global FAST_LAUNCH
+def _launch_kernel(kernel, name: str, grid, args: dict, record: bool):
+    """Launch through Triton's dispatch; `record`: first note the launch's variant (about 15 us of Python: once per
+    plan, not per layer, whose tensors share their dtypes, strides and alignment). Returns what the dispatch returns:
+    on a GPU the compiled kernel (`_ready_launch`), in the interpreter nothing."""
     if record:
         VARIANTS.seen((name, tuple(_arg_key(k, v, name) for k, v in args.items())))
-    if compiled is not None and FAST_LAUNCH:
-        fast = compiled.get((name, layer))
-        if fast is not None:
-            try:
-                # a compiled kernel's launcher reads grid[0..2] (Triton's dispatch pads a shorter grid with 1s); it
-                # takes a pointer as an int as readily as a tensor, without a data_ptr() call and a driver query each
-                fast[tuple(grid) + (1,) * (3 - len(grid))](*[a.data_ptr() if isinstance(a, torch.Tensor) else a
-                                                             for a in (args[n] for n in kernel.arg_names)])
-                return
-            except Exception as e:  # a Triton whose compiled kernels launch otherwise: its JIT dispatch from now on
-                FAST_LAUNCH = False
-                compiled.clear()
-                warnings.warn(f"tree attention: launching a compiled kernel directly failed ({type(e).__name__}: "
-                              f"{e}); Triton's dispatch launches every layer from now on", RuntimeWarning)
-    got = kernel[grid](**args)
-    if compiled is not None and FAST_LAUNCH and hasattr(got, "run") and hasattr(got, "__getitem__"):
-        compiled[(name, layer)] = got  # a CompiledKernel (the interpreter returns none)
+    return kernel[grid](**args)
 
 
-def _layer_key(q, k_cache, v_cache, block_table, out) -> tuple:
-    """What of one layer's tensors Triton specializes on and a plan's first layer could differ in from the next."""
+def _is_compiled(got) -> bool:
+    return hasattr(got, "run") and hasattr(got, "__getitem__")  # a CompiledKernel
+
+
+def _ready_launch(kernel, compiled, grid, args: dict) -> tuple:
+    """One kernel's launch as the layers after the first make it: the compiled kernel's launcher for the grid
+    (it reads grid[0..2]; Triton's dispatch pads a shorter grid with 1s), every argument in the kernel's order with
+    pointers as ints (the launcher takes an int as readily as a tensor, without a data_ptr() call and a driver query
+    each), and where the layer's own tensors go (slot, index in LAYER_ARGS)."""
+    names = kernel.arg_names
+    values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in (args[n] for n in names)]
+    slots = tuple((i, LAYER_ARGS.index(n)) for i, n in enumerate(names) if n in LAYER_ARGS)
+    return compiled[tuple(grid) + (1,) * (3 - len(grid))], values, slots
+
+
+def _launch_ready(ready: list, tensors: tuple) -> None:
+    """The plan's kernels for one more layer: its tensors' pointers into their slots, nothing else recomputed."""
+    ptrs = [t.data_ptr() for t in tensors]
+    for runner, values, slots in ready:
+        args = values.copy()
+        for i, j in slots:
+            args[i] = ptrs[j]
+        runner(*args)
+
+
+def _layer_key(q, k_cache, v_cache, block_table, out, scale) -> tuple:
+    """What of one layer's launch Triton specializes on or the ready launch holds, besides its tensors' pointers:
+    a layer whose key differs from the first's goes through the dispatch again."""
     return (q.dtype, k_cache.dtype, out.dtype, block_table.dtype, q.stride(), k_cache.stride(), v_cache.stride(),
             out.stride(), block_table.stride(0), q.data_ptr() % 16, k_cache.data_ptr() % 16,
-            v_cache.data_ptr() % 16, out.data_ptr() % 16, block_table.data_ptr() % 16)
+            v_cache.data_ptr() % 16, out.data_ptr() % 16, block_table.data_ptr() % 16, scale)
 
 
 def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: float, out) -> torch.Tensor:
     """Tree attention of one layer: q [*, Hq, D] (the rows at plan.q_rows), k_cache / v_cache [num_blocks,
     block_size, Hkv, D] (any strides, the last dimension contiguous), block_table [*, max_blocks]; the plan's rows of
-    `out` [*, Hq, D] are written, nothing else."""
+    `out` [*, Hq, D] are written, nothing else.
+
+    A step's first layer launches through Triton's dispatch (binding and specializing ~45 arguments: ~50 us of Python
+    a launch on an H100's host, more than the kernel's GPU time at short prefixes), which returns the compiled
+    kernels; the plan keeps them with their arguments (`_ready_launch`), and every later layer whose dtypes, strides,
+    alignment and scale are the first's launches them with its own pointers put in (`_launch_ready`)."""
+    global FAST_LAUNCH
     nb, bs, hkv, d = k_cache.shape
     if (q.shape[1], hkv, d) != (plan.num_heads, plan.num_kv_heads, plan.head_size) or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} and caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit "
                          f"the plan ({plan.num_heads} / {plan.num_kv_heads} heads of {plan.head_size})")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("q, out and the caches need a contiguous last dimension")
+    layer = _layer_key(q, k_cache, v_cache, block_table, out, scale) if FAST_LAUNCH else None
+    ready = plan.compiled.get(layer) if FAST_LAUNCH else None
+    if ready is not None:
+        try:
+            _launch_ready(ready, (q, k_cache, v_cache, out, block_table))
+            return out
+        except Exception as e:  # a Triton whose compiled kernels launch otherwise: its dispatch from now on
+            FAST_LAUNCH = False
+            plan.compiled.clear()
+            warnings.warn(f"tree attention: launching a compiled kernel directly failed ({type(e).__name__}: {e}); "
+                          "Triton's dispatch launches every layer from now on", RuntimeWarning)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     acc, m, l_ = plan.acc, plan.m, plan.l
     grid = (len(plan.prefix_lens), hkv * plan.q_blocks, plan.splits)
@@ -450,8 +473,7 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
     direct = plan.splits == 1
     record = not plan.variant_checked or VARIANTS.warming
     plan.variant_checked = True
-    layer = _layer_key(q, k_cache, v_cache, block_table, out)
-    _launch_kernel(_tree_attention_split_kernel, "split", grid, dict(
+    split_args = dict(
         q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, bt_ptr=block_table,
         plen_ptr=plan.prefix_lens, tlen_ptr=plan.tree_lens, cu_ptr=plan.cu_rows, bits_ptr=plan.bits,
         qrows_ptr=plan.q_rows, btrows_ptr=plan.bt_rows, scale=scale, chunk=plan.chunk, n_qb=plan.q_blocks,
@@ -467,14 +489,20 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else None, EVEN=plan.even,
         num_warps=plan.num_warps or (4 if plan.block_q * _next_pow2(group) <= 64 else 8),
-        **({"num_stages": plan.num_stages} if plan.num_stages else {})), record, plan.compiled, layer)
-    if direct:
-        return out
-    _launch_kernel(_tree_attention_reduce_kernel, "reduce", (plan.q_rows.shape[0], plan.num_heads), dict(
-        acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, qrows_ptr=plan.q_rows, splits=plan.splits,
-        stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2), stride_ms=m.stride(0),
-        stride_mt=m.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1), D=d, BLOCK_D=_next_pow2(d),
-        BLOCK_S=MAX_SPLITS), record, plan.compiled, layer)
+        **({"num_stages": plan.num_stages} if plan.num_stages else {}))
+    launches = [(_tree_attention_split_kernel, grid, split_args,
+                 _launch_kernel(_tree_attention_split_kernel, "split", grid, split_args, record))]
+    if not direct:
+        reduce_grid = (plan.q_rows.shape[0], plan.num_heads)
+        reduce_args = dict(
+            acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, qrows_ptr=plan.q_rows, splits=plan.splits,
+            stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2), stride_ms=m.stride(0),
+            stride_mt=m.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1), D=d, BLOCK_D=_next_pow2(d),
+            BLOCK_S=MAX_SPLITS)
+        launches.append((_tree_attention_reduce_kernel, reduce_grid, reduce_args,
+                         _launch_kernel(_tree_attention_reduce_kernel, "reduce", reduce_grid, reduce_args, record)))
+    if FAST_LAUNCH and all(_is_compiled(got) for *_, got in launches):
+        plan.compiled[layer] = [_ready_launch(kernel, got, g, args) for kernel, g, args, got in launches]
     return out
 
 

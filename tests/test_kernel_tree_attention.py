@@ -1,6 +1,7 @@
 """Tree-mask attention kernel (flash-decoding split over the keys, ancestor bits, GQA) under the Triton interpreter,
 against the float64 torch reference and against the CPU tree path's attention for the same trees."""
 
+import dataclasses
 import math
 import os
 
@@ -210,20 +211,21 @@ class _Compiled:
         raise AssertionError("launched through __getitem__")
 
     def __getitem__(self, grid):
+        grid = (grid[0], grid[1], grid[2])  # as Triton's runner reads it
+
         def runner(*args):
             if self.fail:
                 raise TypeError("a Triton that launches otherwise")
-            self.calls.append(("compiled", (grid[0], grid[1], grid[2]), args))  # as Triton's runner reads it
+            self.calls.append(("compiled", grid, args))
         return runner
 
 
 class _Jit:
     """A stand-in for a JITFunction: `[grid](**kwargs)` dispatches (binds, specializes) and returns the compiled
-    kernel, as Triton's JITFunction.run does."""
-    arg_names = ["x_ptr", "n", "BLOCK"]
+    kernel, as Triton's JITFunction.run does; its arguments are the real kernel's."""
 
-    def __init__(self, fail=False):
-        self.calls, self.fail = [], fail
+    def __init__(self, real, fail=False):
+        self.arg_names, self.calls, self.fail = real.arg_names, [], fail
 
     def __getitem__(self, grid):
         def dispatch(**kwargs):
@@ -232,29 +234,59 @@ class _Jit:
         return dispatch
 
 
-def test_a_plans_later_layers_launch_the_compiled_kernel_directly(monkeypatch):
-    """On a GPU a plan's first layer goes through Triton's JIT dispatch (~50 us of Python an H100 host spends per
-    launch: binding and specializing ~45 arguments); the layers after it launch the compiled kernel it returned, with
-    the same arguments in the kernel's order. A layer whose tensors Triton would specialize differently dispatches
-    again; a compiled launch that fails falls back to the dispatch, for good."""
+def _positional(kernel, kwargs) -> tuple:
+    """What a dispatch with kwargs hands the compiled kernel: every argument in order, pointers as ints."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in (kwargs[n] for n in kernel.arg_names))
+
+
+def test_a_plans_later_layers_launch_the_compiled_kernels_with_their_own_pointers(monkeypatch):
+    """On a GPU a step's first layer goes through Triton's dispatch (~50 us of Python an H100 host spends per launch:
+    binding and specializing ~45 arguments); the layers after it launch the compiled kernels it returned with the
+    arguments the dispatch would have given them (their own q, caches, output and block table; the rest the plan's).
+    A layer Triton would specialize differently dispatches again; a compiled launch that fails falls back to the
+    dispatch, for good."""
+    split, reduce = ta._tree_attention_split_kernel, ta._tree_attention_reduce_kernel
+    q, k, v, table, plen, cu, mask = make_case([40, 75], [3, 5], 6, 2, 16, 16, torch.float32)
+    bits = ta.ancestor_bits(mask)
+    t = q.shape[0]
+    plan = ta.plan_launch(plen, cu, bits, torch.arange(t, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
+                          6, 2, 16, max_rows=6, longest=81, splits=2, block_n=16)
+    layers = [(torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), torch.empty_like(q)) for _ in range(3)]
+
+    def dispatched(i):  # what Triton's dispatch would get for layer i: the positional arguments of each kernel
+        fs, fr = _Jit(split), _Jit(reduce)
+        monkeypatch.setattr(ta, "_tree_attention_split_kernel", fs)
+        monkeypatch.setattr(ta, "_tree_attention_reduce_kernel", fr)
+        monkeypatch.setattr(ta, "FAST_LAUNCH", False)
+        qi, ki, vi, oi = layers[i]
+        ta.launch(dataclasses.replace(plan, compiled={}), qi, ki, vi, table, 0.25, oi)
+        return [_positional(split, fs.calls[0][2]), _positional(reduce, fr.calls[0][2])]
+
+    want = [dispatched(i) for i in range(3)]
+    js, jr = _Jit(split), _Jit(reduce)
+    monkeypatch.setattr(ta, "_tree_attention_split_kernel", js)
+    monkeypatch.setattr(ta, "_tree_attention_reduce_kernel", jr)
     monkeypatch.setattr(ta, "FAST_LAUNCH", True)
-    jit, compiled = _Jit(), {}
-    x = torch.zeros(4)
-    args = {"BLOCK": 64, "x_ptr": x, "n": 7, "num_warps": 4}  # any order; launch options are not arguments
-    for _ in range(3):  # a grid of two dimensions (the reduction's): padded for the compiled kernel's launcher
-        ta._launch_kernel(jit, "split", (2, 5), args, False, compiled, layer=("a",))
-    assert [c[0] for c in jit.calls] == ["jit", "compiled", "compiled"]
-    assert jit.calls[1][1:] == ((2, 5, 1), (x.data_ptr(), 7, 64))  # pointers as ints
-    ta._launch_kernel(jit, "split", (2, 1, 1), args, False, compiled, layer=("b",))  # another layer key
-    assert jit.calls[-1][0] == "jit"
-    assert set(compiled) == {("split", ("a",)), ("split", ("b",))}
-    bad, compiled = _Jit(fail=True), {}
-    ta._launch_kernel(bad, "split", (1, 1, 1), args, False, compiled)
+    for qi, ki, vi, oi in layers:
+        ta.launch(plan, qi, ki, vi, table, 0.25, oi)
+    assert [c[0] for c in js.calls] == ["jit", "compiled", "compiled"]
+    assert [c[0] for c in jr.calls] == ["jit", "compiled", "compiled"]
+    assert [c[2] for c in js.calls[1:]] == [want[1][0], want[2][0]]  # each layer's own pointers, the plan's rest
+    assert [c[2] for c in jr.calls[1:]] == [want[1][1], want[2][1]]
+    assert jr.calls[1][1] == (t, 6, 1)  # the reduction's 2-D grid, padded for the launcher
+    wide = torch.randn(t, 6, 32)[:, :, :16]  # another stride: Triton would specialize it apart
+    ta.launch(plan, wide, k, v, table, 0.25, torch.empty_like(q))
+    assert js.calls[-1][0] == "jit" and len(plan.compiled) == 2
+    bs, br = _Jit(split, fail=True), _Jit(reduce, fail=True)
+    monkeypatch.setattr(ta, "_tree_attention_split_kernel", bs)
+    monkeypatch.setattr(ta, "_tree_attention_reduce_kernel", br)
+    fresh = dataclasses.replace(plan, compiled={})
+    ta.launch(fresh, q, k, v, table, 0.25, torch.empty_like(q))
     with pytest.warns(RuntimeWarning, match="launching a compiled kernel directly failed"):
-        ta._launch_kernel(bad, "split", (1, 1, 1), args, False, compiled)
-    assert [c[0] for c in bad.calls] == ["jit", "jit"] and not ta.FAST_LAUNCH and not compiled
-    ta._launch_kernel(bad, "split", (1, 1, 1), args, False, compiled)  # off for good: dispatch, nothing kept
-    assert [c[0] for c in bad.calls] == ["jit"] * 3 and not compiled
+        ta.launch(fresh, q, k, v, table, 0.25, torch.empty_like(q))
+    assert [c[0] for c in bs.calls] == ["jit", "jit"] and not ta.FAST_LAUNCH and not fresh.compiled
+    ta.launch(fresh, q, k, v, table, 0.25, torch.empty_like(q))  # off for good: dispatched, nothing kept
+    assert [c[0] for c in bs.calls] == ["jit"] * 3 and not fresh.compiled
 
 
 def test_launch_options_and_constexprs_are_variants_by_value():
