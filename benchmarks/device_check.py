@@ -40,6 +40,8 @@ use_checkout()  # the device runs a bare copy of the checkout
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="CPU tensors, tiny shapes, Triton's interpreter")
+    p.add_argument("--profile", type=int, default=12, metavar="N",
+                   help="after the timings, each piece's N costliest functions of host time (cProfile; 0: none)")
     return p.parse_args(argv)
 
 
@@ -177,6 +179,33 @@ def timed(timings: dict):
     return run
 
 
+def profiled(profiles: dict):
+    """run(name, fn) under one cProfile per piece (the host's side: where its milliseconds go on this host)."""
+    import cProfile
+
+    def run(name, fn):
+        prof = profiles.setdefault(name, cProfile.Profile())
+        prof.enable()
+        try:
+            return fn()
+        finally:
+            prof.disable()
+    return run
+
+
+def top_functions(prof, n: int, steps: int) -> list[str]:
+    """The n functions of most own time: 'tottime cumtime calls  file:line(function)', per step."""
+    import pstats
+
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:n]  # (cc, nc, tottime, cumtime, callers)
+    out = []
+    for (file, line, func), (_, calls, tot, cum, _) in rows:
+        where = f"{Path(file).name}:{line}({func})" if line else func
+        out.append(f"{tot / steps * 1e3:7.3f} {cum / steps * 1e3:7.3f} {calls / steps:6.0f}  {where}")
+    return out
+
+
 def where(e: BaseException) -> str:
     """The innermost frames of this checkout in e's traceback (the harness itself left out): what waited."""
     frames = [f for f in traceback.extract_tb(e.__traceback__)
@@ -265,6 +294,15 @@ def check_step() -> bool:
             host = statistics.median(r[piece][1] for r in runs) * 1e3
             say(f"step piece, {trees} trees x {nodes} nodes, {layers} layers: {piece:24s} {dev:7.3f} ms "
                 f"(host {host:6.3f} ms), {'WAITS for the device' if piece in found else 'no device wait'}")
+        if ARGS.profile and nodes == 16 or ARGS.cpu and ARGS.profile:
+            profiles: dict = {}
+            for _ in range(1 if ARGS.cpu else 5):
+                step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=profiled(profiles))
+            for piece, prof in profiles.items():
+                say(f"host profile, {trees} trees x {nodes} nodes, {piece} (cProfile, {1 if ARGS.cpu else 5} steps; "
+                    f"tottime / cumtime ms a step, calls a step):")
+                for line in top_functions(prof, ARGS.profile, 1 if ARGS.cpu else 5):
+                    say("    " + line)
     no_wait(found)("draft step's plan", lambda: draft_step(rt, g, prefix, table_cpu))
     for piece, at in found.items():
         say(f"  {piece} waits for the device at {at}")
