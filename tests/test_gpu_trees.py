@@ -73,7 +73,10 @@ def slots_of(table, qs):
     return blocks * BS + torch.from_numpy(pos % BS)
 
 
-def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, monkeypatch):
+@pytest.mark.parametrize("all_batched", [False, True])
+def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, monkeypatch, all_batched):
+    """all_batched: every tree verified in the device batch (the usual step; compaction takes the verdict's own
+    tensors); else tree_c is verified one by one on the host and its path copied in."""
     ta = load_interpreted("tree_attention")
     import vllm_adaspec.engine.gpu_tree_runtime as gtr
 
@@ -83,7 +86,7 @@ def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, m
 
     monkeypatch.setattr(gtr, "kv_compaction", load_interpreted("kv_compaction"))
     g = torch.Generator().manual_seed(0)
-    rt, step, qs = planned()
+    rt, step, qs = planned(plain=(lambda req_id: "greedy") if all_batched else None)
     assert [r.req_id for r in step.requests] == ["tree_a", "tree_b", "tree_c"]  # the chain is vLLM's
     positions, seq_lens = torch.from_numpy(np.concatenate([ROOTS[i] + np.arange(n) for i, n in enumerate(ROWS)])), \
         torch.from_numpy(ROOTS + np.array(ROWS)).to(torch.int32)
@@ -134,14 +137,19 @@ def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, m
         if k_ in rt.step.device.batched:
             committed = r.tree.tokens[path].tolist() + [bonus]
             assert tokens[r.row].tolist() == committed + [-1] * (8 - len(committed)), r.req_id
-    assert tokens[0].tolist() == [99] * 8 and tokens[4].tolist() == [99] * 8  # tree_c: the sampler's, one by one
+    assert tokens[0].tolist() == [99] * 8  # the chain: vLLM's
+    assert (tokens[4].tolist() == [99] * 8) != all_batched  # tree_c: the sampler's, one by one (unless batched)
     assert max(len(p) for p, _, _ in want_results.values()) >= 2
 
     # compaction: accepted node at depth d from root + 1 + node to root + d, in every layer; results for the drafter
     before = cache.clone()
-    host = {4: want_results[4]}  # tree_c's verdict comes from the host path
+    host = {} if all_batched else {4: want_results[4]}  # tree_c's verdict comes from the host path
     rt.step.kv_caches = [cache]
+    compacted = []
+    compact = rt._compact
+    monkeypatch.setattr(rt, "_compact", lambda step, path, count: compacted.append(path) or compact(step, path, count))
     rt.finish_step(rt.step, host, verdict)
+    assert (compacted[0] is verdict.path) == all_batched  # all batched: no scatter into a new [R, N] tensor
     kb, vb = kv_views(before)
     expect = before.clone()
     ke, ve = kv_views(expect)
@@ -154,7 +162,7 @@ def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, m
     results, moves = rt.take_results()
     assert results == want_results
     assert moves == sum(1 for p, _, _ in want_results.values() for d, n in enumerate(p, 1) if n + 1 != d) > 0
-    assert rt.batched_total == 2
+    assert rt.batched_total == (3 if all_batched else 2)
 
 
 class HostToDevice(TorchDispatchMode):
