@@ -59,6 +59,10 @@ __all__ = ["MAX_TILE_M", "TOLERANCE", "TreeAttentionLaunch", "VARIANTS", "ancest
 MAX_TILE_M = 128  # query rows x query heads of one tile (FlashAttention's M for head size 128, 8 warps)
 MAX_SPLITS = 64  # key chunks of one request (the reduction's BLOCK_S)
 BLOCK_N = 64  # keys per tile
+# Software-pipelining stages of the split kernel's key loop. 2, not Triton's 3 on Hopper: on an H100 (session 26,
+# benchmarks/kernel_sweep.py) 2 stages took 0.91-1.03x the GPU time of 3 over the sweep's 8 shapes (geometric mean
+# 0.95; BLOCK_N 64, the default warps, the splits of the time)
+NUM_STAGES = 2
 # Integer arguments that change from step to step, kept out of Triton's specialization (a new value would compile a
 # new kernel): per kernel, the names given to `do_not_specialize` and read by `_arg_key`
 NO_SPECIALIZE = {
@@ -316,10 +320,11 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     so nothing here waits for the device. splits: key chunks (default `choose_splits` for the device's SM count).
     tree_lens: tree keys per request (default: its rows, as in verification). block_q: the engine's tile
     (`tile_rows` of its largest tree; default: this step's). num_warps / num_stages: the split kernel's (default: 4
-    warps for tiles of up to 64 rows x heads, else 8; Triton's stages). even: whole prefix tiles without masks (a
+    warps for tiles of up to 64 rows x heads, else 8; NUM_STAGES). even: whole prefix tiles without masks (a
     variant for the device's sweep, benchmarks/kernel_sweep.py; off until a device times it)."""
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
+    num_stages = NUM_STAGES if num_stages is None else num_stages
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     t = q_rows.shape[0]
