@@ -72,6 +72,16 @@ def make_case(batch: int, prefix: int, nodes: int, hq: int, hkv: int, d: int, dt
     return q, k_cache, v_cache, table, plen, cu, ancestor_bits(mask).to(device)
 
 
+def plan_inputs(case, batch: int, prefix: int, nodes: int, hq: int, hkv: int, d: int) -> tuple[tuple, dict]:
+    """plan_launch's arguments for a `make_case` case (its rows packed, one block-table row per request) and the
+    engine's tile for trees of that size."""
+    q, _, _, _, plen, cu, bits = case
+    rows = nodes + 1
+    args = (plen, cu, bits, torch.arange(q.shape[0], dtype=torch.int32, device=q.device),
+            torch.arange(batch, dtype=torch.int32, device=q.device), hq, hkv, d)
+    return args, {"max_rows": rows, "longest": prefix + rows, "block_q": tile_rows(rows, hq, hkv)}
+
+
 def bench_shapes(args, copy_gbs: float, do_bench) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -89,10 +99,7 @@ def bench_shapes(args, copy_gbs: float, do_bench) -> list[dict]:
                     case = make_case(b, prefix, nodes, hq, hkv, d, dtype)
                     q, k_cache, v_cache, table, plen, cu, bits = case
                     scale = d ** -0.5
-                    t = q.shape[0]
-                    plan_args = (plen, cu, bits, torch.arange(t, dtype=torch.int32, device="cuda"),
-                                 torch.arange(b, dtype=torch.int32, device="cuda"), hq, hkv, d)
-                    kw = {"max_rows": rows, "longest": prefix + rows, "block_q": tile_rows(rows, hq, hkv)}
+                    plan_args, kw = plan_inputs(case, b, prefix, nodes, hq, hkv, d)
                     plan = plan_launch(*plan_args, **kw)
                     out = torch.empty_like(q)
                     launch(plan, q, k_cache, v_cache, table, scale, out)

@@ -56,9 +56,9 @@ if ARGS.cpu:
 
 import torch  # noqa: E402
 
-from bench_tree_attention import make_case  # noqa: E402
+from bench_tree_attention import make_case, plan_inputs  # noqa: E402
 from vllm_adaspec.kernels import tree_attention as ta  # noqa: E402
-from vllm_adaspec.kernels.tree_attention import launch, plan_launch, tile_rows  # noqa: E402
+from vllm_adaspec.kernels.tree_attention import launch, plan_launch  # noqa: E402
 
 DEVICE = "cpu" if ARGS.cpu else "cuda"
 
@@ -108,12 +108,10 @@ def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
 
     hq, hkv, d = heads
     rows = nodes + 1
-    q, k_cache, v_cache, table, plen, cu, bits = make_case(b, prefix, nodes, *heads, dtype, device=DEVICE)
+    case = make_case(b, prefix, nodes, *heads, dtype, device=DEVICE)
+    q, k_cache, v_cache, table = case[:4]
     scale = d ** -0.5
-    t = q.shape[0]
-    plan_args = (plen, cu, bits, torch.arange(t, dtype=torch.int32, device=DEVICE),
-                 torch.arange(b, dtype=torch.int32, device=DEVICE), hq, hkv, d)
-    kw = {"max_rows": rows, "longest": prefix + rows, "block_q": tile_rows(rows, hq, hkv)}
+    plan_args, kw = plan_inputs(case, b, prefix, nodes, *heads)
     plan = plan_launch(*plan_args, **kw)
     want = torch.empty_like(q)
     launch(plan, q, k_cache, v_cache, table, scale, want)
@@ -163,13 +161,10 @@ def launch_cost(heads, b, prefix, nodes, dtype) -> dict:
     """Host milliseconds per launch (one layer: the split kernel and, with splits, the reduction) through Triton's
     dispatch every time and through the plan's compiled kernels, eager and graphed GPU times, and whether the
     two give the same output bit for bit."""
-    hq, hkv, d = heads
-    rows = nodes + 1
-    q, k_cache, v_cache, table, plen, cu, bits = make_case(b, prefix, nodes, *heads, dtype, device=DEVICE)
-    t = q.shape[0]
-    plan_args = (plen, cu, bits, torch.arange(t, dtype=torch.int32, device=DEVICE),
-                 torch.arange(b, dtype=torch.int32, device=DEVICE), hq, hkv, d)
-    kw = {"max_rows": rows, "longest": prefix + rows, "block_q": tile_rows(rows, hq, hkv)}
+    d = heads[2]
+    case = make_case(b, prefix, nodes, *heads, dtype, device=DEVICE)
+    q, k_cache, v_cache, table = case[:4]
+    plan_args, kw = plan_inputs(case, b, prefix, nodes, *heads)
     row = {"heads": list(heads), "batch": b, "prefix": prefix, "nodes": nodes}
     outs = {}
     for fast in (False, True):

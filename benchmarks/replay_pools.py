@@ -177,17 +177,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
                     c_gain = 1 + sum(trie.path[i] for i in path_nodes)
                     if c_gain / _c(cost, 1 + len(path_nodes)) >= t_gain / (tree_factor * _c(cost, 1 + len(chosen))):
                         chosen = path_nodes
-            # greedy verification against the known continuation
-            kids: dict[int, dict[int, int]] = {}
-            for i in chosen:
-                kids.setdefault(trie.parents[i], {})[trie.tokens[i]] = i
-            path, node = [], -1
-            while g + len(path) < len(out) - 1:
-                nxt = kids.get(node, {}).get(out[g + len(path)])
-                if nxt is None:
-                    break
-                path.append(nxt)
-                node = nxt
+            path = accepted_path(trie, chosen, out, g)  # greedy verification against the known continuation
             feedback(trie, chosen, path, calib)
             if record is not None and len(trie):
                 on = [False] * len(trie)  # every node on the continuation, chosen or not
@@ -217,6 +207,22 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
             suffix.stop(rid)
     return {"tau": tokens / steps, "nodes_per_step": nodes / steps, "speedup_est": tokens / time,
             "predicted_accepted": predicted / steps, "accepted": accepted / steps}
+
+
+def accepted_path(trie, chosen, out: list[int], g: int) -> list[int]:
+    """Greedy verification of the chosen trie nodes against the known continuation out[g:]: the longest root path
+    along it (trie nodes, root to deepest; the continuation's last token is never a draft)."""
+    kids: dict[int, dict[int, int]] = {}
+    for i in chosen:
+        kids.setdefault(trie.parents[i], {})[trie.tokens[i]] = i
+    path, node = [], -1
+    while g + len(path) < len(out) - 1:
+        nxt = kids.get(node, {}).get(out[g + len(path)])
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    return path
 
 
 def _c(cost, rows):

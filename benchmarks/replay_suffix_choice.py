@@ -20,25 +20,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay_pools import reference  # noqa: E402
+from replay_pools import accepted_path, reference  # noqa: E402
 
 from vllm_adaspec.pools.suffix import SuffixPool  # noqa: E402
+from vllm_adaspec.proposers.multi_branch import best_path  # noqa: E402
 from vllm_adaspec.trees.trie import Calibration, feedback, merge, ranked, streak_state  # noqa: E402
-
-
-def accepted_path(trie, chosen, out, g) -> list[int]:
-    """The chosen nodes' longest root path along the known continuation out[g:] (the last token is never a draft)."""
-    kids: dict[int, dict[int, int]] = {}
-    for i in chosen:
-        kids.setdefault(trie.parents[i], {})[trie.tokens[i]] = i
-    path, node = [], -1
-    while g + len(path) < len(out) - 1:
-        nxt = kids.get(node, {}).get(out[g + len(path)])
-        if nxt is None:
-            break
-        path.append(nxt)
-        node = nxt
-    return path
 
 
 def chain_accepted(tokens, out, g) -> int:
@@ -46,18 +32,6 @@ def chain_accepted(tokens, out, g) -> int:
     while a < len(tokens) and g + a < len(out) - 1 and tokens[a] == out[g + a]:
         a += 1
     return a
-
-
-def best_path(trie, k: int) -> list[int]:
-    """k nodes from the root, always the child of highest path probability."""
-    kids: dict[int, list[int]] = {}
-    for i in range(len(trie)):
-        kids.setdefault(trie.parents[i], []).append(i)
-    out, node = [], -1
-    while len(out) < k and kids.get(node):
-        node = max(kids[node], key=lambda i: trie.path[i])
-        out.append(node)
-    return out
 
 
 def replay(records: list[dict], budget: int = 16) -> dict:

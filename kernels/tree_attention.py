@@ -132,11 +132,11 @@ if triton is not None:
         k_off = page * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
         v_off = page * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kvh * stride_vh
         if FULL:
-            d_mask = (offs_d < D)[None, :]
             if BLOCK_D == D:
                 k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :])
                 v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :])
             else:
+                d_mask = (offs_d < D)[None, :]
                 k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=d_mask, other=0.0)
                 v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=d_mask, other=0.0)
         else:
@@ -426,9 +426,9 @@ def _ready_launch(kernel, compiled, grid, args: dict) -> tuple:
     return compiled[tuple(grid) + (1,) * (3 - len(grid))], values, slots
 
 
-def _launch_ready(ready: list, tensors: tuple) -> None:
-    """The plan's kernels for one more layer: its tensors' pointers into their slots, nothing else recomputed."""
-    ptrs = [t.data_ptr() for t in tensors]
+def _launch_ready(ready: list, ptrs: tuple) -> None:
+    """The plan's kernels for one more layer: its tensors' pointers (LAYER_ARGS' order) into their slots, nothing
+    else recomputed."""
     for runner, values, slots in ready:
         args = values.copy()
         for i, j in slots:
@@ -436,12 +436,12 @@ def _launch_ready(ready: list, tensors: tuple) -> None:
         runner(*args)
 
 
-def _layer_key(q, k_cache, v_cache, block_table, out, scale) -> tuple:
-    """What of one layer's launch Triton specializes on or the ready launch holds, besides its tensors' pointers:
-    a layer whose key differs from the first's goes through the dispatch again."""
+def _layer_key(q, k_cache, v_cache, block_table, out, scale, ptrs: tuple) -> tuple:
+    """What of one layer's launch Triton specializes on or the ready launch holds, besides its tensors' pointers
+    (`ptrs`, LAYER_ARGS' order: only their 16-byte alignment): a layer whose key differs from the first's goes
+    through the dispatch again."""
     return (q.dtype, k_cache.dtype, out.dtype, block_table.dtype, q.stride(), k_cache.stride(), v_cache.stride(),
-            out.stride(), block_table.stride(0), q.data_ptr() % 16, k_cache.data_ptr() % 16,
-            v_cache.data_ptr() % 16, out.data_ptr() % 16, block_table.data_ptr() % 16, scale)
+            out.stride(), block_table.stride(0), scale) + tuple(p % 16 for p in ptrs)
 
 
 def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: float, out) -> torch.Tensor:
@@ -460,11 +460,14 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
                          f"the plan ({plan.num_heads} / {plan.num_kv_heads} heads of {plan.head_size})")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("q, out and the caches need a contiguous last dimension")
-    layer = _layer_key(q, k_cache, v_cache, block_table, out, scale) if FAST_LAUNCH else None
-    ready = plan.compiled.get(layer) if FAST_LAUNCH else None
+    layer = ready = None
+    if FAST_LAUNCH:
+        ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_table.data_ptr())
+        layer = _layer_key(q, k_cache, v_cache, block_table, out, scale, ptrs)
+        ready = plan.compiled.get(layer)
     if ready is not None:
         try:
-            _launch_ready(ready, (q, k_cache, v_cache, out, block_table))
+            _launch_ready(ready, ptrs)
             return out
         except Exception as e:  # a Triton whose compiled kernels launch otherwise: its dispatch from now on
             FAST_LAUNCH = False

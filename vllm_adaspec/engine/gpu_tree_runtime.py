@@ -438,24 +438,21 @@ class GPUTreeRuntime(TreeRuntime):
         if verdict is not None and not host and dev.batched == list(range(r_count)):
             # every tree verified in the batch, in the step's order (all greedy or all sampled: the usual step):
             # the verdict's own tensors, no scatter (four device ops fewer)
-            self._compact(step, verdict.path, verdict.count)
-            self.faults.point("compaction")
-            self.results, self.kv_moves = dict(results), sum(_moves(p) for p, *_ in results.values())
-            self.pending = (step, verdict)
-            return
-        path = torch.full((r_count, dev.width), -1, dtype=torch.long, device=self.device)
-        count = torch.zeros(r_count, dtype=torch.long, device=self.device)
-        if verdict is not None:
-            path[dev.batched_index] = verdict.path
-            count[dev.batched_index] = verdict.count
-        if host:  # their paths, staged (pinned, no wait for the device)
-            hp = np.full((len(host), dev.width), -1, dtype=np.int64)
-            for j, k in enumerate(host):
-                nodes = results[step.requests[k].row][0]
-                hp[j, :len(nodes)] = nodes
-            at, d_hp, d_count = self._long.upload([np.array(host, dtype=np.int64), hp, (hp >= 0).sum(1)])
-            path[at] = d_hp
-            count[at] = d_count
+            path, count = verdict.path, verdict.count
+        else:
+            path = torch.full((r_count, dev.width), -1, dtype=torch.long, device=self.device)
+            count = torch.zeros(r_count, dtype=torch.long, device=self.device)
+            if verdict is not None:
+                path[dev.batched_index] = verdict.path
+                count[dev.batched_index] = verdict.count
+            if host:  # their paths, staged (pinned, no wait for the device)
+                hp = np.full((len(host), dev.width), -1, dtype=np.int64)
+                for j, k in enumerate(host):
+                    nodes = results[step.requests[k].row][0]
+                    hp[j, :len(nodes)] = nodes
+                at, d_hp, d_count = self._long.upload([np.array(host, dtype=np.int64), hp, (hp >= 0).sum(1)])
+                path[at] = d_hp
+                count[at] = d_count
         self._compact(step, path, count)
         self.faults.point("compaction")
         self.results, self.kv_moves = dict(results), sum(_moves(p) for p, *_ in results.values())
