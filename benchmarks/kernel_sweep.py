@@ -5,8 +5,8 @@ Per shape (a subset of bench_tree_attention.py's: the ones issue 41's targets ar
 - the kernel as bench_tree_attention.py times it (eager launches back to back: Python's launch cost included where
   it exceeds the GPU's), its host cost per launch (launches queued without a wait), and its GPU time alone (ten
   launches captured in one CUDA graph, replayed), beside the FlashAttention anchor captured the same way;
-- the GPU time of every launch option (BLOCK_N x num_warps x num_stages x whole prefix tiles without masks; at 3
-  stages also half and twice the planned splits),
+- the GPU time of every launch option (BLOCK_N x num_warps x num_stages x whole prefix tiles without masks x pages
+  loaded a tile ahead; at one of them also half and twice the planned splits, and the splits that fill the SMs once),
   each checked against the default's output first; the best one per shape and over all shapes (geometric mean).
 
     python benchmarks/kernel_sweep.py --out benchmarks/out/kernel_sweep.json
@@ -36,9 +36,13 @@ SHAPES = [  # (heads, batch, prefix, nodes)
     ((32, 8, 128), 1, 8192, 16), ((32, 8, 128), 1, 32768, 16), ((32, 8, 128), 8, 2048, 16),
     ((32, 8, 128), 8, 8192, 16), ((32, 8, 128), 8, 8192, 64), ((32, 8, 128), 64, 2048, 16),
     ((9, 3, 64), 8, 8192, 16), ((9, 3, 64), 1, 2048, 16)]
-# BLOCK_N, num_warps, num_stages, whole prefix tiles without masks (`even`; session 26's run had no `even` and
-# stages 2-4: 4 was never a shape's best)
-OPTIONS = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (False, True)))
+# BLOCK_N, num_warps, num_stages, whole prefix tiles without masks (`even`), pages loaded a tile ahead (`prefetch`).
+# Session 26's run: pages in the tile's own iteration, stages 2-4 (4 never a shape's best; 2 best over all), no
+# `even`. Compiled for sm_90 (benchmarks/kernel_ir.py) that loop keeps one tile in flight at any stage count, so
+# without prefetch only 2 stages are timed; with it 2-4 (3 keeps two tiles in flight, 4 three)
+OPTIONS = ([(n, w, 2, False, False) for n in (64, 128) for w in (4, 8)]
+           + [(n, w, s, False, True) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
+           + [(n, w, 3, True, True) for n in (64, 128) for w in (4, 8)])
 
 
 def parse(argv):
@@ -131,15 +135,21 @@ def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
             row["anchor_eager_ms"] = eager_time(lambda: torch.nn.functional.scaled_dot_product_attention(
                 aq, ak, av, scale=scale))
     options = {}
-    splits_around = sorted({max(1, plan.splits // 2), plan.splits, min(64, plan.splits * 2)})
-    for block_n, warps, stages, even in OPTIONS:
-        for splits in (splits_around if stages == 3 and not even else (plan.splits,)):  # (at 3 stages only)
+    # the planned splits, half and twice them, and as many as fill the SMs once (no second wave on a few SMs)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE == "cuda" else 8
+    base = b * hkv * plan.q_blocks
+    once = max(1, min(64, sms // base))
+    splits_around = sorted({max(1, plan.splits // 2), plan.splits, min(64, plan.splits * 2), once})
+    row["splits_once"] = once
+    for block_n, warps, stages, even, prefetch in OPTIONS:
+        around = stages == 3 and not even and prefetch and block_n == 64  # (the other splits at one loop shape)
+        for splits in (splits_around if around else (plan.splits,)):
             if time.perf_counter() > deadline:
                 break
-            key = f"n{block_n} w{warps} s{stages} e{int(even)} x{splits}"
+            key = f"n{block_n} w{warps} s{stages} e{int(even)} p{int(prefetch)} x{splits}"
             try:
                 p = plan_launch(*plan_args, **kw, block_n=block_n, splits=splits, num_warps=warps, num_stages=stages,
-                                even=even)
+                                even=even, prefetch=prefetch)
                 out = torch.empty_like(q)
                 launch(p, q, k_cache, v_cache, table, scale, out)
                 err = float((out.float() - want.float()).abs().max())
@@ -192,7 +202,7 @@ def main() -> int:
     shapes = [((4, 2, 16), 2, 70, 4)] if ARGS.cpu else SHAPES
     if ARGS.cpu:
         global OPTIONS
-        OPTIONS = [(16, 4, 2, False), (32, 4, 3, False), (32, 4, 2, True)]  # (and 1 or 2 splits at 3 stages)
+        OPTIONS = [(16, 4, 2, False, False), (64, 4, 3, False, True), (32, 4, 2, True, True)]  # (more splits: 2nd)
     if ARGS.launch:
         rows = [launch_cost(heads, b, prefix, nodes, dtype) for heads, b, prefix, nodes in shapes]
         for r in rows:
@@ -239,6 +249,16 @@ def main() -> int:
     for gm, base, ratios in ranked[:6]:
         print(f"option {base} (planned splits) over the default, every shape: geo mean {gm:.3f} "
               f"({', '.join(f'{x:.2f}' for x in ratios)})", flush=True)
+    for warps in (4, 8):  # the splits that fill the SMs once against the planned ones, at one loop shape
+        ratios = []
+        for r in rows:
+            at = {x: r["options"].get(f"n64 w{warps} s3 e0 p1 x{x}", {}).get("gpu_ms")
+                  for x in (r["splits_once"], r["splits"])}
+            if None not in at.values():
+                ratios.append(at[r["splits_once"]] / at[r["splits"]])
+        if ratios:
+            print(f"splits filling the SMs once over the planned (n64 w{warps} s3 p1), every shape: "
+                  + ", ".join(f"{x:.2f}" for x in ratios), flush=True)
     out = Path(ARGS.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "rows": rows,

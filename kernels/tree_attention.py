@@ -59,10 +59,13 @@ __all__ = ["MAX_TILE_M", "TOLERANCE", "TreeAttentionLaunch", "VARIANTS", "ancest
 MAX_TILE_M = 128  # query rows x query heads of one tile (FlashAttention's M for head size 128, 8 warps)
 MAX_SPLITS = 64  # key chunks of one request (the reduction's BLOCK_S)
 BLOCK_N = 64  # keys per tile
-# Software-pipelining stages of the split kernel's key loop. 2, not Triton's 3 on Hopper: on an H100 (session 26,
-# benchmarks/kernel_sweep.py) 2 stages took 0.91-1.03x the GPU time of 3 over the sweep's 8 shapes (geometric mean
-# 0.95; BLOCK_N 64, the default warps, the splits of the time)
-NUM_STAGES = 2
+# Software-pipelining stages of the split kernel's key loop, and whether a prefix tile's pages are loaded a tile
+# ahead. Compiled for sm_90 (Triton 3.6, benchmarks/kernel_ir.py): with the pages loaded in the tile's own iteration
+# the loop waits for every copy at its top whatever num_stages is (one tile in flight); loaded a tile ahead, 3 stages
+# keep two tiles in flight, 4 three. Session 26's H100 sweep (pages in the iteration) found 2 stages 0.95x the GPU
+# time of 3: with nothing in flight either way, the smaller shared-memory footprint won.
+NUM_STAGES = 3
+PREFETCH = True
 # Integer arguments that change from step to step, kept out of Triton's specialization (a new value would compile a
 # new kernel): per kernel, the names given to `do_not_specialize` and read by `_arg_key`
 NO_SPECIALIZE = {
@@ -117,17 +120,22 @@ if triton is not None:
     def _attend_tile(q, acc, m_i, l_i, start, end, table, k_ptr, v_ptr, kvh, bits_ptr, bits_rows, m_valid, p_len,
                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bits, scale,
                      TREE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, FULL: tl.constexpr = False):
+                     D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, FULL: tl.constexpr = False,
+                     page_ids=None):
         """One tile of keys start .. start + BLOCK_N (those < end) into the online softmax of the tile's rows. Prefix
         tiles (TREE False) are visible to every row; tree tiles read each row's ancestor bits. FULL: a prefix tile
         whose every key is < end: no mask on its loads or its scores (padding rows score against zeros and are
-        never written)."""
+        never written). page_ids: the tile's keys' pages, loaded by the caller a tile ahead (`_pages`); None: loaded
+        here, which makes the K / V loads wait on a load of the same iteration."""
         pos = start + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        if FULL:
+        if not FULL:
+            valid = pos < end
+        if page_ids is not None:
+            page = page_ids.to(tl.int64)
+        elif FULL:
             page = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
         else:
-            valid = pos < end
             page = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         k_off = page * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
         v_off = page * stride_vb + (pos % BLOCK_SIZE) * stride_vs + kvh * stride_vh
@@ -163,6 +171,12 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         return acc, m_new, l_i
 
+    @triton.jit
+    def _pages(table, start, end, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The pages of keys start .. start + BLOCK_N (0 past `end`): [BLOCK_N] int32."""
+        pos = start + tl.arange(0, BLOCK_N)
+        return tl.load(table + pos // BLOCK_SIZE, mask=pos < end, other=0)
+
     @triton.jit(do_not_specialize=list(NO_SPECIALIZE["split"]))
     def _tree_attention_split_kernel(
             q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr, o_ptr, bt_ptr, plen_ptr, tlen_ptr, cu_ptr, bits_ptr,
@@ -171,7 +185,8 @@ if triton is not None:
             stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_bt, stride_bits, stride_ot, stride_oh,
             DIRECT: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-            DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False):
+            DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False,
+            PREFETCH: tl.constexpr = False):
         b = tl.program_id(0)
         kvh = tl.program_id(1) // n_qb
         qb = tl.program_id(1) % n_qb
@@ -203,18 +218,35 @@ if triton is not None:
                 bits_rows = (row0 + qi).to(tl.int64)
                 prefix_end = tl.minimum(hi, p_len)
                 tail = lo
+                # prefix keys: no mask to read. PREFETCH: each tile's pages are loaded one tile ahead, so its K / V
+                # loads depend on nothing loaded in their own iteration: Triton's pipeliner then keeps num_stages - 1
+                # tiles in flight (with the pages loaded in the same iteration it waits for every copy at the top
+                # of each iteration: one tile in flight, the loop bound by memory latency)
                 if EVEN:  # whole prefix tiles without masks, then the rest (at most one tile) as below
                     tail = lo + (tl.maximum(prefix_end - lo, 0) // BLOCK_N) * BLOCK_N
+                    if PREFETCH:
+                        ahead = _pages(table, lo, tail, BLOCK_SIZE, BLOCK_N)
                     for start in range(lo, tail, BLOCK_N):
+                        pages = None
+                        if PREFETCH:
+                            pages = ahead
+                            ahead = _pages(table, start + BLOCK_N, tail, BLOCK_SIZE, BLOCK_N)
                         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, prefix_end, table, k_ptr, v_ptr, kvh,
                                                      bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks,
                                                      stride_kh, stride_vb, stride_vs, stride_vh, stride_bits, scale,
-                                                     False, BLOCK_SIZE, BLOCK_N, BLOCK_D, D, DOT_F32, PRECISION, True)
-                for start in range(tail, prefix_end, BLOCK_N):  # prefix keys: no mask to read
+                                                     False, BLOCK_SIZE, BLOCK_N, BLOCK_D, D, DOT_F32, PRECISION, True,
+                                                     pages)
+                if PREFETCH:
+                    ahead = _pages(table, tail, prefix_end, BLOCK_SIZE, BLOCK_N)
+                for start in range(tail, prefix_end, BLOCK_N):
+                    pages = None
+                    if PREFETCH:
+                        pages = ahead
+                        ahead = _pages(table, start + BLOCK_N, prefix_end, BLOCK_SIZE, BLOCK_N)
                     acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, prefix_end, table, k_ptr, v_ptr, kvh,
                                                  bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks, stride_kh,
                                                  stride_vb, stride_vs, stride_vh, stride_bits, scale, False,
-                                                 BLOCK_SIZE, BLOCK_N, BLOCK_D, D, DOT_F32, PRECISION)
+                                                 BLOCK_SIZE, BLOCK_N, BLOCK_D, D, DOT_F32, PRECISION, False, pages)
                 for start in range(tl.maximum(lo, p_len), hi, BLOCK_N):  # tree keys: ancestors-or-self
                     acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, hi, table, k_ptr, v_ptr, kvh,
                                                  bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks, stride_kh,
@@ -309,13 +341,14 @@ class TreeAttentionLaunch:
     num_warps: int | None = None  # the split kernel's launch options (None: launch's defaults)
     num_stages: int | None = None
     even: bool = False  # whole prefix tiles without masks (plan_launch)
+    prefetch: bool = True  # each prefix tile's pages loaded a tile ahead (PREFETCH)
     compiled: dict = field(default_factory=dict)  # layer key -> its ready launches (`launch`, `_ready_launch`)
 
 
 def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num_kv_heads: int, head_size: int,
                 max_rows: int, longest: int, block_n: int = BLOCK_N, splits: int | None = None, tree_lens=None,
                 block_q: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, even: bool = False) -> TreeAttentionLaunch:
+                num_stages: int | None = None, even: bool = False, prefetch: bool | None = None) -> TreeAttentionLaunch:
     """max_rows: the most query rows of one request, longest: the most keys of one (prefix + tree keys): host ints,
     so nothing here waits for the device. splits: key chunks (default `choose_splits` for the device's SM count).
     tree_lens: tree keys per request (default: its rows, as in verification). block_q: the engine's tile
@@ -325,6 +358,7 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
     num_stages = NUM_STAGES if num_stages is None else num_stages
+    prefetch = PREFETCH if prefetch is None else prefetch
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     t = q_rows.shape[0]
@@ -351,7 +385,7 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
     return TreeAttentionLaunch(prefix_lens, tree_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads,
                                head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m),
-                               num_warps=num_warps, num_stages=num_stages, even=even)
+                               num_warps=num_warps, num_stages=num_stages, even=even, prefetch=prefetch)
 
 
 # --- compiled variants ------------------------------------------------------------------------------------------
@@ -496,6 +530,7 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
         DOT_F32=interpret and q.dtype == torch.bfloat16,
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else None, EVEN=plan.even,
+        PREFETCH=plan.prefetch,
         num_warps=plan.num_warps or (4 if plan.block_q * _next_pow2(group) <= 64 else 8),
         **({"num_stages": plan.num_stages} if plan.num_stages else {}))
     launches = [(_tree_attention_split_kernel, grid, split_args,
@@ -528,7 +563,8 @@ def launch_reference(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table
 def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, bits, scale,
                           max_rows: int | None = None, longest: int | None = None, block_n: int = BLOCK_N,
                           splits: int | None = None, q_rows=None, bt_rows=None, out=None, tree_lens=None,
-                          block_q: int | None = None, even: bool = False) -> torch.Tensor:
+                          block_q: int | None = None, even: bool = False, prefetch: bool | None = None
+                          ) -> torch.Tensor:
     """Plan and launch in one call. Without q_rows / bt_rows, q holds exactly the plan's rows (packed as cu_rows) and
     block_table one row per request; returns the output [T, Hq, D] in q's dtype (`out`, or a new tensor). max_rows /
     longest are computed from the tensors when not given (a device sync)."""
@@ -548,7 +584,8 @@ def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows
         raise ValueError(f"q head size {q.shape[2]} and caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do "
                          "not fit")
     plan = plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, q.shape[1], hkv, d, max_rows, longest,
-                       block_n=block_n, splits=splits, tree_lens=tree_lens, block_q=block_q, even=even)
+                       block_n=block_n, splits=splits, tree_lens=tree_lens, block_q=block_q, even=even,
+                       prefetch=prefetch)
     return launch(plan, q, k_cache, v_cache, block_table, scale, torch.empty_like(q) if out is None else out)
 
 

@@ -82,15 +82,17 @@ def test_matches_float64_reference(triton_interpret, prefix_lens, tree_sizes, hq
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("prefix_lens,tree_sizes,splits", [
-    ([5, 170, 0], [3, 8, 0], 3),  # short, long and no prefix; chunks ending inside and past the prefix
-    ([64, 96, 700], [16, 1, 64], 1),  # prefixes of whole tiles and not, one split
+@pytest.mark.parametrize("prefix_lens,tree_sizes,splits,even,prefetch", [
+    ([5, 170, 0], [3, 8, 0], 3, True, True),  # short, long and no prefix; chunks ending inside and past the prefix
+    ([64, 96, 700], [16, 1, 64], 1, True, True),  # prefixes of whole tiles and not, one split
+    ([64, 96, 700], [16, 1, 64], 1, True, False),  # the pages loaded in each tile's own iteration
+    ([5, 170, 0], [3, 8, 0], 3, False, False),
 ])
-def test_whole_prefix_tiles_without_masks_match_the_reference(triton_interpret, prefix_lens, tree_sizes, splits):
-    """The `even` variant (a candidate for the device's sweep): whole prefix tiles loaded and scored without masks,
-    the rest as before: the same attention."""
+def test_loop_variants_match_the_reference(triton_interpret, prefix_lens, tree_sizes, splits, even, prefetch):
+    """The prefix loop's variants (candidates for the device's sweep): whole prefix tiles loaded and scored without
+    masks (`even`), each tile's pages loaded a tile ahead or in its own iteration (`prefetch`): the same attention."""
     case = with_bits(make_case(prefix_lens, tree_sizes, 9, 3, 64, 16, torch.float32, seed=2))
-    got = ta.tree_attention_triton(*case, 0.125, splits=splits, block_n=32, even=True)
+    got = ta.tree_attention_triton(*case, 0.125, splits=splits, block_n=32, even=even, prefetch=prefetch)
     torch.testing.assert_close(got.double(), ta.tree_attention_reference(*case, 0.125), atol=1e-4, rtol=1e-4)
 
 
