@@ -36,13 +36,13 @@ SHAPES = [  # (heads, batch, prefix, nodes)
     ((32, 8, 128), 1, 8192, 16), ((32, 8, 128), 1, 32768, 16), ((32, 8, 128), 8, 2048, 16),
     ((32, 8, 128), 8, 8192, 16), ((32, 8, 128), 8, 8192, 64), ((32, 8, 128), 64, 2048, 16),
     ((9, 3, 64), 8, 8192, 16), ((9, 3, 64), 1, 2048, 16)]
-# BLOCK_N, num_warps, num_stages, whole prefix tiles without masks (`even`), pages loaded a tile ahead (`prefetch`).
-# Session 26's run: pages in the tile's own iteration, stages 2-4 (4 never a shape's best; 2 best over all), no
-# `even`. Compiled for sm_90 (benchmarks/kernel_ir.py) that loop keeps one tile in flight at any stage count, so
-# without prefetch only 2 stages are timed; with it 2-4 (3 keeps two tiles in flight, 4 three)
-OPTIONS = ([(n, w, 2, False, False) for n in (64, 128) for w in (4, 8)]
-           + [(n, w, s, False, True) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
-           + [(n, w, 3, True, True) for n in (64, 128) for w in (4, 8)])
+# BLOCK_N, num_warps, num_stages, whole prefix tiles without masks (`even`), pages loaded a tile ahead (`prefetch`):
+# the defaults' neighbours (BLOCK_N 64, 3 stages, even, prefetch; warps by tile) and the loop before session 27.
+# Session 26's run: pages in the tile's own iteration, stages 2-4, no `even` (2 stages best). Session 27's first
+# sweep: without prefetch 2 stages, with it 2-4 stages x BLOCK_N 64 / 128 x 4 / 8 warps, and `even` at 3 stages
+# (benchmarks/device_runs/s27_h100/run2/kernel_sweep.txt): prefetch at 3 stages 0.85x the old loop's time
+OPTIONS = [(64, 8, 3, True, True), (64, 4, 3, True, True), (64, 8, 4, True, True), (128, 8, 3, True, True),
+           (64, 8, 3, False, True), (64, 8, 2, False, False), (64, 4, 2, False, False)]
 
 
 def parse(argv):
@@ -142,7 +142,7 @@ def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
     splits_around = sorted({max(1, plan.splits // 2), plan.splits, min(64, plan.splits * 2), once})
     row["splits_once"] = once
     for block_n, warps, stages, even, prefetch in OPTIONS:
-        around = stages == 3 and not even and prefetch and block_n == 64  # (the other splits at one loop shape)
+        around = (block_n, stages, even, prefetch) == (64, 3, True, True)  # (other splits at one loop shape)
         for splits in (splits_around if around else (plan.splits,)):
             if time.perf_counter() > deadline:
                 break
@@ -202,7 +202,7 @@ def main() -> int:
     shapes = [((4, 2, 16), 2, 70, 4)] if ARGS.cpu else SHAPES
     if ARGS.cpu:
         global OPTIONS
-        OPTIONS = [(16, 4, 2, False, False), (64, 4, 3, False, True), (32, 4, 2, True, True)]  # (more splits: 2nd)
+        OPTIONS = [(16, 4, 2, False, False), (64, 4, 3, True, True), (32, 4, 2, False, True)]  # (more splits: 2nd)
     if ARGS.launch:
         rows = [launch_cost(heads, b, prefix, nodes, dtype) for heads, b, prefix, nodes in shapes]
         for r in rows:
@@ -252,12 +252,12 @@ def main() -> int:
     for warps in (4, 8):  # the splits that fill the SMs once against the planned ones, at one loop shape
         ratios = []
         for r in rows:
-            at = {x: r["options"].get(f"n64 w{warps} s3 e0 p1 x{x}", {}).get("gpu_ms")
+            at = {x: r["options"].get(f"n64 w{warps} s3 e1 p1 x{x}", {}).get("gpu_ms")
                   for x in (r["splits_once"], r["splits"])}
             if None not in at.values():
                 ratios.append(at[r["splits_once"]] / at[r["splits"]])
         if ratios:
-            print(f"splits filling the SMs once over the planned (n64 w{warps} s3 p1), every shape: "
+            print(f"splits filling the SMs once over the planned (n64 w{warps} s3 e1 p1), every shape: "
                   + ", ".join(f"{x:.2f}" for x in ratios), flush=True)
     out = Path(ARGS.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -66,6 +66,10 @@ BLOCK_N = 64  # keys per tile
 # time of 3: with nothing in flight either way, the smaller shared-memory footprint won.
 NUM_STAGES = 3
 PREFETCH = True
+# Whole prefix tiles loaded and scored without masks, the rest (at most one tile) with them. Session 27's H100 sweep,
+# 8 warps, 3 stages, pages a tile ahead: 0.91-0.98x the masked loop's GPU time on 5 of 6 shapes (1.08x at batch 1
+# over an 8k prefix)
+EVEN = True
 # Integer arguments that change from step to step, kept out of Triton's specialization (a new value would compile a
 # new kernel): per kernel, the names given to `do_not_specialize` and read by `_arg_key`
 NO_SPECIALIZE = {
@@ -218,10 +222,11 @@ if triton is not None:
                 bits_rows = (row0 + qi).to(tl.int64)
                 prefix_end = tl.minimum(hi, p_len)
                 tail = lo
-                # prefix keys: no mask to read. PREFETCH: each tile's pages are loaded one tile ahead, so its K / V
+                # prefix keys: no mask to read. PREFETCH: each tile's pages are loaded a tile ahead, so its K / V
                 # loads depend on nothing loaded in their own iteration: Triton's pipeliner then keeps num_stages - 1
-                # tiles in flight (with the pages loaded in the same iteration it waits for every copy at the top
-                # of each iteration: one tile in flight, the loop bound by memory latency)
+                # tiles in flight (with the pages loaded in the same iteration it waits for every copy at the top of
+                # each iteration: one tile in flight, the loop bound by memory latency; two tiles ahead, compiled
+                # for sm_90, it copies nothing asynchronously)
                 if EVEN:  # whole prefix tiles without masks, then the rest (at most one tile) as below
                     tail = lo + (tl.maximum(prefix_end - lo, 0) // BLOCK_N) * BLOCK_N
                     if PREFETCH:
@@ -288,10 +293,11 @@ if triton is not None:
 
 
 def choose_splits(batch: int, kv_heads: int, q_blocks: int, longest: int, block_n: int, programs: int) -> int:
-    """How many chunks to cut the keys into: enough programs to fill `programs` slots (one per SM), never a
-    chunk shorter than 4 key tiles, at most MAX_SPLITS."""
+    """How many chunks to cut the keys into: as many programs as fill `programs` slots (one per SM) once, not
+    more (a few SMs running a second program would double the kernel's time for the rest to wait on), never a chunk
+    shorter than 4 key tiles, at most MAX_SPLITS."""
     base = batch * kv_heads * q_blocks
-    want = max(1, math.ceil(programs / base))
+    want = max(1, programs // base)
     most = max(1, longest // (4 * block_n))
     return int(min(want, most, MAX_SPLITS))
 
@@ -340,7 +346,7 @@ class TreeAttentionLaunch:
     variant_checked: bool = False  # its launches' variant recorded in VARIANTS (the first layer: the rest are alike)
     num_warps: int | None = None  # the split kernel's launch options (None: launch's defaults)
     num_stages: int | None = None
-    even: bool = False  # whole prefix tiles without masks (plan_launch)
+    even: bool = True  # whole prefix tiles without masks (EVEN)
     prefetch: bool = True  # each prefix tile's pages loaded a tile ahead (PREFETCH)
     compiled: dict = field(default_factory=dict)  # layer key -> its ready launches (`launch`, `_ready_launch`)
 
@@ -348,17 +354,19 @@ class TreeAttentionLaunch:
 def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num_kv_heads: int, head_size: int,
                 max_rows: int, longest: int, block_n: int = BLOCK_N, splits: int | None = None, tree_lens=None,
                 block_q: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, even: bool = False, prefetch: bool | None = None) -> TreeAttentionLaunch:
+                num_stages: int | None = None, even: bool | None = None, prefetch: bool | None = None
+                ) -> TreeAttentionLaunch:
     """max_rows: the most query rows of one request, longest: the most keys of one (prefix + tree keys): host ints,
     so nothing here waits for the device. splits: key chunks (default `choose_splits` for the device's SM count).
     tree_lens: tree keys per request (default: its rows, as in verification). block_q: the engine's tile
     (`tile_rows` of its largest tree; default: this step's). num_warps / num_stages: the split kernel's (default: 4
-    warps for tiles of up to 64 rows x heads, else 8; NUM_STAGES). even: whole prefix tiles without masks (a
-    variant for the device's sweep, benchmarks/kernel_sweep.py; off until a device times it)."""
+    warps for tiles of up to 64 rows x heads, else 8; NUM_STAGES). even: whole prefix tiles without masks (default
+    EVEN). prefetch: a prefix tile's pages loaded a tile ahead (default PREFETCH) or in its own iteration."""
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
     num_stages = NUM_STAGES if num_stages is None else num_stages
     prefetch = PREFETCH if prefetch is None else prefetch
+    even = EVEN if even is None else even
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     t = q_rows.shape[0]
@@ -373,9 +381,9 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     if splits is None:
         dev = bits.device
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-        # one program per SM: on an H100 (session 26's sweep, benchmarks/kernel_sweep.py) half the splits of two
-        # per SM cut the kernel's GPU time 15-18% at batch 8 (8 trees of 16 nodes over 2k-8k prefixes; 7% with 64
-        # nodes) and 7-14% at batch 1 over 8k-32k prefixes: fewer partials to write and reduce, each chunk longer
+        # one program per SM, rounded down: on an H100 (benchmarks/kernel_sweep.py) one program per SM rounded up
+        # cut the GPU time of two per SM 7-18% (session 26); rounded down (132 SMs: 16 splits for 8 kv heads, not
+        # 17) cut it another 15-22% at batch 1 and 8 over 2k-32k prefixes, 33% for SmolLM2's heads (session 27)
         splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n, sms)
     splits = min(int(splits), MAX_SPLITS)
     chunk = _cdiv(_cdiv(longest, splits), block_n) * block_n
@@ -563,7 +571,7 @@ def launch_reference(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table
 def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, bits, scale,
                           max_rows: int | None = None, longest: int | None = None, block_n: int = BLOCK_N,
                           splits: int | None = None, q_rows=None, bt_rows=None, out=None, tree_lens=None,
-                          block_q: int | None = None, even: bool = False, prefetch: bool | None = None
+                          block_q: int | None = None, even: bool | None = None, prefetch: bool | None = None
                           ) -> torch.Tensor:
     """Plan and launch in one call. Without q_rows / bt_rows, q holds exactly the plan's rows (packed as cu_rows) and
     block_table one row per request; returns the output [T, Hq, D] in q's dtype (`out`, or a new tensor). max_rows /

@@ -85,6 +85,7 @@ def test_matches_float64_reference(triton_interpret, prefix_lens, tree_sizes, hq
 @pytest.mark.parametrize("prefix_lens,tree_sizes,splits,even,prefetch", [
     ([5, 170, 0], [3, 8, 0], 3, True, True),  # short, long and no prefix; chunks ending inside and past the prefix
     ([64, 96, 700], [16, 1, 64], 1, True, True),  # prefixes of whole tiles and not, one split
+    ([64, 96, 700], [16, 1, 64], 2, False, True),
     ([64, 96, 700], [16, 1, 64], 1, True, False),  # the pages loaded in each tile's own iteration
     ([5, 170, 0], [3, 8, 0], 3, False, False),
 ])
@@ -127,7 +128,8 @@ def test_the_mask_matters(triton_interpret):
 
 
 def test_splits_are_chosen_for_the_device():
-    assert ta.choose_splits(1, 8, 1, 32768, 64, 264) == 33  # one request, a long prefix: many splits
+    assert ta.choose_splits(1, 8, 1, 32768, 64, 132) == 16  # one request, a long prefix: fill the SMs once
+    assert ta.choose_splits(8, 8, 1, 8192, 64, 132) == 2  # not 3: no second program on a few SMs
     assert ta.choose_splits(64, 8, 1, 32768, 64, 264) == 1  # a full batch fills the device alone
     assert ta.choose_splits(1, 8, 1, 300, 64, 264) == 1  # a short prefix: no chunk under 4 key tiles
 
