@@ -6,14 +6,16 @@
 # (benchmarks/kernel_sweep.py --launch). What it prints goes into benchmarks/RESULTS.md.
 #   bash benchmarks/device_check.sh            # results also under $OUT (the device tool's folder) if set
 set -uo pipefail
+# python -u: what a script printed before a timeout stops it is kept (block-buffered output to a file or a pipe is
+# lost with the process; session 27 lost two device_check.py runs that way, each stopped at 100 s: it needs more; it finished within 150 in session 27's first run)
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
 mkdir -p "$out"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
-timeout 150 python benchmarks/device_check.py 2>&1 | tee "$out/device_check.txt"; a=${PIPESTATUS[0]}
-timeout 180 python benchmarks/bench_tree_attention.py --cost-curve --out "$out/tree_attention.json" 2>&1 \
+timeout 150 python -u benchmarks/device_check.py 2>&1 | tee "$out/device_check.txt"; a=${PIPESTATUS[0]}
+timeout 180 python -u benchmarks/bench_tree_attention.py --cost-curve --out "$out/tree_attention.json" 2>&1 \
   | tee "$out/bench_tree_attention.txt"; b=${PIPESTATUS[0]}
-timeout 90 python benchmarks/kernel_sweep.py --launch --out "$out/launch.json" 2>&1 | tee "$out/launch.txt"
+timeout 90 python -u benchmarks/kernel_sweep.py --launch --out "$out/launch.json" 2>&1 | tee "$out/launch.txt"
 c=${PIPESTATUS[0]}
 echo "device_check.py exit $a, bench_tree_attention.py exit $b, kernel_sweep.py --launch exit $c"
 exit $(( a != 0 || b != 0 || c != 0 ))

@@ -53,8 +53,8 @@ except ImportError:
     triton = None
 
 __all__ = ["MAX_TILE_M", "TOLERANCE", "TreeAttentionLaunch", "VARIANTS", "ancestor_bits", "check_on_device", "launch",
-           "launch_reference", "plan_launch", "tile_rows", "tree_attention_reference", "tree_attention_triton",
-           "warm_up"]
+           "launch_reference", "plan_launch", "split_kernel_args", "tile_rows", "tree_attention_reference",
+           "tree_attention_triton", "warm_up"]
 
 MAX_TILE_M = 128  # query rows x query heads of one tile (FlashAttention's M for head size 128, 8 warps)
 MAX_SPLITS = 64  # key chunks of one request (the reduction's BLOCK_S)
@@ -486,6 +486,33 @@ def _layer_key(q, k_cache, v_cache, block_table, out, scale, ptrs: tuple) -> tup
             out.stride(), block_table.stride(0), scale) + tuple(p % 16 for p in ptrs)
 
 
+def split_kernel_args(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: float, out,
+                      interpret: bool = False) -> dict:
+    """The split kernel's arguments for one layer, by name (constexprs upper-case, launch options last), as `launch`
+    passes them (and benchmarks/kernel_ir.py compiles them). interpret: for Triton's interpreter."""
+    _, bs, hkv, d = k_cache.shape
+    acc, m, l_ = plan.acc, plan.m, plan.l
+    group = plan.num_heads // hkv
+    return dict(
+        q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, bt_ptr=block_table,
+        plen_ptr=plan.prefix_lens, tlen_ptr=plan.tree_lens, cu_ptr=plan.cu_rows, bits_ptr=plan.bits,
+        qrows_ptr=plan.q_rows, btrows_ptr=plan.bt_rows, scale=scale, chunk=plan.chunk, n_qb=plan.q_blocks,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1),
+        stride_kh=k_cache.stride(2), stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1),
+        stride_vh=v_cache.stride(2), stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2),
+        stride_ms=m.stride(0), stride_mt=m.stride(1), stride_bt=block_table.stride(0),
+        stride_bits=plan.bits.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        DIRECT=plan.splits == 1, BLOCK_SIZE=bs, GROUP=group, GROUP_P=_next_pow2(group), BLOCK_Q=plan.block_q,
+        BLOCK_N=plan.block_n, D=d, BLOCK_D=_next_pow2(d),
+        # Triton's interpreter multiplies bf16 tl.dot operands wrongly (as of 3.9); it gets fp32 operands there
+        DOT_F32=interpret and q.dtype == torch.bfloat16,
+        # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
+        PRECISION="ieee" if q.dtype == torch.float32 or interpret else None, EVEN=plan.even,
+        PREFETCH=plan.prefetch,
+        num_warps=plan.num_warps or (4 if plan.block_q * _next_pow2(group) <= 64 else 8),
+        **({"num_stages": plan.num_stages} if plan.num_stages else {}))
+
+
 def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: float, out) -> torch.Tensor:
     """Tree attention of one layer: q [*, Hq, D] (the rows at plan.q_rows), k_cache / v_cache [num_blocks,
     block_size, Hkv, D] (any strides, the last dimension contiguous), block_table [*, max_blocks]; the plan's rows of
@@ -516,31 +543,13 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
             plan.compiled.clear()
             warnings.warn(f"tree attention: launching a compiled kernel directly failed ({type(e).__name__}: {e}); "
                           "Triton's dispatch launches every layer from now on", RuntimeWarning)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     acc, m, l_ = plan.acc, plan.m, plan.l
     grid = (len(plan.prefix_lens), hkv * plan.q_blocks, plan.splits)
-    group = plan.num_heads // hkv
     direct = plan.splits == 1
     record = not plan.variant_checked or VARIANTS.warming
     plan.variant_checked = True
-    split_args = dict(
-        q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, bt_ptr=block_table,
-        plen_ptr=plan.prefix_lens, tlen_ptr=plan.tree_lens, cu_ptr=plan.cu_rows, bits_ptr=plan.bits,
-        qrows_ptr=plan.q_rows, btrows_ptr=plan.bt_rows, scale=scale, chunk=plan.chunk, n_qb=plan.q_blocks,
-        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1),
-        stride_kh=k_cache.stride(2), stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1),
-        stride_vh=v_cache.stride(2), stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2),
-        stride_ms=m.stride(0), stride_mt=m.stride(1), stride_bt=block_table.stride(0),
-        stride_bits=plan.bits.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1),
-        DIRECT=direct, BLOCK_SIZE=bs, GROUP=group, GROUP_P=_next_pow2(group), BLOCK_Q=plan.block_q,
-        BLOCK_N=plan.block_n, D=d, BLOCK_D=_next_pow2(d),
-        # Triton's interpreter multiplies bf16 tl.dot operands wrongly (as of 3.9); it gets fp32 operands there
-        DOT_F32=interpret and q.dtype == torch.bfloat16,
-        # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
-        PRECISION="ieee" if q.dtype == torch.float32 or interpret else None, EVEN=plan.even,
-        PREFETCH=plan.prefetch,
-        num_warps=plan.num_warps or (4 if plan.block_q * _next_pow2(group) <= 64 else 8),
-        **({"num_stages": plan.num_stages} if plan.num_stages else {}))
+    split_args = split_kernel_args(plan, q, k_cache, v_cache, block_table, scale, out,
+                                   os.environ.get("TRITON_INTERPRET") == "1")
     launches = [(_tree_attention_split_kernel, grid, split_args,
                  _launch_kernel(_tree_attention_split_kernel, "split", grid, split_args, record))]
     if not direct:

@@ -1,0 +1,133 @@
+"""What Triton makes of the tree-attention split kernel for a GPU, on a machine without one: compile it for sm_90
+(Triton's NVIDIA backend needs no device to lower a kernel to TTGIR and PTX) with the arguments and specialization a
+real launch gets, and read the prefix loop's software pipelining off the TTGIR.
+
+Why: a loop whose K / V addresses depend on a load of the same iteration (the page table) is compiled with an
+`async_wait {num = 0}` at its top: every copy waited on before each tile, one tile in flight, the loop bound by memory
+latency (session 27: the kernel at 1.4-3.5x FlashAttention on an H100). Loading a tile's pages a tile ahead
+(PREFETCH) lets the pipeliner keep num_stages - 1 tiles in flight (`num = 2` at 3 stages). This tool shows which.
+
+    python benchmarks/kernel_ir.py                       # the engine's default variant, 8 trees x 16 nodes
+    python benchmarks/kernel_ir.py --no-prefetch --stages 2 --heads 9,3,64
+    python benchmarks/kernel_ir.py --ptx out.ptx         # also the PTX (ptxas -v on it: registers, spills)
+
+Per loop of the kernel (the prefix loops, then the tree-key loop): the `num` of its async_wait (None: no copy is
+asynchronous), the asynchronous copies and the plain loads in the loop. Checked against Triton 3.6 (the H100's) and
+3.9 (this machine's): the same pipelining.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkout import use_checkout  # noqa: E402
+
+use_checkout()
+
+import torch  # noqa: E402
+
+from vllm_adaspec.kernels import tree_attention as ta  # noqa: E402
+
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+         torch.int64: "i64"}
+
+
+def compile_split_kernel(args: dict, capability: int = 90):
+    """Compile the split kernel for `capability` with `args` (split_kernel_args' dict: CPU tensors will do) as a
+    launch specializes them: constexprs by value, a pointer 16-byte aligned and an integer that is a multiple of 16
+    (outside do_not_specialize) known as divisible by 16. Returns Triton's CompiledKernel (its .asm: ttgir, ptx)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = ta._tree_attention_split_kernel
+    keep_out = set(ta.NO_SPECIALIZE["split"])
+    options = {k: args[k] for k in ("num_warps", "num_stages") if k in args}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        value = args[name]
+        if name.isupper():
+            signature[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if name not in keep_out and value % 16 == 0 and value != 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def loops(ttgir: str) -> list[dict]:
+    """Each scf.for of the kernel, in order: the `num` of its first async_wait (None where it copies nothing
+    asynchronously), its asynchronous copies and its plain loads (tt.load: waited on where used)."""
+    found, lines = [], ttgir.splitlines()
+    for i, line in enumerate(lines):
+        if "scf.for" not in line:
+            continue
+        depth, body = 0, []
+        for inner in lines[i:]:
+            depth += inner.count("{") - inner.count("}")
+            body.append(inner)
+            if depth <= 0:
+                break
+        text = "\n".join(body[1:])
+        wait = re.search(r"ttg\.async_wait[^{]*\{num = (\d+)", text)
+        found.append({"async_wait_num": int(wait.group(1)) if wait else None,
+                      "async_copies": text.count("ttg.async_copy_global_to_local"),
+                      "plain_loads": len(re.findall(r"= tt\.load ", text))})
+    return found
+
+
+def default_case(heads=(32, 8, 128), batch: int = 8, prefix: int = 8192, nodes: int = 16, dtype=torch.bfloat16,
+                 **plan_options) -> dict:
+    """split_kernel_args for a batch of trees in vLLM's layouts (CPU tensors) with the engine's plan."""
+    from bench_tree_attention import make_case, plan_inputs
+
+    case = make_case(batch, prefix, nodes, *heads, dtype, device="cpu")
+    q, k_cache, v_cache, table = case[:4]
+    plan_args, kw = plan_inputs(case, batch, prefix, nodes, *heads)
+    plan = ta.plan_launch(*plan_args, **kw, **plan_options)
+    return ta.split_kernel_args(plan, q, k_cache, v_cache, table, heads[2] ** -0.5, torch.empty_like(q))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads", default="32,8,128")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prefix", type=int, default=8192)
+    p.add_argument("--nodes", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--stages", type=int, default=None)
+    p.add_argument("--warps", type=int, default=None)
+    p.add_argument("--block-n", type=int, default=ta.BLOCK_N)
+    p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--no-even", action="store_true")
+    p.add_argument("--ptx", default=None, help="write the PTX here")
+    a = p.parse_args(argv)
+    heads = tuple(int(x) for x in a.heads.split(","))
+    args = default_case(heads, a.batch, a.prefix, a.nodes, getattr(torch, a.dtype), block_n=a.block_n,
+                        num_stages=a.stages, num_warps=a.warps, prefetch=not a.no_prefetch, even=not a.no_even,
+                        splits=2)
+    compiled = compile_split_kernel(args)
+    print(f"split kernel, heads {a.heads}, {a.dtype}, BLOCK_N {args['BLOCK_N']}, tile {args['BLOCK_Q']} rows x "
+          f"{args['GROUP_P']} heads, {args['num_warps']} warps, {args['num_stages']} stages, even {args['EVEN']}, "
+          f"prefetch {args['PREFETCH']}: shared memory {compiled.metadata.shared} bytes")
+    for i, loop in enumerate(loops(compiled.asm["ttgir"])):
+        print(f"  loop {i}: async_wait num {loop['async_wait_num']}, {loop['async_copies']} asynchronous copies, "
+              f"{loop['plain_loads']} plain loads")
+    if a.ptx:
+        Path(a.ptx).write_text(compiled.asm["ptx"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
