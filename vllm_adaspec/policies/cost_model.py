@@ -62,15 +62,18 @@ REFIT_STEPS = 8
 
 
 # GPU: one decoder forward over R rows in all, relative to a forward over 1 row (bf16, random weights, captured in a
-# CUDA graph, a 1024-token context; one H100, torch 2.11: ../shared/notes/gpu-physics.md, issue 41's table). Rows
-# up to 64 from batch 1, 128-512 from batch 8, 1024-2048 from batch 32 (the batch sizes a step of that many rows
-# has). Measured for two model sizes; a model's prior lies between them by the log of its parameter count
-# (`prior_for`). Nearly flat until the matrix products turn compute-bound: on a GPU extra rows are almost free.
+# CUDA graph, a 1024-token context whose new keys are written into the cache in place; one H100, torch 2.11:
+# `bench_tree_attention.py --cost-curve`, session 27's device run, benchmarks/device_runs/s27_h100/, made monotone
+# where 8 rows timed under 4). Rows up to 64 from batch 1, 128-512 from batch 8, 1024-2048 from batch 32 (the batch
+# sizes a step of that many rows has). Measured for two model sizes; a model's prior lies between them by the log of
+# its parameter count (`prior_for`). Nearly flat until the matrix products turn compute-bound: on a GPU extra rows
+# are almost free. (Issue 41's table, the prior until session 27, agrees within 0.1 up to 512 rows: 8B 1.11-1.18 up
+# to 64 rows, 2.44 at 512.)
 GPU_VERIFY_COST = {
-    1.5e9: {1: 1.0, 2: 1.30, 4: 1.29, 8: 1.31, 16: 1.33, 32: 1.35, 64: 1.40, 128: 1.47, 256: 1.70, 512: 2.28,
-            1024: 4.21, 2048: 6.75},  # Qwen2.5-1.5B (28 x 1536, GQA 12 / 2)
-    8.0e9: {1: 1.0, 2: 1.11, 4: 1.11, 8: 1.13, 16: 1.15, 32: 1.15, 64: 1.18, 128: 1.39, 256: 1.62, 512: 2.44,
-            1024: 5.06, 2048: 9.58},  # Llama-3-8B (32 x 4096, GQA 32 / 8)
+    1.5e9: {1: 1.0, 2: 1.21, 4: 1.21, 8: 1.22, 16: 1.24, 32: 1.24, 64: 1.28, 128: 1.39, 256: 1.63, 512: 2.26,
+            1024: 4.10, 2048: 6.88},  # Qwen2.5-1.5B (28 x 1536, GQA 12 / 2): 2.15 ms at 1 row
+    8.0e9: {1: 1.0, 2: 1.09, 4: 1.09, 8: 1.09, 16: 1.12, 32: 1.13, 64: 1.13, 128: 1.31, 256: 1.55, 512: 2.39,
+            1024: 4.84, 2048: 8.99},  # Llama-3-8B (32 x 4096, GQA 32 / 8): 6.35 ms at 1 row
 }
 
 
