@@ -119,8 +119,8 @@ def main(argv=None) -> int:
                         splits=2)
     compiled = compile_split_kernel(args)
     print(f"split kernel, heads {a.heads}, {a.dtype}, BLOCK_N {args['BLOCK_N']}, tile {args['BLOCK_Q']} rows x "
-          f"{args['GROUP_P']} heads, {args['num_warps']} warps, {args['num_stages']} stages, even {args['EVEN']}, "
-          f"prefetch {args['PREFETCH']}: shared memory {compiled.metadata.shared} bytes")
+          f"{args['GROUP']} heads in {args['BLOCK_M']}, {args['num_warps']} warps, {args['num_stages']} stages, "
+          f"even {args['EVEN']}, prefetch {args['PREFETCH']}: shared memory {compiled.metadata.shared} bytes")
     for i, loop in enumerate(loops(compiled.asm["ttgir"])):
         print(f"  loop {i}: async_wait num {loop['async_wait_num']}, {loop['async_copies']} asynchronous copies, "
               f"{loop['plain_loads']} plain loads")

@@ -187,7 +187,7 @@ if triton is not None:
             qrows_ptr, btrows_ptr, scale, chunk, n_qb,
             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_bt, stride_bits, stride_ot, stride_oh,
-            DIRECT: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+            DIRECT: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
             DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False,
             PREFETCH: tl.constexpr = False):
@@ -202,18 +202,20 @@ if triton is not None:
             total = p_len + tl.load(tlen_ptr + b)
             lo = split * chunk
             hi = tl.minimum(lo + chunk, total)
-            offs_m = tl.arange(0, BLOCK_Q * GROUP_P)
-            qi = qb * BLOCK_Q + offs_m // GROUP_P  # query row within the request
-            g = offs_m % GROUP_P
+            # the tile's M side: BLOCK_Q rows x GROUP query heads, packed without padding the group to a power of
+            # two (GQA 3 or 7: 17 rows x 3 heads fit 64, not 128 as 17 x 4 would), padded as a whole to BLOCK_M
+            offs_m = tl.arange(0, BLOCK_M)
+            qi = qb * BLOCK_Q + offs_m // GROUP  # query row within the request
+            g = offs_m % GROUP
             head = kvh * GROUP + g
-            m_valid = (qi < n_rows) & (g < GROUP)
+            m_valid = (qi < n_rows) & (offs_m < BLOCK_Q * GROUP)  # (past it: the next block's rows, or padding)
             offs_d = tl.arange(0, BLOCK_D)
             d_valid = offs_d < D
             q_at = tl.load(qrows_ptr + row0 + qi, mask=m_valid, other=0).to(tl.int64)  # the row in q / out
             table = bt_ptr + tl.load(btrows_ptr + b).to(tl.int64) * stride_bt  # the request's block-table row
-            m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
-            acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             if lo < total:
                 q = tl.load(q_ptr + q_at[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                             mask=m_valid[:, None] & d_valid[None, :], other=0.0)
@@ -310,12 +312,18 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def tile_m(block_q: int, group: int) -> int:
+    """A tile's M side for `block_q` rows of `group` query heads each: the power of two that holds them, at least
+    16 (tl.dot's smallest M)."""
+    return max(16, _next_pow2(block_q * group))
+
+
 def tile_rows(max_rows: int, num_heads: int, num_kv_heads: int) -> int:
     """Query rows of one tile (BLOCK_Q): all of a tree's rows (up to `max_rows`) x the kv head's query heads in one
     tile where they fit MAX_TILE_M, at least 16 (tl.dot's smallest M). An engine fixes it from its largest tree:
     every step then launches the same compiled kernel."""
-    group_p = _next_pow2(num_heads // num_kv_heads)
-    return max(1, max(16, min(MAX_TILE_M, _next_pow2(max_rows * group_p))) // group_p)
+    group = num_heads // num_kv_heads
+    return max(1, max(16, min(MAX_TILE_M, _next_pow2(max_rows * group))) // group)
 
 
 @dataclass
@@ -502,14 +510,14 @@ def split_kernel_args(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_tabl
         stride_vh=v_cache.stride(2), stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2),
         stride_ms=m.stride(0), stride_mt=m.stride(1), stride_bt=block_table.stride(0),
         stride_bits=plan.bits.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1),
-        DIRECT=plan.splits == 1, BLOCK_SIZE=bs, GROUP=group, GROUP_P=_next_pow2(group), BLOCK_Q=plan.block_q,
+        DIRECT=plan.splits == 1, BLOCK_SIZE=bs, GROUP=group, BLOCK_M=tile_m(plan.block_q, group), BLOCK_Q=plan.block_q,
         BLOCK_N=plan.block_n, D=d, BLOCK_D=_next_pow2(d),
         # Triton's interpreter multiplies bf16 tl.dot operands wrongly (as of 3.9); it gets fp32 operands there
         DOT_F32=interpret and q.dtype == torch.bfloat16,
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else None, EVEN=plan.even,
         PREFETCH=plan.prefetch,
-        num_warps=plan.num_warps or (4 if plan.block_q * _next_pow2(group) <= 64 else 8),
+        num_warps=plan.num_warps or (4 if tile_m(plan.block_q, group) <= 64 else 8),
         **({"num_stages": plan.num_stages} if plan.num_stages else {}))
 
 

@@ -134,6 +134,17 @@ def test_splits_are_chosen_for_the_device():
     assert ta.choose_splits(1, 8, 1, 300, 64, 264) == 1  # a short prefix: no chunk under 4 key tiles
 
 
+def test_a_tile_packs_the_query_heads_without_padding_the_group():
+    """A tile's M side is rows x the kv head's query heads, padded as a whole to a power of two, not the group to
+    one: SmolLM2's 17 rows x 3 heads fit one tile of 64 (with the group padded to 4: 128); Qwen2.5-7B's 17 x 7 one
+    of 128 (padded to 8: two tiles, every key read twice); Llama-3-8B's 17 x 4 one of 128 as before."""
+    assert ta.tile_rows(17, 9, 3) == 21 and ta.tile_m(21, 3) == 64
+    assert ta.tile_rows(17, 28, 4) == 18 and ta.tile_m(18, 7) == 128
+    assert ta.tile_rows(17, 32, 8) == 32 and ta.tile_m(32, 4) == 128
+    assert ta.tile_rows(65, 14, 2) == 18  # 65 rows of GQA 7: 4 tiles of 18 rows
+    assert ta.tile_rows(1, 9, 3) == 5 and ta.tile_m(5, 3) == 16  # tl.dot's smallest M
+
+
 def test_bad_arguments_are_named():
     q, k, v, table, plen, cu, mask = make_case([4], [2], 6, 4, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="not a multiple"):
