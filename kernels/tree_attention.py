@@ -17,8 +17,11 @@ reads row `bt_rows[b]`); prefix_lens, tree_lens [B]; ancestor_bits [T, W] int32.
 
 Work split: one program per (request, kv head, block of query rows, split of the keys). The M side of a tile is the
 request's query rows x the kv head's query heads (all of a tree's rows where they fit one tile, `MAX_TILE_M`), so a
-key tile is read once and serves every row of the tree and every query head that reads it. Prefix keys are visible
-to every row: their loop reads no mask; only the last tile(s) over the tree keys read the ancestor bits. The keys
+key tile is read once and serves every row of the tree and every query head that reads it (rows x heads packed, the
+whole padded to a power of two, `tile_m`). Prefix keys are visible to every row: their loop reads no mask (whole
+tiles: none on their loads either, `EVEN`), and each tile's pages are loaded a tile ahead (`PREFETCH`) so that Triton
+pipelines the K / V copies (two tiles in flight at 3 stages: benchmarks/kernel_ir.py); only the last tile(s) over the
+tree keys read the ancestor bits. The keys
 are cut into `splits` contiguous chunks when the batch alone would leave the device idle; each program keeps flash
 attention's online softmax and writes its unnormalised partial output, running max and sum, which
 `_tree_attention_reduce_kernel` combines per (row, head). With one split the split kernel writes the output itself.
