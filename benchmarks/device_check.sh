@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The device checks of a session lent a GPU, as one command (the `device` tool runs it first; about 5 minutes on an
-# H100): the tree kernel on the device, no compile after start-up, the step's pieces without a device wait and their
-# times (benchmarks/device_check.py), then the kernel against FlashAttention and the verification cost curves
-# (benchmarks/bench_tree_attention.py), then the launch's host cost with and without the compiled-kernel path
-# (benchmarks/kernel_sweep.py --launch). What it prints goes into benchmarks/RESULTS.md.
+# The device checks of a session lent a GPU, as one command (the `device` tool runs it first; about 5-6 minutes on an
+# H100: give it timeout_s 600): the tree kernel on the device, no compile after start-up, the step's pieces without a
+# device wait and their times (benchmarks/device_check.py), then the kernel against FlashAttention and the
+# verification cost curves (benchmarks/bench_tree_attention.py), then the launch's host cost with and without the
+# compiled-kernel path (benchmarks/kernel_sweep.py --launch), then the kernel's launch options
+# (benchmarks/kernel_sweep.py). What it prints goes into benchmarks/RESULTS.md.
 #   bash benchmarks/device_check.sh            # results also under $OUT (the device tool's folder) if set
 set -uo pipefail
 # python -u: what a script printed before a timeout stops it is kept (block-buffered output to a file or a pipe is
-# lost with the process; session 27 lost two device_check.py runs that way, each stopped at 100 s: it needs more; it finished within 150 in session 27's first run)
+# lost with the process: session 27 lost two device_check.py runs that way, each stopped at 100 s; it needs more,
+# and finished inside this script's 150 s)
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
 mkdir -p "$out"
@@ -17,5 +19,8 @@ timeout 180 python -u benchmarks/bench_tree_attention.py --cost-curve --out "$ou
   | tee "$out/bench_tree_attention.txt"; b=${PIPESTATUS[0]}
 timeout 90 python -u benchmarks/kernel_sweep.py --launch --out "$out/launch.json" 2>&1 | tee "$out/launch.txt"
 c=${PIPESTATUS[0]}
-echo "device_check.py exit $a, bench_tree_attention.py exit $b, kernel_sweep.py --launch exit $c"
-exit $(( a != 0 || b != 0 || c != 0 ))
+# the launch options around the defaults, the old loop, the fused reduction (about 2 minutes)
+timeout 150 python -u benchmarks/kernel_sweep.py --deadline 120 --out "$out/kernel_sweep.json" 2>&1 \
+  | tee "$out/kernel_sweep.txt"; e=${PIPESTATUS[0]}
+echo "device_check.py exit $a, bench_tree_attention.py exit $b, kernel_sweep.py --launch exit $c, kernel_sweep.py exit $e"
+exit $(( a != 0 || b != 0 || c != 0 || e != 0 ))

@@ -111,16 +111,18 @@ def main(argv=None) -> int:
     p.add_argument("--block-n", type=int, default=ta.BLOCK_N)
     p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--no-even", action="store_true")
+    p.add_argument("--fused", action="store_true", help="the split programs combine their partials (FUSED_REDUCE)")
     p.add_argument("--ptx", default=None, help="write the PTX here")
     a = p.parse_args(argv)
     heads = tuple(int(x) for x in a.heads.split(","))
     args = default_case(heads, a.batch, a.prefix, a.nodes, getattr(torch, a.dtype), block_n=a.block_n,
                         num_stages=a.stages, num_warps=a.warps, prefetch=not a.no_prefetch, even=not a.no_even,
-                        splits=2)
+                        fused=a.fused, splits=2)
     compiled = compile_split_kernel(args)
     print(f"split kernel, heads {a.heads}, {a.dtype}, BLOCK_N {args['BLOCK_N']}, tile {args['BLOCK_Q']} rows x "
           f"{args['GROUP']} heads in {args['BLOCK_M']}, {args['num_warps']} warps, {args['num_stages']} stages, "
-          f"even {args['EVEN']}, prefetch {args['PREFETCH']}: shared memory {compiled.metadata.shared} bytes")
+          f"even {args['EVEN']}, prefetch {args['PREFETCH']}, fused {args['FUSED']}: shared memory "
+          f"{compiled.metadata.shared} bytes")
     for i, loop in enumerate(loops(compiled.asm["ttgir"])):
         print(f"  loop {i}: async_wait num {loop['async_wait_num']}, {loop['async_copies']} asynchronous copies, "
               f"{loop['plain_loads']} plain loads")

@@ -18,7 +18,6 @@ Per shape (a subset of bench_tree_attention.py's: the ones issue 41's targets ar
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -40,9 +39,13 @@ SHAPES = [  # (heads, batch, prefix, nodes)
 # the defaults' neighbours (BLOCK_N 64, 3 stages, even, prefetch; warps by tile) and the loop before session 27.
 # Session 26's run: pages in the tile's own iteration, stages 2-4, no `even` (2 stages best). Session 27's first
 # sweep: without prefetch 2 stages, with it 2-4 stages x BLOCK_N 64 / 128 x 4 / 8 warps, and `even` at 3 stages
-# (benchmarks/device_runs/s27_h100/run2/kernel_sweep.txt): prefetch at 3 stages 0.85x the old loop's time
-OPTIONS = [(64, 8, 3, True, True), (64, 4, 3, True, True), (64, 8, 4, True, True), (128, 8, 3, True, True),
-           (64, 8, 3, False, True), (64, 8, 2, False, False), (64, 4, 2, False, False)]
+# (benchmarks/device_runs/s27_h100/run2/kernel_sweep.txt): prefetch at 3 stages 0.85x the old loop's time. Last:
+# fused, the split programs' own reduction (no second launch: eager time too, where the host may be what counts)
+OPTIONS = [(64, 8, 3, True, True, False), (64, 4, 3, True, True, False), (64, 8, 4, True, True, False),
+           (128, 8, 3, True, True, False), (64, 8, 3, False, True, False), (64, 8, 2, False, False, False),
+           (64, 4, 2, False, False, False),
+           # the split programs combining their partials themselves (FUSED_REDUCE; untimed until a device runs it)
+           (64, 8, 3, True, True, True), (64, 4, 3, True, True, True)]
 
 
 def parse(argv):
@@ -141,15 +144,15 @@ def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
     once = max(1, min(64, sms // base))
     splits_around = sorted({max(1, plan.splits // 2), plan.splits, min(64, plan.splits * 2), once})
     row["splits_once"] = once
-    for block_n, warps, stages, even, prefetch in OPTIONS:
+    for block_n, warps, stages, even, prefetch, fused in OPTIONS:
         around = (block_n, stages, even, prefetch) == (64, 3, True, True)  # (other splits at one loop shape)
         for splits in (splits_around if around else (plan.splits,)):
             if time.perf_counter() > deadline:
                 break
-            key = f"n{block_n} w{warps} s{stages} e{int(even)} p{int(prefetch)} x{splits}"
+            key = f"n{block_n} w{warps} s{stages} e{int(even)} p{int(prefetch)}{' f1' if fused else ''} x{splits}"
             try:
                 p = plan_launch(*plan_args, **kw, block_n=block_n, splits=splits, num_warps=warps, num_stages=stages,
-                                even=even, prefetch=prefetch)
+                                even=even, prefetch=prefetch, fused=fused)
                 out = torch.empty_like(q)
                 launch(p, q, k_cache, v_cache, table, scale, out)
                 err = float((out.float() - want.float()).abs().max())
@@ -157,6 +160,8 @@ def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
                     options[key] = {"error": f"off by {err:.3g}"}
                     continue
                 options[key] = {"gpu_ms": gpu_time(lambda: launch(p, q, k_cache, v_cache, table, scale, out))}
+                if fused:  # one launch a layer instead of two: what the host saves shows in eager time
+                    options[key]["eager_ms"] = eager_time(lambda: launch(p, q, k_cache, v_cache, table, scale, out))
             except Exception as e:  # e.g. out of shared memory: this option does not exist for the shape
                 options[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
     row["options"] = options
@@ -202,7 +207,8 @@ def main() -> int:
     shapes = [((4, 2, 16), 2, 70, 4)] if ARGS.cpu else SHAPES
     if ARGS.cpu:
         global OPTIONS
-        OPTIONS = [(16, 4, 2, False, False), (64, 4, 3, True, True), (32, 4, 2, False, True)]  # (more splits: 2nd)
+        OPTIONS = [(16, 4, 2, False, False, False), (64, 4, 3, True, True, False),  # (more splits: 2nd)
+                   (32, 4, 2, False, True, False), (16, 4, 3, True, True, True)]
     if ARGS.launch:
         rows = [launch_cost(heads, b, prefix, nodes, dtype) for heads, b, prefix, nodes in shapes]
         for r in rows:
@@ -259,6 +265,13 @@ def main() -> int:
         if ratios:
             print(f"splits filling the SMs once over the planned (n64 w{warps} s3 e1 p1), every shape: "
                   + ", ".join(f"{x:.2f}" for x in ratios), flush=True)
+    for r in rows:  # the fused reduction (one launch a layer) against the default (two where the keys are split)
+        for warps in (4, 8):
+            f = r["options"].get(f"n64 w{warps} s3 e1 p1 f1 x{r['splits']}", {})
+            if "gpu_ms" in f and r["splits"] > 1:
+                print(f"fused, {warps} warps, heads {r['heads']} batch {r['batch']} prefix {r['prefix']} nodes "
+                      f"{r['nodes']}: GPU {f['gpu_ms'] / r['gpu_ms']:.2f}x, eager {f['eager_ms'] / r['eager_ms']:.2f}x "
+                      "the default's", flush=True)
     out = Path(ARGS.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "rows": rows,

@@ -73,6 +73,9 @@ PREFETCH = True
 # 8 warps, 3 stages, pages a tile ahead: 0.91-0.98x the masked loop's GPU time on 5 of 6 shapes (1.08x at batch 1
 # over an 8k prefix)
 EVEN = True
+# Where the keys are split, the last split program of each tile combines the partials (an atomic count per tile)
+# instead of a second launch: one launch a layer. Off until a device times it (benchmarks/kernel_sweep.py's `f1`).
+FUSED_REDUCE = False
 # Integer arguments that change from step to step, kept out of Triton's specialization (a new value would compile a
 # new kernel): per kernel, the names given to `do_not_specialize` and read by `_arg_key`
 NO_SPECIALIZE = {
@@ -187,13 +190,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=list(NO_SPECIALIZE["split"]))
     def _tree_attention_split_kernel(
             q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr, o_ptr, bt_ptr, plen_ptr, tlen_ptr, cu_ptr, bits_ptr,
-            qrows_ptr, btrows_ptr, scale, chunk, n_qb,
+            qrows_ptr, btrows_ptr, done_ptr, scale, chunk, n_qb,
             stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_bt, stride_bits, stride_ot, stride_oh,
             DIRECT: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
             DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False,
-            PREFETCH: tl.constexpr = False):
+            PREFETCH: tl.constexpr = False, FUSED: tl.constexpr = False):
         b = tl.program_id(0)
         kvh = tl.program_id(1) // n_qb
         qb = tl.program_id(1) % n_qb
@@ -272,6 +275,32 @@ if triton is not None:
                          + offs_d[None, :], acc, mask=m_valid[:, None] & d_valid[None, :])
                 tl.store(m_ptr + split * stride_ms + rows_at * stride_mt + head, m_i, mask=m_valid)
                 tl.store(l_ptr + split * stride_ms + rows_at * stride_mt + head, l_i, mask=m_valid)
+                if FUSED:  # the tile's last split program to finish combines the partials: no reduce launch
+                    tl.debug_barrier()  # the program's partial stores before its release (cumulative)
+                    counter = done_ptr + b * tl.num_programs(1) + tl.program_id(1)
+                    if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+                        m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                        l_all = tl.zeros([BLOCK_M], tl.float32)
+                        acc_all = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                        for s in range(0, tl.num_programs(2)):  # L2 reads (.cg): other SMs wrote them
+                            m_s = tl.load(m_ptr + s * stride_ms + rows_at * stride_mt + head, mask=m_valid,
+                                          other=float("-inf"), cache_modifier=".cg")
+                            l_s = tl.load(l_ptr + s * stride_ms + rows_at * stride_mt + head, mask=m_valid,
+                                          other=0.0, cache_modifier=".cg")
+                            acc_s = tl.load(acc_ptr + s * stride_as + rows_at[:, None] * stride_at
+                                            + head[:, None] * stride_ah + offs_d[None, :],
+                                            mask=m_valid[:, None] & d_valid[None, :], other=0.0,
+                                            cache_modifier=".cg")
+                            m_new = tl.maximum(m_all, m_s)
+                            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                            alpha, beta = tl.exp(m_all - m_safe), tl.exp(m_s - m_safe)
+                            l_all = l_all * alpha + l_s * beta
+                            acc_all = acc_all * alpha[:, None] + acc_s * beta[:, None]
+                            m_all = m_new
+                        out = acc_all / tl.maximum(l_all, 1e-30)[:, None]
+                        tl.store(o_ptr + q_at[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                                 out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+                        tl.store(counter, 0)  # zero again for the next layer's launch
 
     @triton.jit(do_not_specialize=list(NO_SPECIALIZE["reduce"]))
     def _tree_attention_reduce_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, qrows_ptr, splits, stride_as, stride_at, stride_ah,
@@ -359,24 +388,27 @@ class TreeAttentionLaunch:
     num_stages: int | None = None
     even: bool = True  # whole prefix tiles without masks (EVEN)
     prefetch: bool = True  # each prefix tile's pages loaded a tile ahead (PREFETCH)
+    done: torch.Tensor | None = None  # [B * Hkv * q_blocks] int32 zeros: split programs finished per tile (fused)
     compiled: dict = field(default_factory=dict)  # layer key -> its ready launches (`launch`, `_ready_launch`)
 
 
 def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num_kv_heads: int, head_size: int,
                 max_rows: int, longest: int, block_n: int = BLOCK_N, splits: int | None = None, tree_lens=None,
                 block_q: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, even: bool | None = None, prefetch: bool | None = None
-                ) -> TreeAttentionLaunch:
+                num_stages: int | None = None, even: bool | None = None, prefetch: bool | None = None,
+                fused: bool | None = None) -> TreeAttentionLaunch:
     """max_rows: the most query rows of one request, longest: the most keys of one (prefix + tree keys): host ints,
     so nothing here waits for the device. splits: key chunks (default `choose_splits` for the device's SM count).
     tree_lens: tree keys per request (default: its rows, as in verification). block_q: the engine's tile
     (`tile_rows` of its largest tree; default: this step's). num_warps / num_stages: the split kernel's (default: 4
     warps for tiles of up to 64 rows x heads, else 8; NUM_STAGES). even: whole prefix tiles without masks (default
-    EVEN). prefetch: a prefix tile's pages loaded a tile ahead (default PREFETCH) or in its own iteration."""
+    EVEN). prefetch: a prefix tile's pages loaded a tile ahead (default PREFETCH) or in its own iteration. fused:
+    the split programs combine their partials themselves, no reduce launch (default FUSED_REDUCE)."""
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
     num_stages = NUM_STAGES if num_stages is None else num_stages
     prefetch = PREFETCH if prefetch is None else prefetch
+    fused = FUSED_REDUCE if fused is None else fused
     even = EVEN if even is None else even
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
@@ -402,9 +434,12 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     rows = t if splits > 1 else 1  # one split writes the output directly: no scratch
     acc = torch.empty(splits, rows, num_heads, head_size, dtype=torch.float32, device=bits.device)
     m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
+    done = None
+    if fused and splits > 1:  # zero once a step: each layer's reducing programs zero their counters again
+        done = torch.zeros(len(prefix_lens) * num_kv_heads * q_blocks, dtype=torch.int32, device=bits.device)
     return TreeAttentionLaunch(prefix_lens, tree_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads,
                                head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m),
-                               num_warps=num_warps, num_stages=num_stages, even=even, prefetch=prefetch)
+                               num_warps=num_warps, num_stages=num_stages, even=even, prefetch=prefetch, done=done)
 
 
 # --- compiled variants ------------------------------------------------------------------------------------------
@@ -507,7 +542,9 @@ def split_kernel_args(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_tabl
     return dict(
         q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, bt_ptr=block_table,
         plen_ptr=plan.prefix_lens, tlen_ptr=plan.tree_lens, cu_ptr=plan.cu_rows, bits_ptr=plan.bits,
-        qrows_ptr=plan.q_rows, btrows_ptr=plan.bt_rows, scale=scale, chunk=plan.chunk, n_qb=plan.q_blocks,
+        qrows_ptr=plan.q_rows, btrows_ptr=plan.bt_rows,
+        done_ptr=plan.cu_rows if plan.done is None else plan.done,  # (FUSED only; any int32 tensor otherwise)
+        scale=scale, chunk=plan.chunk, n_qb=plan.q_blocks,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1),
         stride_kh=k_cache.stride(2), stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1),
         stride_vh=v_cache.stride(2), stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2),
@@ -519,7 +556,7 @@ def split_kernel_args(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_tabl
         DOT_F32=interpret and q.dtype == torch.bfloat16,
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else None, EVEN=plan.even,
-        PREFETCH=plan.prefetch,
+        PREFETCH=plan.prefetch, FUSED=plan.done is not None,
         num_warps=plan.num_warps or (4 if tile_m(plan.block_q, group) <= 64 else 8),
         **({"num_stages": plan.num_stages} if plan.num_stages else {}))
 
@@ -563,7 +600,7 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
                                    os.environ.get("TRITON_INTERPRET") == "1")
     launches = [(_tree_attention_split_kernel, grid, split_args,
                  _launch_kernel(_tree_attention_split_kernel, "split", grid, split_args, record))]
-    if not direct:
+    if not direct and plan.done is None:
         reduce_grid = (plan.q_rows.shape[0], plan.num_heads)
         reduce_args = dict(
             acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, qrows_ptr=plan.q_rows, splits=plan.splits,
@@ -591,8 +628,8 @@ def launch_reference(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table
 def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows, bits, scale,
                           max_rows: int | None = None, longest: int | None = None, block_n: int = BLOCK_N,
                           splits: int | None = None, q_rows=None, bt_rows=None, out=None, tree_lens=None,
-                          block_q: int | None = None, even: bool | None = None, prefetch: bool | None = None
-                          ) -> torch.Tensor:
+                          block_q: int | None = None, even: bool | None = None, prefetch: bool | None = None,
+                          fused: bool | None = None) -> torch.Tensor:
     """Plan and launch in one call. Without q_rows / bt_rows, q holds exactly the plan's rows (packed as cu_rows) and
     block_table one row per request; returns the output [T, Hq, D] in q's dtype (`out`, or a new tensor). max_rows /
     longest are computed from the tensors when not given (a device sync)."""
@@ -613,7 +650,7 @@ def tree_attention_triton(q, k_cache, v_cache, block_table, prefix_lens, cu_rows
                          "not fit")
     plan = plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, q.shape[1], hkv, d, max_rows, longest,
                        block_n=block_n, splits=splits, tree_lens=tree_lens, block_q=block_q, even=even,
-                       prefetch=prefetch)
+                       prefetch=prefetch, fused=fused)
     return launch(plan, q, k_cache, v_cache, block_table, scale, torch.empty_like(q) if out is None else out)
 
 

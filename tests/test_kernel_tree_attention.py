@@ -178,6 +178,29 @@ def test_tree_rows_are_read_and_written_in_place_among_other_rows(triton_interpr
         assert (out[others] == -5.0).all()
 
 
+@pytest.mark.parametrize("prefix_lens,tree_sizes,hq,hkv,splits", [
+    ([5, 170, 0], [3, 8, 0], 9, 3, 3),  # short, long and no prefix: splits with no keys (their partials empty)
+    ([33, 300], [16, 33], 14, 2, 4),  # GQA 7, 34 rows: two row blocks per kv head, each its own counter
+])
+def test_the_fused_reduction_matches_the_reference_and_leaves_its_counters_at_zero(triton_interpret, prefix_lens,
+                                                                                   tree_sizes, hq, hkv, splits):
+    """FUSED_REDUCE (a variant for the device's sweep): the last split program of each tile combines the partials
+    (an atomic count per tile), no reduce launch; the counters are zero again after every layer, so the next layer
+    of the step reuses them."""
+    case = with_bits(make_case(prefix_lens, tree_sizes, hq, hkv, 64, 16, torch.float32, seed=3))
+    q, k, v, table, plen, cu, bits = case
+    want = ta.tree_attention_reference(*case, 0.125)
+    rows = cu[1:] - cu[:-1]
+    plan = ta.plan_launch(plen, cu, bits, torch.arange(q.shape[0], dtype=torch.int32),
+                          torch.arange(len(plen), dtype=torch.int32), hq, hkv, 64, int(rows.max()),
+                          int((plen + rows).max()), block_n=32, splits=splits, fused=True)
+    assert plan.done is not None and plan.splits == splits
+    for _ in range(2):  # two layers of one step
+        got = ta.launch(plan, q, k, v, table, 0.125, torch.full_like(q, float("nan")))
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+        assert int(plan.done.abs().sum()) == 0
+
+
 def test_the_start_up_check_passes_here_and_catches_a_wrong_kernel(triton_interpret, monkeypatch):
     """What the GPU tree runtime runs once on its device when the model is built (engine/gpu_tree_runtime.py): the
     kernel on a small case against the reference, in the model's dtype. A kernel that computes wrong fails it."""
