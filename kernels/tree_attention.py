@@ -21,10 +21,11 @@ key tile is read once and serves every row of the tree and every query head that
 whole padded to a power of two, `tile_m`). Prefix keys are visible to every row: their loop reads no mask (whole
 tiles: none on their loads either, `EVEN`), and each tile's pages are loaded a tile ahead (`PREFETCH`) so that Triton
 pipelines the K / V copies (two tiles in flight at 3 stages: benchmarks/kernel_ir.py); only the last tile(s) over the
-tree keys read the ancestor bits. The keys
-are cut into `splits` contiguous chunks when the batch alone would leave the device idle; each program keeps flash
-attention's online softmax and writes its unnormalised partial output, running max and sum, which
-`_tree_attention_reduce_kernel` combines per (row, head). With one split the split kernel writes the output itself.
+tree keys read the ancestor bits. The keys are cut into `splits` contiguous chunks when the batch alone would leave
+the device idle (as many programs as SMs, not more); each program keeps flash attention's online softmax and writes
+its unnormalised partial output, running max and sum, which `_tree_attention_reduce_kernel` combines per (row, head)
+(or, `FUSED_REDUCE`, the tile's last split program to finish). With one split the split kernel writes the output
+itself.
 
 Compiled variants: an engine fixes the dtype, the heads, the page size, `BLOCK_N` and the tile (`tile_rows`, from
 its largest tree), so a step launches one of three kernels (split with and without the reduction's scratch, the
