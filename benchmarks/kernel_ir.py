@@ -9,10 +9,10 @@ latency (session 27: the kernel at 1.4-3.5x FlashAttention on an H100). Loading 
 
     python benchmarks/kernel_ir.py                       # the engine's default variant, 8 trees x 16 nodes
     python benchmarks/kernel_ir.py --no-prefetch --stages 2 --heads 9,3,64
-    python benchmarks/kernel_ir.py --ptx out.ptx         # also the PTX (ptxas -v on it: registers, spills)
+    python benchmarks/kernel_ir.py --ptx out.ptx         # also write the PTX
 
 Per loop of the kernel (the prefix loops, then the tree-key loop): the `num` of its async_wait (None: no copy is
-asynchronous), the asynchronous copies and the plain loads in the loop. Checked against Triton 3.6 (the H100's) and
+asynchronous), the asynchronous copies and the plain loads in the loop; then ptxas's registers and spills. Checked against Triton 3.6 (the H100's) and
 3.9 (this machine's): the same pipelining.
 """
 
@@ -87,6 +87,31 @@ def loops(ttgir: str) -> list[dict]:
     return found
 
 
+def registers(ptx: str, capability: int = 90) -> str | None:
+    """ptxas -v's verdict on the PTX (registers a thread, spill bytes), with the newest ptxas Triton ships that
+    reads this PTX version (Triton 3.9's `ptxas` is older than the PTX it emits; `ptxas-blackwell` reads it); None
+    where none does."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        for name in ("ptxas-blackwell", "ptxas"):
+            if not (bins / name).exists():
+                continue
+            proc = subprocess.run([str(bins / name), "-v", "--gpu-name", f"sm_{capability}a", str(src), "-o",
+                                   str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+            if proc.returncode == 0:
+                lines = [x.split("info    : ")[-1].strip() for x in proc.stderr.splitlines()
+                         if "registers" in x or "spill" in x]
+                return "; ".join(lines)
+    return None
+
+
 def default_case(heads=(32, 8, 128), batch: int = 8, prefix: int = 8192, nodes: int = 16, dtype=torch.bfloat16,
                  **plan_options) -> dict:
     """split_kernel_args for a batch of trees in vLLM's layouts (CPU tensors) with the engine's plan."""
@@ -126,6 +151,7 @@ def main(argv=None) -> int:
     for i, loop in enumerate(loops(compiled.asm["ttgir"])):
         print(f"  loop {i}: async_wait num {loop['async_wait_num']}, {loop['async_copies']} asynchronous copies, "
               f"{loop['plain_loads']} plain loads")
+    print(f"  ptxas: {registers(compiled.asm['ptx']) or 'no ptxas here reads this PTX'}")
     if a.ptx:
         Path(a.ptx).write_text(compiled.asm["ptx"])
     return 0
