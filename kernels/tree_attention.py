@@ -188,6 +188,28 @@ if triton is not None:
         pos = start + tl.arange(0, BLOCK_N)
         return tl.load(table + pos // BLOCK_SIZE, mask=pos < end, other=0)
 
+    @triton.jit
+    def _attend_prefix(q, acc, m_i, l_i, first, last, prefix_end, table, k_ptr, v_ptr, kvh, bits_ptr, bits_rows,
+                       m_valid, p_len, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bits,
+                       scale, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       D: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, FULL: tl.constexpr,
+                       PREFETCH: tl.constexpr):
+        """Prefix tiles first, first + BLOCK_N, .. below `last` (keys below prefix_end) into the online softmax.
+        PREFETCH: each tile's pages loaded a tile ahead (loop-carried), so its K / V loads depend on nothing loaded in
+        their own iteration."""
+        if PREFETCH:
+            ahead = _pages(table, first, last, BLOCK_SIZE, BLOCK_N)
+        for start in range(first, last, BLOCK_N):
+            pages = None
+            if PREFETCH:
+                pages = ahead
+                ahead = _pages(table, start + BLOCK_N, last, BLOCK_SIZE, BLOCK_N)
+            acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, prefix_end, table, k_ptr, v_ptr, kvh, bits_ptr,
+                                         bits_rows, m_valid, p_len, stride_kb, stride_ks, stride_kh, stride_vb,
+                                         stride_vs, stride_vh, stride_bits, scale, False, BLOCK_SIZE, BLOCK_N,
+                                         BLOCK_D, D, DOT_F32, PRECISION, FULL, pages)
+        return acc, m_i, l_i
+
     @triton.jit(do_not_specialize=list(NO_SPECIALIZE["split"]))
     def _tree_attention_split_kernel(
             q_ptr, k_ptr, v_ptr, acc_ptr, m_ptr, l_ptr, o_ptr, bt_ptr, plen_ptr, tlen_ptr, cu_ptr, bits_ptr,
@@ -238,29 +260,14 @@ if triton is not None:
                 # for sm_90, it copies nothing asynchronously)
                 if EVEN:  # whole prefix tiles without masks, then the rest (at most one tile) as below
                     tail = lo + (tl.maximum(prefix_end - lo, 0) // BLOCK_N) * BLOCK_N
-                    if PREFETCH:
-                        ahead = _pages(table, lo, tail, BLOCK_SIZE, BLOCK_N)
-                    for start in range(lo, tail, BLOCK_N):
-                        pages = None
-                        if PREFETCH:
-                            pages = ahead
-                            ahead = _pages(table, start + BLOCK_N, tail, BLOCK_SIZE, BLOCK_N)
-                        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, prefix_end, table, k_ptr, v_ptr, kvh,
-                                                     bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks,
-                                                     stride_kh, stride_vb, stride_vs, stride_vh, stride_bits, scale,
-                                                     False, BLOCK_SIZE, BLOCK_N, BLOCK_D, D, DOT_F32, PRECISION, True,
-                                                     pages)
-                if PREFETCH:
-                    ahead = _pages(table, tail, prefix_end, BLOCK_SIZE, BLOCK_N)
-                for start in range(tail, prefix_end, BLOCK_N):
-                    pages = None
-                    if PREFETCH:
-                        pages = ahead
-                        ahead = _pages(table, start + BLOCK_N, prefix_end, BLOCK_SIZE, BLOCK_N)
-                    acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, prefix_end, table, k_ptr, v_ptr, kvh,
-                                                 bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks, stride_kh,
-                                                 stride_vb, stride_vs, stride_vh, stride_bits, scale, False,
-                                                 BLOCK_SIZE, BLOCK_N, BLOCK_D, D, DOT_F32, PRECISION, False, pages)
+                    acc, m_i, l_i = _attend_prefix(q, acc, m_i, l_i, lo, tail, prefix_end, table, k_ptr, v_ptr, kvh,
+                                                   bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks,
+                                                   stride_kh, stride_vb, stride_vs, stride_vh, stride_bits, scale,
+                                                   BLOCK_SIZE, BLOCK_N, BLOCK_D, D, DOT_F32, PRECISION, True, PREFETCH)
+                acc, m_i, l_i = _attend_prefix(q, acc, m_i, l_i, tail, prefix_end, prefix_end, table, k_ptr, v_ptr,
+                                               kvh, bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks,
+                                               stride_kh, stride_vb, stride_vs, stride_vh, stride_bits, scale,
+                                               BLOCK_SIZE, BLOCK_N, BLOCK_D, D, DOT_F32, PRECISION, False, PREFETCH)
                 for start in range(tl.maximum(lo, p_len), hi, BLOCK_N):  # tree keys: ancestors-or-self
                     acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, hi, table, k_ptr, v_ptr, kvh,
                                                  bits_ptr, bits_rows, m_valid, p_len, stride_kb, stride_ks, stride_kh,
