@@ -38,29 +38,32 @@ TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", t
 
 def compile_split_kernel(args: dict, capability: int = 90):
     """Compile the split kernel for `capability` with `args` (split_kernel_args' dict: CPU tensors will do) as a
-    launch specializes them: constexprs by value, a pointer 16-byte aligned and an integer that is a multiple of 16
-    (outside do_not_specialize) known as divisible by 16. Returns Triton's CompiledKernel (its .asm: ttgir, ptx)."""
+    launch specializes them, by the rules kernels/tree_attention.py's `_arg_key` holds (constexprs by value; a 16-byte
+    aligned pointer and an integer that is a multiple of 16, outside do_not_specialize, known as divisible by 16; an
+    integer equal to 1 a constant). Returns Triton's CompiledKernel (its .asm: ttgir, ptx)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = ta._tree_attention_split_kernel
-    keep_out = set(ta.NO_SPECIALIZE["split"])
     options = {k: args[k] for k in ("num_warps", "num_stages") if k in args}
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         value = args[name]
+        key = ta._arg_key(name, value, "split")
         if name.isupper():
             signature[name], constexprs[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TYPES[value.dtype]
-            if value.data_ptr() % 16 == 0:
+            if key[2]:  # 16-byte aligned
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
+        elif len(key) == 4 and key[2]:  # equal to 1: Triton makes it a constant
+            signature[name], constexprs[name] = "constexpr", 1
         else:
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            if name not in keep_out and value % 16 == 0 and value != 0:
+            signature[name] = key[1]
+            if len(key) == 4 and key[3]:  # a multiple of 16
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs),
                           target=GPUTarget("cuda", capability, 32), options=options)
