@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-n", type=int, default=ta.BLOCK_N)
     p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--no-even", action="store_true")
-    p.add_argument("--fused", action="store_true", help="the split programs combine their partials (FUSED_REDUCE)")
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="the split programs combine their partials (default: as plan_launch, fused at 2 chunks)")
     p.add_argument("--ptx", default=None, help="write the PTX here")
     a = p.parse_args(argv)
     heads = tuple(int(x) for x in a.heads.split(","))

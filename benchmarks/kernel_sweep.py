@@ -44,7 +44,8 @@ SHAPES = [  # (heads, batch, prefix, nodes)
 OPTIONS = [(64, 8, 3, True, True, False), (64, 4, 3, True, True, False), (64, 8, 4, True, True, False),
            (128, 8, 3, True, True, False), (64, 8, 3, False, True, False), (64, 8, 2, False, False, False),
            (64, 4, 2, False, False, False),
-           # the split programs combining their partials themselves (FUSED_REDUCE; untimed until a device runs it)
+           # the split programs combining their partials themselves (the default at 2 .. FUSED_MAX_SPLITS chunks since
+           # session 28's sweep; the plain options above are the split kernel and the reduce launch)
            (64, 8, 3, True, True, True), (64, 4, 3, True, True, True)]
 
 

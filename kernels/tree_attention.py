@@ -24,12 +24,12 @@ pipelines the K / V copies (two tiles in flight at 3 stages: benchmarks/kernel_i
 tree keys read the ancestor bits. The keys are cut into `splits` contiguous chunks when the batch alone would leave
 the device idle (as many programs as SMs, not more); each program keeps flash attention's online softmax and writes
 its unnormalised partial output, running max and sum, which `_tree_attention_reduce_kernel` combines per (row, head)
-(or, `FUSED_REDUCE`, the tile's last split program to finish). With one split the split kernel writes the output
+(or, at up to `FUSED_MAX_SPLITS` chunks, the tile's last split program to finish). With one split the split kernel writes the output
 itself.
 
 Compiled variants: an engine fixes the dtype, the heads, the page size, `BLOCK_N` and the tile (`tile_rows`, from
-its largest tree), so a step launches one of three kernels (split with and without the reduction's scratch, the
-reduction); every integer that changes from step to step is kept out of Triton's specialization
+its largest tree), so a step launches one of four kernels (split writing the output, split reducing its own
+partials, split writing partials, the reduction); every integer that changes from step to step is kept out of Triton's specialization
 (`do_not_specialize`) and every index array is 16-byte aligned (engine/gpu_tree_runtime.StagingBuffer). `warm_up`
 compiles and checks each variant at start-up; `VARIANTS` records what was compiled and counts launches of anything
 else (`cold`): a compile in the middle of serving.
@@ -74,9 +74,13 @@ PREFETCH = True
 # 8 warps, 3 stages, pages a tile ahead: 0.91-0.98x the masked loop's GPU time on 5 of 6 shapes (1.08x at batch 1
 # over an 8k prefix)
 EVEN = True
-# Where the keys are split, the last split program of each tile combines the partials (an atomic count per tile)
-# instead of a second launch: one launch a layer. Off until a device times it (benchmarks/kernel_sweep.py's `f1`).
-FUSED_REDUCE = False
+# Where the keys are split into at most this many chunks, each tile's last split program to finish combines the
+# partials (an atomic count per tile) instead of a second launch: one launch a layer. Session 28's H100 sweep
+# (benchmarks/device_runs/s28_h100/kernel_sweep.txt, bf16, 8 warps): at 2 splits 0.63-0.93x the GPU time of the
+# split kernel plus the reduce launch on every shape (batch 8-64; the reduce launch, one program per row and head,
+# costs most where the rows are many), at 4-5 splits 0.71-0.94x, at 7-16 splits 1.2-1.9x (one program per tile reads
+# every partial alone while the rest of the device idles: batch 1). 0: never fused.
+FUSED_MAX_SPLITS = 4
 # Integer arguments that change from step to step, kept out of Triton's specialization (a new value would compile a
 # new kernel): per kernel, the names given to `do_not_specialize` and read by `_arg_key`
 NO_SPECIALIZE = {
@@ -334,14 +338,24 @@ if triton is not None:
         tl.store(o_ptr + o_row * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_valid)
 
 
-def choose_splits(batch: int, kv_heads: int, q_blocks: int, longest: int, block_n: int, programs: int) -> int:
-    """How many chunks to cut the keys into: as many programs as fill `programs` slots (one per SM) once, not
-    more (a few SMs running a second program would double the kernel's time for the rest to wait on), never a chunk
-    shorter than 4 key tiles, at most MAX_SPLITS."""
+def choose_splits(batch: int, kv_heads: int, q_blocks: int, longest: int, block_n: int, programs: int,
+                  most_fused: int | None = None) -> int:
+    """How many chunks to cut the keys into, for `programs` slots (one per SM). Fewer tiles than slots: as many
+    chunks as fill the slots once, not more (a few SMs running a second program would double the kernel's time for
+    the rest to wait on). More tiles than slots: up to `most_fused` chunks (FUSED_MAX_SPLITS: reduced by the split
+    programs themselves, no second launch) where they fill the last wave better, the fewest of the best (8 trees of
+    64 nodes of Llama-3-8B on 132 SMs: 192 tiles, 2 waves of whole tiles or 3 of half ones: 2 chunks, 0.84x the
+    GPU time of one on the H100). Never a chunk shorter than 4 key tiles, at most MAX_SPLITS."""
     base = batch * kv_heads * q_blocks
-    want = max(1, programs // base)
-    most = max(1, longest // (4 * block_n))
-    return int(min(want, most, MAX_SPLITS))
+    most = int(min(max(1, longest // (4 * block_n)), MAX_SPLITS))
+    if base <= programs:
+        return int(min(programs // base, most))
+    fused = FUSED_MAX_SPLITS if most_fused is None else most_fused
+
+    def waves_per_key(s):  # waves of programs, each over 1 / s of the keys
+        return _cdiv(base * s, programs) / s
+
+    return min(range(1, max(1, min(fused, most)) + 1), key=lambda s: (waves_per_key(s), s))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -411,12 +425,12 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     (`tile_rows` of its largest tree; default: this step's). num_warps / num_stages: the split kernel's (default: 4
     warps for tiles of up to 64 rows x heads, else 8; NUM_STAGES). even: whole prefix tiles without masks (default
     EVEN). prefetch: a prefix tile's pages loaded a tile ahead (default PREFETCH) or in its own iteration. fused:
-    the split programs combine their partials themselves, no reduce launch (default FUSED_REDUCE)."""
+    the split programs combine their partials themselves, no reduce launch (default: where the keys are cut into 2 ..
+    FUSED_MAX_SPLITS chunks)."""
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
     num_stages = NUM_STAGES if num_stages is None else num_stages
     prefetch = PREFETCH if prefetch is None else prefetch
-    fused = FUSED_REDUCE if fused is None else fused
     even = EVEN if even is None else even
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
@@ -439,6 +453,7 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     splits = min(int(splits), MAX_SPLITS)
     chunk = _cdiv(_cdiv(longest, splits), block_n) * block_n
     splits = _cdiv(longest, chunk)
+    fused = splits <= FUSED_MAX_SPLITS if fused is None else fused
     rows = t if splits > 1 else 1  # one split writes the output directly: no scratch
     acc = torch.empty(splits, rows, num_heads, head_size, dtype=torch.float32, device=bits.device)
     m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
@@ -688,8 +703,8 @@ def _small_case(g, device, dtype, num_heads, num_kv_heads, head_size, block_size
 def warm_up(device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int, block_size: int = 16,
             max_rows: int = 6, block_n: int = BLOCK_N, max_blocks: int | None = None, k_cache=None, v_cache=None,
             block_table=None) -> float:
-    """Compile every variant a step of this engine can launch (the tile `tile_rows(max_rows)`, with and without
-    the split reduction, the reduction) on `device` in `dtype`, run each on a small random case (trees over paged
+    """Compile every variant a step of this engine can launch (the tile `tile_rows(max_rows)` writing the output,
+    reducing its own partials, writing partials; the reduction) on `device` in `dtype`, run each on a small random case (trees over paged
     prefixes in vLLM's layouts, the engine's page size, a block table `max_blocks` wide as the engine's) and return
     the largest difference from the float32 reference (TOLERANCE[dtype] bounds a correct kernel). Given the
     engine's own caches and block table (after vLLM allocated them), the same variants are launched once more on
@@ -717,7 +732,7 @@ def warm_up(device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_
     err = 0.0
     VARIANTS.warming = True
     try:
-        for splits in (1, 3):
+        for splits in (1, 2, FUSED_MAX_SPLITS + 1):  # one chunk, fused, partials and the reduction
             got = tree_attention_triton(q, k, v, wide, plen, cu, bits, scale, max_rows=max(nodes) + 1,
                                         longest=longest, block_n=block_n, splits=splits, block_q=block_q,
                                         out=torch.empty_like(q))

@@ -556,12 +556,13 @@ def test_early_exit_trees_on_the_gpu_tree_path_equal_plain_decoding(gpu_path_run
     assert plain["adaspec"]["verified_drafts"] == 0
 
 
-def _steps_of_every_width(rt, ta, k: int, g) -> None:
-    """Verification steps of a batch of two trees of every width 1..k, over a short prefix (one split: the kernel
-    writes the output) and a long one (split keys and the reduction), each through one attention layer."""
+def _steps_of_every_width(rt, ta, k: int, g, widths=None) -> None:
+    """Verification steps of a batch of two trees of every width 1..k (or `widths`), over a short prefix (one split:
+    the kernel writes the output) and a long one (split keys, reduced as ta.FUSED_MAX_SPLITS says), each through one
+    attention layer."""
     cache = torch.randn(80, HKV, BS, 2 * D, generator=g)
     table = torch.randperm(80, generator=g)[:2 * 40].view(2, 40).to(torch.int32)
-    for n in range(1, k + 1):
+    for n in widths or range(1, k + 1):
         for root in (9, 530):
             parents = [-1] + [int(torch.randint(i + 1, (), generator=g)) - 1 for i in range(n - 1)]
             plans = {"a": DraftPlan(tuple(range(5, 5 + n)), tuple(parents), tree_path=True),
@@ -604,8 +605,12 @@ def test_no_kernel_variant_compiles_after_start_up(triton_interpret, monkeypatch
 
     rt = engine()
     warm = len(ta.VARIANTS.warm)
-    assert warm == 3, ta.VARIANTS.warm  # split with and without the reduction's scratch, the reduction
-    _steps_of_every_width(rt, ta, k, torch.Generator().manual_seed(0))
+    # split writing the output, reducing its own partials (2 .. FUSED_MAX_SPLITS chunks), writing partials; the reduction
+    assert warm == 4, ta.VARIANTS.warm
+    _steps_of_every_width(rt, ta, k, torch.Generator().manual_seed(0))  # 2 chunks over the long prefix: fused
+    with monkeypatch.context() as m:  # where the chunks are more than FUSED_MAX_SPLITS: partials and the reduction
+        m.setattr(ta, "FUSED_MAX_SPLITS", 1)
+        _steps_of_every_width(rt, ta, k, torch.Generator().manual_seed(1), widths=(1, k))
     assert len(ta.VARIANTS.launched) == warm and ta.VARIANTS.cold == 0, ta.VARIANTS.launched - ta.VARIANTS.warm
     monkeypatch.setattr(gtr, "ALIGN_BYTES", 4)  # the staging buffer as it was: arrays packed end to end
     rt = engine()

@@ -132,6 +132,12 @@ def test_splits_are_chosen_for_the_device():
     assert ta.choose_splits(8, 8, 1, 8192, 64, 132) == 2  # not 3: no second program on a few SMs
     assert ta.choose_splits(64, 8, 1, 32768, 64, 264) == 1  # a full batch fills the device alone
     assert ta.choose_splits(1, 8, 1, 300, 64, 264) == 1  # a short prefix: no chunk under 4 key tiles
+    # more tiles than SMs: 2 chunks where they fill the last wave better (192 tiles on 132 SMs: 2 waves of whole
+    # tiles or 3 of half ones), none where they do not (512 tiles: 4 waves either way), never past FUSED_MAX_SPLITS
+    assert ta.choose_splits(8, 8, 3, 8192 + 65, 64, 132) == 2
+    assert ta.choose_splits(64, 8, 1, 2048, 64, 132) == 1
+    assert ta.choose_splits(8, 8, 3, 8192 + 65, 64, 132, most_fused=1) == 1
+    assert ta.choose_splits(8, 8, 3, 300, 64, 132) == 1  # (and no chunk under 4 key tiles)
 
 
 def test_a_tile_packs_the_query_heads_without_padding_the_group():
@@ -184,9 +190,9 @@ def test_tree_rows_are_read_and_written_in_place_among_other_rows(triton_interpr
 ])
 def test_the_fused_reduction_matches_the_reference_and_leaves_its_counters_at_zero(triton_interpret, prefix_lens,
                                                                                    tree_sizes, hq, hkv, splits):
-    """FUSED_REDUCE (a variant for the device's sweep): the last split program of each tile combines the partials
-    (an atomic count per tile), no reduce launch; the counters are zero again after every layer, so the next layer
-    of the step reuses them."""
+    """The fused reduction (the default at 2 .. FUSED_MAX_SPLITS chunks): the last split program of each tile
+    combines the partials (an atomic count per tile), no reduce launch; the counters are zero again after every
+    layer, so the next layer of the step reuses them."""
     case = with_bits(make_case(prefix_lens, tree_sizes, hq, hkv, 64, 16, torch.float32, seed=3))
     q, k, v, table, plen, cu, bits = case
     want = ta.tree_attention_reference(*case, 0.125)
@@ -288,7 +294,7 @@ def test_a_plans_later_layers_launch_the_compiled_kernels_with_their_own_pointer
     bits = ta.ancestor_bits(mask)
     t = q.shape[0]
     plan = ta.plan_launch(plen, cu, bits, torch.arange(t, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
-                          6, 2, 16, max_rows=6, longest=81, splits=2, block_n=16)
+                          6, 2, 16, max_rows=6, longest=81, splits=2, block_n=16, fused=False)  # two launches
     layers = [(torch.randn_like(q), torch.randn_like(k), torch.randn_like(v), torch.empty_like(q)) for _ in range(3)]
 
     def dispatched(i):  # what Triton's dispatch would get for layer i: the positional arguments of each kernel
