@@ -2,6 +2,7 @@
 curves of whole decoder forwards captured in CUDA graphs.
 
     python benchmarks/bench_tree_attention.py --cost-curve --out benchmarks/out/tree_attention.json
+    python benchmarks/bench_tree_attention.py --summary benchmarks/device_runs/s28_h100/run3/tree_attention.json
 
 Per shape (heads, batch, prefix length, tree nodes): the kernel as each attention layer of an engine pays it
 (`launch` with the step's plan and the engine's tile for trees of that size; the plan's host cost apart), against
@@ -188,8 +189,38 @@ def verify_cost_curve(model: str, rows_list, batches, dtype, do_bench, ctx: int 
     return out
 
 
+def summarize(results: list[dict]) -> dict:
+    """#41's targets over one run's shapes: the geometric mean of kernel / anchor, and how many shapes meet each
+    target (<= 1.2x the anchor at nodes <= 16, <= 1.5x at 64 nodes, <= 1.5x one KV read at prefix >= 8192 and nodes
+    <= 16), with the medians."""
+    small = [r for r in results if r["nodes"] <= 16]
+    big = [r for r in results if r["nodes"] > 16]
+    long = [r for r in small if r["prefix"] >= 8192]
+
+    def median(xs):
+        xs = sorted(xs)
+        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else float("nan")
+
+    return {"shapes": len(results),
+            "geomean_over_anchor": math.exp(sum(math.log(r["over_anchor"]) for r in results) / len(results)),
+            "small_within_1.2": sum(r["over_anchor"] <= 1.2 for r in small), "small": len(small),
+            "small_median": median(r["over_anchor"] for r in small),
+            "big_within_1.5": sum(r["over_anchor"] <= 1.5 for r in big), "big": len(big),
+            "big_median": median(r["over_anchor"] for r in big),
+            "long_kv_within_1.5": sum(r["over_one_kv_read"] <= 1.5 for r in long), "long": len(long)}
+
+
+def summary_line(s: dict) -> str:
+    return (f"{s['shapes']} shapes: kernel / anchor geometric mean {s['geomean_over_anchor']:.2f}x; nodes <= 16: "
+            f"{s['small_within_1.2']} of {s['small']} within 1.2x (median {s['small_median']:.2f}x); 64 nodes: "
+            f"{s['big_within_1.5']} of {s['big']} within 1.5x (median {s['big_median']:.2f}x); one KV read <= 1.5x at "
+            f"prefix >= 8192, nodes <= 16: {s['long_kv_within_1.5']} of {s['long']}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--summary", nargs="+", metavar="JSON",
+                   help="no timing: the targets' counts of runs saved by --out (any machine)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--prefix", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     p.add_argument("--nodes", type=int, nargs="+", default=[4, 16, 64])
@@ -200,6 +231,10 @@ def main(argv=None) -> int:
     p.add_argument("--curve-models", nargs="+", default=list(MODELS))
     p.add_argument("--out", default="benchmarks/out/tree_attention.json")
     args = p.parse_args(argv)
+    if args.summary:
+        for path in args.summary:
+            print(f"{path}: {summary_line(summarize(json.loads(Path(path).read_text())['results']))}")
+        return 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -218,6 +253,7 @@ def main(argv=None) -> int:
     if args.cost_curve:
         for model in args.curve_models:
             curves[model] = verify_cost_curve(model, [1, 2, 4, 8, 16, 32, 64], [1, 8, 32], torch.bfloat16, do_bench)
+    print(summary_line(summarize(results)), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbs, "results": results,

@@ -74,13 +74,21 @@ PREFETCH = True
 # 8 warps, 3 stages, pages a tile ahead: 0.91-0.98x the masked loop's GPU time on 5 of 6 shapes (1.08x at batch 1
 # over an 8k prefix)
 EVEN = True
-# Where the keys are split into at most this many chunks, each tile's last split program to finish combines the
-# partials (an atomic count per tile) instead of a second launch: one launch a layer. Session 28's H100 sweep
-# (benchmarks/device_runs/s28_h100/kernel_sweep.txt, bf16, 8 warps): at 2 splits 0.63-0.93x the GPU time of the
-# split kernel plus the reduce launch on every shape (batch 8-64; the reduce launch, one program per row and head,
-# costs most where the rows are many), at 4-5 splits 0.71-0.94x, at 7-16 splits 1.2-1.9x (one program per tile reads
-# every partial alone while the rest of the device idles: batch 1). 0: never fused.
+# Where the keys are split into 2 .. FUSED_MAX_SPLITS chunks, each tile's last split program to finish combines the
+# partials (an atomic count per tile) instead of a second launch: one launch a layer. Session 28's H100 sweeps
+# (benchmarks/device_runs/s28_h100/, bf16): at 2 chunks of up to 4k keys 0.49-0.92x the GPU time of the split kernel
+# plus the reduce launch on every shape of the benchmark (the reduce launch, one program per row and head, costs
+# most where the rows are many), at 4-5 chunks 0.71-0.94x, at 7-16 chunks 1.2-1.9x (one program per tile reads every
+# partial alone while the rest of the device idles: batch 1); at 2 chunks of 16k keys (batch 8, 32k prefixes, as
+# many tiles as SMs or fewer) 1.08-1.18x: chunks longer than FUSED_MAX_CHUNK are reduced by the second launch unless
+# the tiles outnumber the SMs (there: 0.74x). FUSED_MAX_SPLITS 0: never fused.
 FUSED_MAX_SPLITS = 4
+FUSED_MAX_CHUNK = 8192
+# More tiles than SMs (one 128-row tile per SM): the keys are cut into up to FUSED_MAX_SPLITS chunks of at least
+# REFILL_MIN_CHUNK keys where that fills the last wave better (session 28, H100, fused: 0.74-0.82x at batch 8 over
+# 8k-32k prefixes with 64 nodes; 1.07-1.52x with chunks of 0.7-2.7k keys, and with SmolLM2's 64-row tiles, several to
+# an SM, 1.27-1.61x: not cut there)
+REFILL_MIN_CHUNK = 4096
 # Integer arguments that change from step to step, kept out of Triton's specialization (a new value would compile a
 # new kernel): per kernel, the names given to `do_not_specialize` and read by `_arg_key`
 NO_SPECIALIZE = {
@@ -339,23 +347,37 @@ if triton is not None:
 
 
 def choose_splits(batch: int, kv_heads: int, q_blocks: int, longest: int, block_n: int, programs: int,
-                  most_fused: int | None = None) -> int:
+                  refill: bool = True) -> int:
     """How many chunks to cut the keys into, for `programs` slots (one per SM). Fewer tiles than slots: as many
     chunks as fill the slots once, not more (a few SMs running a second program would double the kernel's time for
-    the rest to wait on). More tiles than slots: up to `most_fused` chunks (FUSED_MAX_SPLITS: reduced by the split
-    programs themselves, no second launch) where they fill the last wave better, the fewest of the best (8 trees of
-    64 nodes of Llama-3-8B on 132 SMs: 192 tiles, 2 waves of whole tiles or 3 of half ones: 2 chunks, 0.84x the
-    GPU time of one on the H100). Never a chunk shorter than 4 key tiles, at most MAX_SPLITS."""
+    the rest to wait on). More tiles than slots and `refill` (tiles of one program per SM): up to FUSED_MAX_SPLITS
+    chunks of at least REFILL_MIN_CHUNK keys where they fill the last wave at least 10% better, the fewest of the
+    best (8 trees of 64 nodes of Llama-3-8B on 132 SMs: 192 tiles, 2 waves of whole tiles or 3 of half ones: 2
+    chunks). Never a chunk shorter than 4 key tiles, at most MAX_SPLITS."""
     base = batch * kv_heads * q_blocks
     most = int(min(max(1, longest // (4 * block_n)), MAX_SPLITS))
     if base <= programs:
         return int(min(programs // base, most))
-    fused = FUSED_MAX_SPLITS if most_fused is None else most_fused
+    if not refill:
+        return 1
 
     def waves_per_key(s):  # waves of programs, each over 1 / s of the keys
         return _cdiv(base * s, programs) / s
 
-    return min(range(1, max(1, min(fused, most)) + 1), key=lambda s: (waves_per_key(s), s))
+    cuts = [s for s in range(2, min(FUSED_MAX_SPLITS, most) + 1)
+            if _cdiv(_cdiv(longest, s), block_n) * block_n >= REFILL_MIN_CHUNK
+            and waves_per_key(s) <= 0.9 * waves_per_key(1)]  # (a gain to cover the reduction's cost)
+    return min(cuts, key=lambda s: (waves_per_key(s), s), default=1)
+
+
+def fuse_reduction(splits: int, chunk: int, tiles: int, programs: int) -> bool:
+    """Whether the split programs reduce their own partials (no second launch): FUSED_MAX_SPLITS, FUSED_MAX_CHUNK."""
+    return 2 <= splits <= FUSED_MAX_SPLITS and (chunk <= FUSED_MAX_CHUNK or tiles > programs)
+
+
+def device_programs(device: torch.device) -> int:
+    """The slots `choose_splits` fills: the device's SMs (8 on CPU, for the interpreter's tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -425,8 +447,7 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     (`tile_rows` of its largest tree; default: this step's). num_warps / num_stages: the split kernel's (default: 4
     warps for tiles of up to 64 rows x heads, else 8; NUM_STAGES). even: whole prefix tiles without masks (default
     EVEN). prefetch: a prefix tile's pages loaded a tile ahead (default PREFETCH) or in its own iteration. fused:
-    the split programs combine their partials themselves, no reduce launch (default: where the keys are cut into 2 ..
-    FUSED_MAX_SPLITS chunks)."""
+    the split programs combine their partials themselves, no reduce launch (default `fuse_reduction`)."""
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
     num_stages = NUM_STAGES if num_stages is None else num_stages
@@ -443,17 +464,18 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
         tree_lens = cu_rows[1:] - cu_rows[:-1]
     block_q = block_q or tile_rows(max_rows, num_heads, num_kv_heads)
     q_blocks = _cdiv(max_rows, block_q)
+    sms = device_programs(bits.device)
+    tiles = len(prefix_lens) * num_kv_heads * q_blocks
     if splits is None:
-        dev = bits.device
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         # one program per SM, rounded down: on an H100 (benchmarks/kernel_sweep.py) one program per SM rounded up
         # cut the GPU time of two per SM 7-18% (session 26); rounded down (132 SMs: 16 splits for 8 kv heads, not
         # 17) cut it another 15-22% at batch 1 and 8 over 2k-32k prefixes, 33% for SmolLM2's heads (session 27)
-        splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n, sms)
+        splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n, sms,
+                               refill=tile_m(block_q, num_heads // num_kv_heads) >= MAX_TILE_M)
     splits = min(int(splits), MAX_SPLITS)
     chunk = _cdiv(_cdiv(longest, splits), block_n) * block_n
     splits = _cdiv(longest, chunk)
-    fused = splits <= FUSED_MAX_SPLITS if fused is None else fused
+    fused = fuse_reduction(splits, chunk, tiles, sms) if fused is None else fused
     rows = t if splits > 1 else 1  # one split writes the output directly: no scratch
     acc = torch.empty(splits, rows, num_heads, head_size, dtype=torch.float32, device=bits.device)
     m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)

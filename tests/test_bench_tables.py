@@ -47,3 +47,16 @@ def test_mix_table_reports_the_paired_ratio_and_the_worst_type():
     ours = row.split(" | ")[-1]
     assert ours.startswith(f"{math.sqrt(1.1):.2f}x ({math.sqrt(1.1 * 0.95):.2f}-{math.sqrt(1.1 * 1.05):.2f}); 1.00x (math)")
     assert "| translation | 1.10x (1.10-1.10) |" in table
+
+
+def test_the_tree_kernel_summary_counts_the_issue_targets_of_a_saved_device_run():
+    """bench_tree_attention.py --summary, on a device run kept in the repository (session 27's last): the counts
+    RESULTS quotes (13 of 46 shapes within 1.2x FlashAttention at nodes <= 16, ...), recomputed from the file."""
+    import bench_tree_attention
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/device_runs/s27_h100/run3/tree_attention.json"
+    import json
+    s = bench_tree_attention.summarize(json.loads(path.read_text())["results"])
+    assert (s["shapes"], s["small"], s["big"], s["long"]) == (69, 46, 23, 22)
+    assert (s["small_within_1.2"], s["big_within_1.5"], s["long_kv_within_1.5"]) == (13, 4, 4)
+    assert round(s["geomean_over_anchor"], 2) == 1.62 and round(s["small_median"], 2) == 1.41

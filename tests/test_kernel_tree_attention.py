@@ -132,12 +132,22 @@ def test_splits_are_chosen_for_the_device():
     assert ta.choose_splits(8, 8, 1, 8192, 64, 132) == 2  # not 3: no second program on a few SMs
     assert ta.choose_splits(64, 8, 1, 32768, 64, 264) == 1  # a full batch fills the device alone
     assert ta.choose_splits(1, 8, 1, 300, 64, 264) == 1  # a short prefix: no chunk under 4 key tiles
-    # more tiles than SMs: 2 chunks where they fill the last wave better (192 tiles on 132 SMs: 2 waves of whole
-    # tiles or 3 of half ones), none where they do not (512 tiles: 4 waves either way), never past FUSED_MAX_SPLITS
+    # more tiles than SMs (128-row tiles, one to an SM): 2 chunks where they fill the last wave better (192 tiles on
+    # 132 SMs: 2 waves of whole tiles or 3 of half ones), none where they do not (512 tiles: 4 waves either way), nor
+    # into chunks under REFILL_MIN_CHUNK keys, nor for smaller tiles (several to an SM)
     assert ta.choose_splits(8, 8, 3, 8192 + 65, 64, 132) == 2
     assert ta.choose_splits(64, 8, 1, 2048, 64, 132) == 1
-    assert ta.choose_splits(8, 8, 3, 8192 + 65, 64, 132, most_fused=1) == 1
-    assert ta.choose_splits(8, 8, 3, 300, 64, 132) == 1  # (and no chunk under 4 key tiles)
+    assert ta.choose_splits(8, 8, 3, 2048 + 65, 64, 132) == 1
+    assert ta.choose_splits(8, 8, 3, 8192 + 65, 64, 132, refill=False) == 1
+
+
+def test_the_split_programs_reduce_their_own_partials_where_the_device_measured_it_pays():
+    """2-4 chunks of up to FUSED_MAX_CHUNK keys, or any length where the tiles outnumber the SMs: fused; one chunk
+    (nothing to reduce), many chunks (one program would read them all) or long chunks over few tiles: the reduce
+    launch."""
+    assert ta.fuse_reduction(2, 4160, 64, 132) and ta.fuse_reduction(4, 1024, 64, 132)
+    assert not ta.fuse_reduction(1, 8192, 8, 132) and not ta.fuse_reduction(5, 1024, 24, 132)
+    assert not ta.fuse_reduction(2, 16448, 64, 132) and ta.fuse_reduction(2, 16448, 192, 132)
 
 
 def test_a_tile_packs_the_query_heads_without_padding_the_group():
