@@ -10,6 +10,7 @@ latency (session 27: the kernel at 1.4-3.5x FlashAttention on an H100). Loading 
     python benchmarks/kernel_ir.py                       # the engine's default variant, 8 trees x 16 nodes
     python benchmarks/kernel_ir.py --no-prefetch --stages 2 --heads 9,3,64
     python benchmarks/kernel_ir.py --ptx out.ptx         # also write the PTX
+    python benchmarks/kernel_ir.py --reduce              # the reduction's registers
 
 Per loop of the kernel (the prefix loops, then the tree-key loop): the `num` of its async_wait (None: no copy is
 asynchronous), the asynchronous copies and the plain loads in the loop; then ptxas's registers and spills. Checked against Triton 3.6 (the H100's) and
@@ -36,33 +37,34 @@ TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", t
          torch.int64: "i64"}
 
 
-def compile_split_kernel(args: dict, capability: int = 90):
-    """Compile the split kernel for `capability` with `args` (split_kernel_args' dict: CPU tensors will do) as a
-    launch specializes them, by the rules kernels/tree_attention.py's `_arg_key` holds (constexprs by value; a 16-byte
-    aligned pointer and an integer that is a multiple of 16, outside do_not_specialize, known as divisible by 16; an
-    integer equal to 1 a constant). Returns Triton's CompiledKernel (its .asm: ttgir, ptx)."""
+def compile_split_kernel(args: dict, capability: int = 90, name: str = "split"):
+    """Compile the split kernel (name "reduce": the reduction) for `capability` with `args` (split_kernel_args' or
+    reduce_kernel_args' dict: CPU tensors will do) as a launch specializes them, by the rules
+    kernels/tree_attention.py's `_arg_key` holds (constexprs by value; a 16-byte aligned pointer and an integer that
+    is a multiple of 16, outside do_not_specialize, known as divisible by 16; an integer equal to 1 a constant).
+    Returns Triton's CompiledKernel (its .asm: ttgir, ptx)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = ta._tree_attention_split_kernel
+    kernel = ta._tree_attention_split_kernel if name == "split" else ta._tree_attention_reduce_kernel
     options = {k: args[k] for k in ("num_warps", "num_stages") if k in args}
     signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        value = args[name]
-        key = ta._arg_key(name, value, "split")
-        if name.isupper():
-            signature[name], constexprs[name] = "constexpr", value
+    for i, arg in enumerate(kernel.arg_names):
+        value = args[arg]
+        key = ta._arg_key(arg, value, name)
+        if arg.isupper():
+            signature[arg], constexprs[arg] = "constexpr", value
         elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + TYPES[value.dtype]
+            signature[arg] = "*" + TYPES[value.dtype]
             if key[2]:  # 16-byte aligned
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
-            signature[name] = "fp32"
+            signature[arg] = "fp32"
         elif len(key) == 4 and key[2]:  # equal to 1: Triton makes it a constant
-            signature[name], constexprs[name] = "constexpr", 1
+            signature[arg], constexprs[arg] = "constexpr", 1
         else:
-            signature[name] = key[1]
+            signature[arg] = key[1]
             if len(key) == 4 and key[3]:  # a multiple of 16
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs),
@@ -127,6 +129,17 @@ def default_case(heads=(32, 8, 128), batch: int = 8, prefix: int = 8192, nodes: 
     return ta.split_kernel_args(plan, q, k_cache, v_cache, table, heads[2] ** -0.5, torch.empty_like(q))
 
 
+def compile_reduce_kernel(heads=(32, 8, 128), batch: int = 8, prefix: int = 8192, nodes: int = 16,
+                          dtype=torch.bfloat16, capability: int = 90):
+    """The reduction compiled for `capability` at a step of `batch` trees split in 2 (as its launch specializes it)."""
+    from bench_tree_attention import make_case, plan_inputs
+
+    case = make_case(batch, prefix, nodes, *heads, dtype, device="cpu")
+    plan_args, kw = plan_inputs(case, batch, prefix, nodes, *heads)
+    plan = ta.plan_launch(*plan_args, **kw, splits=2, fused=False)
+    return compile_split_kernel(ta.reduce_kernel_args(plan, torch.empty_like(case[0])), capability, name="reduce")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", default="32,8,128")
@@ -142,8 +155,14 @@ def main(argv=None) -> int:
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="the split programs combine their partials (default: as plan_launch, fused at 2 chunks)")
     p.add_argument("--ptx", default=None, help="write the PTX here")
+    p.add_argument("--reduce", action="store_true", help="the reduction (its registers) instead of the split kernel")
     a = p.parse_args(argv)
     heads = tuple(int(x) for x in a.heads.split(","))
+    if a.reduce:
+        compiled = compile_reduce_kernel(heads, a.batch, a.prefix, a.nodes, getattr(torch, a.dtype))
+        print(f"reduction, heads {a.heads}, {a.dtype}, BLOCK_S {ta.REDUCE_BLOCK_S}, {compiled.metadata.num_warps} "
+              f"warps: ptxas: {registers(compiled.asm['ptx']) or 'no ptxas here reads this PTX'}")
+        return 0
     args = default_case(heads, a.batch, a.prefix, a.nodes, getattr(torch, a.dtype), block_n=a.block_n,
                         num_stages=a.stages, num_warps=a.warps, prefetch=not a.no_prefetch, even=not a.no_even,
                         fused=a.fused, splits=2)

@@ -57,11 +57,14 @@ except ImportError:
     triton = None
 
 __all__ = ["MAX_TILE_M", "TOLERANCE", "TreeAttentionLaunch", "VARIANTS", "ancestor_bits", "check_on_device", "launch",
-           "launch_reference", "plan_launch", "split_kernel_args", "tile_rows", "tree_attention_reference",
+           "launch_reference", "plan_launch", "reduce_kernel_args", "split_kernel_args", "tile_rows", "tree_attention_reference",
            "tree_attention_triton", "warm_up"]
 
 MAX_TILE_M = 128  # query rows x query heads of one tile (FlashAttention's M for head size 128, 8 warps)
-MAX_SPLITS = 64  # key chunks of one request (the reduction's BLOCK_S)
+MAX_SPLITS = 64  # key chunks of one request
+# Splits the reduction reads at a time: 16 (Llama-3-8B at batch 1 on 132 SMs: 15-16 splits) in one tile of 56
+# registers a thread for sm_90 (benchmarks/kernel_ir.py --reduce)
+REDUCE_BLOCK_S = 16
 BLOCK_N = 64  # keys per tile
 # Software-pipelining stages of the split kernel's key loop, and whether a prefix tile's pages are loaded a tile
 # ahead. Compiled for sm_90 (Triton 3.6, benchmarks/kernel_ir.py): with the pages loaded in the tile's own iteration
@@ -327,21 +330,31 @@ if triton is not None:
                                       stride_ms, stride_mt, stride_ot, stride_oh,
                                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
         """One program per (tree row, query head): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, written at
-        the row's place in the output (q_rows)."""
+        the row's place in the output (q_rows). The splits are read BLOCK_S at a time (REDUCE_BLOCK_S), merged by
+        their running max: a [BLOCK_S, BLOCK_D] tile of registers, not [MAX_SPLITS, BLOCK_D] (which took 255
+        registers a thread for sm_90: two programs of 4 warps to an SM, the launch latency-bound at many rows)."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        offs_s = tl.arange(0, BLOCK_S)
-        s_valid = offs_s < splits
-        m = tl.load(m_ptr + offs_s * stride_ms + t * stride_mt + h, mask=s_valid, other=float("-inf"))
-        l_s = tl.load(l_ptr + offs_s * stride_ms + t * stride_mt + h, mask=s_valid, other=0.0)
-        m_max = tl.max(m, 0)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        w = tl.where(s_valid & (m > float("-inf")), tl.exp(m - m_max), 0.0)  # [S]
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < D
-        acc = tl.load(acc_ptr + offs_s[:, None] * stride_as + t * stride_at + h * stride_ah + offs_d[None, :],
-                      mask=s_valid[:, None] & d_valid[None, :], other=0.0)
-        out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(l_s * w, 0), 1e-30)
+        m_run = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+        l_run = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+        acc_run = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, splits, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            s_valid = offs_s < splits
+            m = tl.load(m_ptr + offs_s * stride_ms + t * stride_mt + h, mask=s_valid, other=float("-inf"))
+            l_s = tl.load(l_ptr + offs_s * stride_ms + t * stride_mt + h, mask=s_valid, other=0.0)
+            acc = tl.load(acc_ptr + offs_s[:, None] * stride_as + t * stride_at + h * stride_ah + offs_d[None, :],
+                          mask=s_valid[:, None] & d_valid[None, :], other=0.0)
+            m_new = tl.maximum(m_run, tl.max(m, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_run - m_safe)  # (0 while nothing was seen)
+            w = tl.where(m > float("-inf"), tl.exp(m - m_safe), 0.0)  # [S]
+            acc_run = acc_run * alpha + tl.sum(acc * w[:, None], 0)
+            l_run = l_run * alpha + tl.sum(l_s * w, 0)
+            m_run = m_new
+        out = acc_run / tl.maximum(l_run, 1e-30)
         o_row = tl.load(qrows_ptr + t).to(tl.int64)
         tl.store(o_ptr + o_row * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_valid)
 
@@ -606,6 +619,16 @@ def split_kernel_args(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_tabl
         **({"num_stages": plan.num_stages} if plan.num_stages else {}))
 
 
+def reduce_kernel_args(plan: TreeAttentionLaunch, out) -> dict:
+    """The reduction's arguments for one layer, by name (as `launch` passes them and benchmarks/kernel_ir.py
+    compiles them)."""
+    acc, m = plan.acc, plan.m
+    return dict(acc_ptr=acc, m_ptr=m, l_ptr=plan.l, o_ptr=out, qrows_ptr=plan.q_rows, splits=plan.splits,
+                stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2), stride_ms=m.stride(0),
+                stride_mt=m.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1), D=plan.head_size,
+                BLOCK_D=_next_pow2(plan.head_size), BLOCK_S=REDUCE_BLOCK_S)
+
+
 def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: float, out) -> torch.Tensor:
     """Tree attention of one layer: q [*, Hq, D] (the rows at plan.q_rows), k_cache / v_cache [num_blocks,
     block_size, Hkv, D] (any strides, the last dimension contiguous), block_table [*, max_blocks]; the plan's rows of
@@ -647,11 +670,7 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
                  _launch_kernel(_tree_attention_split_kernel, "split", grid, split_args, record))]
     if not direct and plan.done is None:
         reduce_grid = (plan.q_rows.shape[0], plan.num_heads)
-        reduce_args = dict(
-            acc_ptr=acc, m_ptr=m, l_ptr=l_, o_ptr=out, qrows_ptr=plan.q_rows, splits=plan.splits,
-            stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2), stride_ms=m.stride(0),
-            stride_mt=m.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1), D=d, BLOCK_D=_next_pow2(d),
-            BLOCK_S=MAX_SPLITS)
+        reduce_args = reduce_kernel_args(plan, out)
         launches.append((_tree_attention_reduce_kernel, reduce_grid, reduce_args,
                          _launch_kernel(_tree_attention_reduce_kernel, "reduce", reduce_grid, reduce_args, record)))
     if FAST_LAUNCH and all(_is_compiled(got) for *_, got in launches):

@@ -351,13 +351,18 @@ def test_launch_options_and_constexprs_are_variants_by_value():
     assert ta._arg_key("stride_kb", 32, "split") == ta._arg_key("stride_kb", 64, "split")  # specialized alike
 
 
+def k_registers(verdict: str) -> int:
+    import re
+    return int(re.search(r"Used (\d+) registers", verdict).group(1))
+
+
 def test_the_compiled_prefix_loop_keeps_tiles_in_flight():
     """The split kernel compiled for an H100 (sm_90; Triton lowers it without a GPU) with a real launch's
     specialization (benchmarks/kernel_ir.py): with the engine's defaults every prefix loop waits at its top for all
     but the newest num_stages - 1 tiles' copies (async_wait num 2 at 3 stages), its K / V copies asynchronous. With
     the pages loaded in the tile's own iteration (the loop before session 27) it waits for every copy: one tile in
-    flight, which on the H100 cost 1.25x the GPU time. In a fresh process: this one's Triton library is interpreted
-    (conftest.py)."""
+    flight, which on the H100 cost 1.25x the GPU time. And the reduction fits in few registers (ptxas). In a fresh
+    process: this one's Triton library is interpreted (conftest.py)."""
     import json
     import subprocess
     import sys
@@ -368,13 +373,17 @@ def test_the_compiled_prefix_loop_keeps_tiles_in_flight():
             "for heads, prefetch in (((32, 8, 128), True), ((9, 3, 64), True), ((9, 3, 64), False)):\n"
             "    a = k.default_case(heads, batch=2, prefix=1024, nodes=16, splits=2, prefetch=prefetch)\n"
             "    out.append([a['num_stages'], k.loops(k.compile_split_kernel(a).asm['ttgir'])])\n"
+            "out.append(k.registers(k.compile_reduce_kernel(batch=2, prefix=1024).asm['ptx']))\n"
             "print(json.dumps(out))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (stages, llama), (_, smol), (_, smol_old) = json.loads(proc.stdout.strip().splitlines()[-1])
+    (stages, llama), (_, smol), (_, smol_old), reduce = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stages == ta.NUM_STAGES == 3 and ta.PREFETCH and ta.EVEN
     for loops in (llama, smol):  # two prefix loops (whole tiles, the rest), then the tree keys' loop
         assert [lp["async_wait_num"] for lp in loops[:2]] == [2, 2], loops
         assert [lp["async_copies"] for lp in loops[:2]] == [2, 2], loops  # K and V
     assert [lp["async_wait_num"] for lp in smol_old[:2]] == [0, 0], smol_old
+    # the reduction reads REDUCE_BLOCK_S splits at a time: with all MAX_SPLITS at once it took 255 registers a thread
+    # (two programs to an SM, the launch latency-bound: ~440 us over 1088 rows x 32 heads on the H100)
+    assert reduce is not None and k_registers(reduce) <= 64, reduce
