@@ -67,9 +67,12 @@ def test_ancestor_bits_hold_the_mask_past_32_rows():
 @pytest.mark.parametrize("prefix_lens,tree_sizes,hq,hkv,d,block_size,dtype,splits", [
     ([0], [1], 4, 4, 16, 16, torch.float32, None),  # no prefix, one node
     ([5, 17, 0], [3, 8, 0], 9, 3, 64, 16, torch.float32, 1),  # SmolLM2 heads (GQA 3), a request with no drafts
-    ([5, 170, 0], [3, 8, 0], 9, 3, 64, 16, torch.float32, 3),  # the same split in three: the reduction
-    ([33, 300], [16, 33], 14, 2, 64, 32, torch.float16, 4),  # Qwen2.5-0.5B heads (GQA 7), 34 rows: 2 words
+    ([5, 170, 0], [3, 8, 0], 9, 3, 64, 16, torch.float32, 3),  # the same split in three (fused: 2-4 chunks)
+    ([33, 300], [16, 33], 14, 2, 64, 32, torch.float16, 4),  # Qwen2.5-0.5B heads (GQA 7), 34 rows: 2 words (fused)
     ([700], [64], 8, 2, 64, 16, torch.bfloat16, 5),  # 64 nodes (65 rows over 3 words), long prefix
+    # 20 splits asked (19 chunks of 64 keys): the reduction reads them in two rounds of REDUCE_BLOCK_S (16); the
+    # short and the empty request's second round all empty
+    ([5, 1200, 0], [3, 8, 0], 9, 3, 64, 16, torch.float32, 20),
 ])
 def test_matches_float64_reference(triton_interpret, prefix_lens, tree_sizes, hq, hkv, d, block_size, dtype, splits):
     case = with_bits(make_case(prefix_lens, tree_sizes, hq, hkv, d, block_size, dtype))
