@@ -87,6 +87,10 @@ EVEN = True
 # the tiles outnumber the SMs (there: 0.74x). FUSED_MAX_SPLITS 0: never fused.
 FUSED_MAX_SPLITS = 4
 FUSED_MAX_CHUNK = 8192
+# Output columns the reducing program sums at a time. Its whole [BLOCK_M, BLOCK_D] sum live beside a partial's tile
+# took the 8-warp 128-row tile of head size 128 to 255 registers and 44 bytes of spills for sm_90 (Triton 3.6,
+# benchmarks/kernel_ir.py --fused), where the two-launch variant spills none; 64 columns at a time: 252, none
+FUSED_TAIL_D = 64
 # More tiles than SMs (one 128-row tile per SM): the keys are cut into up to FUSED_MAX_SPLITS chunks of at least
 # REFILL_MIN_CHUNK keys where that fills the last wave better (session 28, H100, fused: 0.74-0.82x at batch 8 over
 # 8k-32k prefixes with 64 nodes; 1.07-1.52x with chunks of 0.7-2.7k keys, and with SmolLM2's 64-row tiles, several to
@@ -234,7 +238,7 @@ if triton is not None:
             DIRECT: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
             DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False,
-            PREFETCH: tl.constexpr = False, FUSED: tl.constexpr = False):
+            PREFETCH: tl.constexpr = False, FUSED: tl.constexpr = False, TAIL_D: tl.constexpr = 32):
         b = tl.program_id(0)
         kvh = tl.program_id(1) // n_qb
         qb = tl.program_id(1) % n_qb
@@ -302,27 +306,34 @@ if triton is not None:
                     tl.debug_barrier()  # the program's partial stores before its release (cumulative)
                     counter = done_ptr + b * tl.num_programs(1) + tl.program_id(1)
                     if tl.atomic_add(counter, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+                        # the max and the sum over the splits first ([BLOCK_M] each), then the output TAIL_D columns
+                        # at a time: a [BLOCK_M, TAIL_D] sum live, not [BLOCK_M, BLOCK_D] (registers the loop keeps)
                         m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
                         l_all = tl.zeros([BLOCK_M], tl.float32)
-                        acc_all = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
                         for s in range(0, tl.num_programs(2)):  # L2 reads (.cg): other SMs wrote them
                             m_s = tl.load(m_ptr + s * stride_ms + rows_at * stride_mt + head, mask=m_valid,
                                           other=float("-inf"), cache_modifier=".cg")
                             l_s = tl.load(l_ptr + s * stride_ms + rows_at * stride_mt + head, mask=m_valid,
                                           other=0.0, cache_modifier=".cg")
-                            acc_s = tl.load(acc_ptr + s * stride_as + rows_at[:, None] * stride_at
-                                            + head[:, None] * stride_ah + offs_d[None, :],
-                                            mask=m_valid[:, None] & d_valid[None, :], other=0.0,
-                                            cache_modifier=".cg")
                             m_new = tl.maximum(m_all, m_s)
                             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                            alpha, beta = tl.exp(m_all - m_safe), tl.exp(m_s - m_safe)
-                            l_all = l_all * alpha + l_s * beta
-                            acc_all = acc_all * alpha[:, None] + acc_s * beta[:, None]
+                            l_all = l_all * tl.exp(m_all - m_safe) + l_s * tl.exp(m_s - m_safe)
                             m_all = m_new
-                        out = acc_all / tl.maximum(l_all, 1e-30)[:, None]
-                        tl.store(o_ptr + q_at[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                                 out.to(o_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+                        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+                        inv_l = 1.0 / tl.maximum(l_all, 1e-30)
+                        for c in tl.static_range(0, BLOCK_D, TAIL_D):
+                            offs_c = c + tl.arange(0, TAIL_D)
+                            c_valid = m_valid[:, None] & (offs_c < D)[None, :]
+                            acc_all = tl.zeros([BLOCK_M, TAIL_D], tl.float32)
+                            for s in range(0, tl.num_programs(2)):
+                                m_s = tl.load(m_ptr + s * stride_ms + rows_at * stride_mt + head, mask=m_valid,
+                                              other=float("-inf"), cache_modifier=".cg")
+                                acc_s = tl.load(acc_ptr + s * stride_as + rows_at[:, None] * stride_at
+                                                + head[:, None] * stride_ah + offs_c[None, :], mask=c_valid,
+                                                other=0.0, cache_modifier=".cg")
+                                acc_all += acc_s * tl.exp(m_s - m_safe)[:, None]
+                            tl.store(o_ptr + q_at[:, None] * stride_ot + head[:, None] * stride_oh + offs_c[None, :],
+                                     (acc_all * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=c_valid)
                         tl.store(counter, 0)  # zero again for the next layer's launch
 
     @triton.jit(do_not_specialize=list(NO_SPECIALIZE["reduce"]))
@@ -614,7 +625,7 @@ def split_kernel_args(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_tabl
         DOT_F32=interpret and q.dtype == torch.bfloat16,
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else None, EVEN=plan.even,
-        PREFETCH=plan.prefetch, FUSED=plan.done is not None,
+        PREFETCH=plan.prefetch, FUSED=plan.done is not None, TAIL_D=min(FUSED_TAIL_D, _next_pow2(d)),
         num_warps=plan.num_warps or (4 if tile_m(plan.block_q, group) <= 64 else 8),
         **({"num_stages": plan.num_stages} if plan.num_stages else {}))
 

@@ -377,11 +377,13 @@ def test_the_compiled_prefix_loop_keeps_tiles_in_flight():
             "    a = k.default_case(heads, batch=2, prefix=1024, nodes=16, splits=2, prefetch=prefetch)\n"
             "    out.append([a['num_stages'], k.loops(k.compile_split_kernel(a).asm['ttgir'])])\n"
             "out.append(k.registers(k.compile_reduce_kernel(batch=2, prefix=1024).asm['ptx']))\n"
+            "a = k.default_case((32, 8, 128), batch=2, prefix=1024, nodes=16, splits=2, fused=True)\n"
+            "out.append(k.registers(k.compile_split_kernel(a).asm['ptx']))\n"
             "print(json.dumps(out))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (stages, llama), (_, smol), (_, smol_old), reduce = json.loads(proc.stdout.strip().splitlines()[-1])
+    (stages, llama), (_, smol), (_, smol_old), reduce, fused = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stages == ta.NUM_STAGES == 3 and ta.PREFETCH and ta.EVEN
     for loops in (llama, smol):  # two prefix loops (whole tiles, the rest), then the tree keys' loop
         assert [lp["async_wait_num"] for lp in loops[:2]] == [2, 2], loops
@@ -390,3 +392,5 @@ def test_the_compiled_prefix_loop_keeps_tiles_in_flight():
     # the reduction reads REDUCE_BLOCK_S splits at a time: with all MAX_SPLITS at once it took 255 registers a thread
     # (two programs to an SM, the launch latency-bound: ~440 us over 1088 rows x 32 heads on the H100)
     assert reduce is not None and k_registers(reduce) <= 64, reduce
+    # the fused reduction sums FUSED_TAIL_D columns at a time: with the whole row live it spilled (44 bytes, Triton 3.6)
+    assert fused is not None and "0 bytes spill stores" in fused, fused
