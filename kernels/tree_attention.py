@@ -24,15 +24,15 @@ pipelines the K / V copies (two tiles in flight at 3 stages: benchmarks/kernel_i
 tree keys read the ancestor bits. The keys are cut into `splits` contiguous chunks when the batch alone would leave
 the device idle (as many programs as SMs, not more); each program keeps flash attention's online softmax and writes
 its unnormalised partial output, running max and sum, which `_tree_attention_reduce_kernel` combines per (row, head)
-(or, at up to `FUSED_MAX_SPLITS` chunks, the tile's last split program to finish). With one split the split kernel writes the output
-itself.
+(or, at 2 .. `FUSED_MAX_SPLITS` chunks, the tile's last split program to finish: `fuse_reduction`). With one split
+the split kernel writes the output itself.
 
 Compiled variants: an engine fixes the dtype, the heads, the page size, `BLOCK_N` and the tile (`tile_rows`, from
 its largest tree), so a step launches one of four kernels (split writing the output, split reducing its own
-partials, split writing partials, the reduction); every integer that changes from step to step is kept out of Triton's specialization
-(`do_not_specialize`) and every index array is 16-byte aligned (engine/gpu_tree_runtime.StagingBuffer). `warm_up`
-compiles and checks each variant at start-up; `VARIANTS` records what was compiled and counts launches of anything
-else (`cold`): a compile in the middle of serving.
+partials, split writing partials, the reduction); every integer that changes from step to step is kept out of
+Triton's specialization (`do_not_specialize`) and every index array is 16-byte aligned
+(engine/gpu_tree_runtime.StagingBuffer). `warm_up` compiles and checks each variant at start-up; `VARIANTS` records
+what was compiled and counts launches of anything else (`cold`): a compile in the middle of serving.
 
 Contents: `_tree_attention_split_kernel`, `_tree_attention_reduce_kernel`, `plan_launch` / `launch` (launcher),
 `launch_reference` (the torch fallback a runtime uses when a launch fails), `warm_up`, `ancestor_bits` (bool mask ->
@@ -56,9 +56,9 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["MAX_TILE_M", "TOLERANCE", "TreeAttentionLaunch", "VARIANTS", "ancestor_bits", "check_on_device", "launch",
-           "launch_reference", "plan_launch", "reduce_kernel_args", "split_kernel_args", "tile_rows", "tree_attention_reference",
-           "tree_attention_triton", "warm_up"]
+__all__ = ["MAX_TILE_M", "TOLERANCE", "TreeAttentionLaunch", "VARIANTS", "ancestor_bits", "check_on_device",
+           "choose_splits", "fuse_reduction", "launch", "launch_reference", "plan_launch", "reduce_kernel_args",
+           "split_kernel_args", "tile_rows", "tree_attention_reference", "tree_attention_triton", "warm_up"]
 
 MAX_TILE_M = 128  # query rows x query heads of one tile (FlashAttention's M for head size 128, 8 warps)
 MAX_SPLITS = 64  # key chunks of one request
@@ -238,7 +238,7 @@ if triton is not None:
             DIRECT: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
             DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False,
-            PREFETCH: tl.constexpr = False, FUSED: tl.constexpr = False, TAIL_D: tl.constexpr = 32):
+            PREFETCH: tl.constexpr = False, FUSED: tl.constexpr = False, TAIL_D: tl.constexpr = 64):
         b = tl.program_id(0)
         kvh = tl.program_id(1) // n_qb
         qb = tl.program_id(1) % n_qb
@@ -756,12 +756,12 @@ def warm_up(device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_
             max_rows: int = 6, block_n: int = BLOCK_N, max_blocks: int | None = None, k_cache=None, v_cache=None,
             block_table=None) -> float:
     """Compile every variant a step of this engine can launch (the tile `tile_rows(max_rows)` writing the output,
-    reducing its own partials, writing partials; the reduction) on `device` in `dtype`, run each on a small random case (trees over paged
-    prefixes in vLLM's layouts, the engine's page size, a block table `max_blocks` wide as the engine's) and return
-    the largest difference from the float32 reference (TOLERANCE[dtype] bounds a correct kernel). Given the
-    engine's own caches and block table (after vLLM allocated them), the same variants are launched once more on
-    those (read only; the output is scratch), so their strides and alignment are what steps will meet. The variants
-    are recorded in VARIANTS.warm: any later launch of another is counted as cold."""
+    reducing its own partials, writing partials; the reduction) on `device` in `dtype`, run each on a small random
+    case (trees over paged prefixes in vLLM's layouts, the engine's page size, a block table `max_blocks` wide as
+    the engine's) and return the largest difference from the float32 reference (TOLERANCE[dtype] bounds a correct
+    kernel). Given the engine's own caches and block table (after vLLM allocated them), the same variants are
+    launched once more on those (read only; the output is scratch), so their strides and alignment are what steps
+    will meet. The variants are recorded in VARIANTS.warm: any later launch of another is counted as cold."""
     g = torch.Generator().manual_seed(0)
     block_q = tile_rows(max_rows, num_heads, num_kv_heads)
     nodes = [max(0, min(max_rows - 1, 5)), max(0, min(max_rows - 1, 2))]

@@ -605,7 +605,7 @@ def test_no_kernel_variant_compiles_after_start_up(triton_interpret, monkeypatch
 
     rt = engine()
     warm = len(ta.VARIANTS.warm)
-    # split writing the output, reducing its own partials (2 .. FUSED_MAX_SPLITS chunks), writing partials; the reduction
+    # split writing the output, reducing its own partials (2 .. FUSED_MAX_SPLITS chunks), writing partials; reduction
     assert warm == 4, ta.VARIANTS.warm
     _steps_of_every_width(rt, ta, k, torch.Generator().manual_seed(0))  # 2 chunks over the long prefix: fused
     with monkeypatch.context() as m:  # where the chunks are more than FUSED_MAX_SPLITS: partials and the reduction
