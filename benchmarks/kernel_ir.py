@@ -13,8 +13,8 @@ latency (session 27: the kernel at 1.4-3.5x FlashAttention on an H100). Loading 
     python benchmarks/kernel_ir.py --reduce              # the reduction's registers
 
 Per loop of the kernel (the prefix loops, then the tree-key loop): the `num` of its async_wait (None: no copy is
-asynchronous), the asynchronous copies and the plain loads in the loop; then ptxas's registers and spills. Checked against Triton 3.6 (the H100's) and
-3.9 (this machine's): the same pipelining.
+asynchronous), the asynchronous copies and the plain loads in the loop; then ptxas's registers and spills. Checked
+against Triton 3.6 (the H100's) and 3.9 (this machine's): the same pipelining.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", t
          torch.int64: "i64"}
 
 
-def compile_split_kernel(args: dict, capability: int = 90, name: str = "split"):
-    """Compile the split kernel (name "reduce": the reduction) for `capability` with `args` (split_kernel_args' or
-    reduce_kernel_args' dict: CPU tensors will do) as a launch specializes them, by the rules
+def compile_kernel(args: dict, capability: int = 90, name: str = "split"):
+    """Compile the split kernel (name "split") or the reduction ("reduce") for `capability` with `args`
+    (split_kernel_args' or reduce_kernel_args' dict: CPU tensors will do) as a launch specializes them, by the rules
     kernels/tree_attention.py's `_arg_key` holds (constexprs by value; a 16-byte aligned pointer and an integer that
     is a multiple of 16, outside do_not_specialize, known as divisible by 16; an integer equal to 1 a constant).
     Returns Triton's CompiledKernel (its .asm: ttgir, ptx)."""
@@ -137,7 +137,7 @@ def compile_reduce_kernel(heads=(32, 8, 128), batch: int = 8, prefix: int = 8192
     case = make_case(batch, prefix, nodes, *heads, dtype, device="cpu")
     plan_args, kw = plan_inputs(case, batch, prefix, nodes, *heads)
     plan = ta.plan_launch(*plan_args, **kw, splits=2, fused=False)
-    return compile_split_kernel(ta.reduce_kernel_args(plan, torch.empty_like(case[0])), capability, name="reduce")
+    return compile_kernel(ta.reduce_kernel_args(plan, torch.empty_like(case[0])), capability, name="reduce")
 
 
 def main(argv=None) -> int:
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     args = default_case(heads, a.batch, a.prefix, a.nodes, getattr(torch, a.dtype), block_n=a.block_n,
                         num_stages=a.stages, num_warps=a.warps, prefetch=not a.no_prefetch, even=not a.no_even,
                         fused=a.fused, splits=2)
-    compiled = compile_split_kernel(args)
+    compiled = compile_kernel(args)
     print(f"split kernel, heads {a.heads}, {a.dtype}, BLOCK_N {args['BLOCK_N']}, tile {args['BLOCK_Q']} rows x "
           f"{args['GROUP']} heads in {args['BLOCK_M']}, {args['num_warps']} warps, {args['num_stages']} stages, "
           f"even {args['EVEN']}, prefetch {args['PREFETCH']}, fused {args['FUSED']}: shared memory "

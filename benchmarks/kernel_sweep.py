@@ -140,9 +140,8 @@ def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
                 aq, ak, av, scale=scale))
     options = {}
     # the planned splits, half and twice them, and as many as fill the SMs once (no second wave on a few SMs)
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE == "cuda" else 8
     base = b * hkv * plan.q_blocks
-    once = max(1, min(64, sms // base))
+    once = max(1, min(64, ta.device_programs(q.device) // base))
     splits_around = sorted({max(1, plan.splits // 2), plan.splits, min(64, plan.splits * 2), once})
     row["splits_once"] = once
     for block_n, warps, stages, even, prefetch, fused in OPTIONS:

@@ -41,6 +41,7 @@ bits), `tree_attention_reference` (torch, any dtype; float64 in the tests).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -399,8 +400,10 @@ def fuse_reduction(splits: int, chunk: int, tiles: int, programs: int) -> bool:
     return 2 <= splits <= FUSED_MAX_SPLITS and (chunk <= FUSED_MAX_CHUNK or tiles > programs)
 
 
+@functools.lru_cache(maxsize=None)
 def device_programs(device: torch.device) -> int:
-    """The slots `choose_splits` fills: the device's SMs (8 on CPU, for the interpreter's tests)."""
+    """The slots `choose_splits` fills: the device's SMs (8 on CPU, for the interpreter's tests). Asked once per
+    device: every step's plan reads it."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
@@ -505,7 +508,7 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
     done = None
     if fused and splits > 1:  # zero once a step: each layer's reducing programs zero their counters again
-        done = torch.zeros(len(prefix_lens) * num_kv_heads * q_blocks, dtype=torch.int32, device=bits.device)
+        done = torch.zeros(tiles, dtype=torch.int32, device=bits.device)
     return TreeAttentionLaunch(prefix_lens, tree_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads,
                                head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m),
                                num_warps=num_warps, num_stages=num_stages, even=even, prefetch=prefetch, done=done)
@@ -670,7 +673,6 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
             plan.compiled.clear()
             warnings.warn(f"tree attention: launching a compiled kernel directly failed ({type(e).__name__}: {e}); "
                           "Triton's dispatch launches every layer from now on", RuntimeWarning)
-    acc, m, l_ = plan.acc, plan.m, plan.l
     grid = (len(plan.prefix_lens), hkv * plan.q_blocks, plan.splits)
     direct = plan.splits == 1
     record = not plan.variant_checked or VARIANTS.warming

@@ -375,10 +375,10 @@ def test_the_compiled_prefix_loop_keeps_tiles_in_flight():
     code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import kernel_ir as k; out = []\n"
             "for heads, prefetch in (((32, 8, 128), True), ((9, 3, 64), True), ((9, 3, 64), False)):\n"
             "    a = k.default_case(heads, batch=2, prefix=1024, nodes=16, splits=2, prefetch=prefetch)\n"
-            "    out.append([a['num_stages'], k.loops(k.compile_split_kernel(a).asm['ttgir'])])\n"
+            "    out.append([a['num_stages'], k.loops(k.compile_kernel(a).asm['ttgir'])])\n"
             "out.append(k.registers(k.compile_reduce_kernel(batch=2, prefix=1024).asm['ptx']))\n"
             "a = k.default_case((32, 8, 128), batch=2, prefix=1024, nodes=16, splits=2, fused=True)\n"
-            "out.append(k.registers(k.compile_split_kernel(a).asm['ptx']))\n"
+            "out.append(k.registers(k.compile_kernel(a).asm['ptx']))\n"
             "print(json.dumps(out))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=root)
