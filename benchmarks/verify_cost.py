@@ -5,7 +5,8 @@ binary tree verified through the tree path) and times every step against the siz
 size: the median step time relative to size 0 (no drafts), at each batch size, and tree / chain at equal rows:
 what tree verification adds over vLLM's own chain verification. Run alone (it times steps).
 
-    .venv/bin/python benchmarks/verify_cost.py --batches 1 8 --k 16 --rounds 8
+    .venv/bin/python benchmarks/verify_cost.py --batches 1 8 --k 16 --rounds 8      # vLLM's compiled mode
+    .venv/bin/python benchmarks/verify_cost.py --batches 1 --eager                   # enforce_eager
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from vllm_adaspec.models import resolve_model
 OUT = Path(__file__).parent / "out"
 
 
-def measure(model: str, shape: str, batch: int, k: int, rounds: int, dtype: str) -> dict[int, float]:
+def measure(model: str, shape: str, batch: int, k: int, rounds: int, dtype: str, eager: bool = False) -> dict[int, float]:
     prompts = (load_prompts("humaneval", batch))
-    engine = {"dtype": dtype, "max_model_len": 2048, "seed": 0, "enforce_eager": True,
+    engine = {"dtype": dtype, "max_model_len": 2048, "seed": 0, **({"enforce_eager": True} if eager else {}),
               "speculative_config": {"model": "vllm_adaspec.ProbeProposer", "num_speculative_tokens": k},
               "additional_config": {"adaspec": {"cost_model": "off", "tree": {"budget": k}}}}
     tokens = (k + 1) * rounds + 8
@@ -44,12 +45,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8, help="steps measured per size")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=str(OUT / "verify_cost.json"))
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode, as users run)")
     args = ap.parse_args()
     model = resolve_model(args.model)
     result = {}
     for b in args.batches:
         for shape in ("chain", "tree"):
-            result[f"{shape}-b{b}"] = measure(model, shape, b, args.k, args.rounds, args.dtype)
+            result[f"{shape}-b{b}"] = measure(model, shape, b, args.k, args.rounds, args.dtype, args.eager)
             print(f"{shape} b{b}: " + " ".join(f"{s}:{1000 * t:.1f}ms" for s, t in sorted(result[f'{shape}-b{b}'].items())),
                   flush=True)
     OUT.mkdir(exist_ok=True)

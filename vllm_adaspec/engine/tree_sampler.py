@@ -190,15 +190,24 @@ def accept_one_more(tree: DraftTree, path: list[int], bonus: int, logits: torch.
     return path + [kids[0]], int(logits[kids[0] + 1].argmax())
 
 
-def chain_indices(num_draft_tokens, tree_rows: Collection[int]) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
+def chain_indices(num_draft_tokens, tree_rows: Collection[int]) -> tuple[list[int], list[int], list[int], list[int]]:
     """Host side of `chains_only` (known when the step is planned): (the draft rows kept [D], drafts per batch row
-    with the tree rows' taken out, their cumulative sums for drafts and for sampled rows)."""
-    drafts = np.asarray(num_draft_tokens, dtype=np.int64)
-    chain = np.ones(len(drafts), dtype=bool)
-    chain[list(tree_rows)] = False
-    num = np.where(chain, drafts, 0)
-    keep = np.flatnonzero(np.repeat(chain, drafts))  # the chain rows' draft rows, in order
-    return keep, num.tolist(), np.cumsum(num), np.cumsum(num + 1)
+    with the tree rows' taken out, their cumulative sums for drafts and for sampled rows). Python lists: a step's
+    batch is a few rows, where each numpy call costs more than the loop."""
+    drafts = num_draft_tokens.tolist() if hasattr(num_draft_tokens, "tolist") else list(num_draft_tokens)
+    trees = set(tree_rows)
+    keep, num, cu_draft, cu_sampled = [], [], [], []
+    at = d = s = 0
+    for i, n in enumerate(drafts):
+        n = 0 if i in trees else int(n)
+        keep += range(at, at + n)  # the chain rows' draft rows, in order
+        at += int(drafts[i])
+        d += n
+        s += n + 1
+        num.append(n)
+        cu_draft.append(d)
+        cu_sampled.append(s)
+    return keep, num, cu_draft, cu_sampled
 
 
 def chains_only(metadata, sampling_metadata, tree_rows: set[int], staged=None) -> tuple:

@@ -28,14 +28,15 @@ class ContextIndex:
         return self._buf[:self._size]
 
     def extend(self, tokens) -> None:
-        new = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        """tokens: a list of ints (PoolSet.extend's, every step: no array made of it) or an array (a prompt)."""
+        new = tokens if isinstance(tokens, list) else np.asarray(tokens, dtype=np.int64).reshape(-1).tolist()
         end = self._size + len(new)
         if end > len(self._buf):
             grown = np.zeros(max(end, 2 * len(self._buf)), dtype=np.int64)
             grown[:self._size] = self._buf[:self._size]
             self._buf = grown
         self._buf[self._size:end] = new
-        self.token_list += new.tolist()
+        self.token_list += new
         self._size = end
 
     def matches(self) -> tuple[int, list[int]]:
