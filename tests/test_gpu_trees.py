@@ -375,6 +375,25 @@ def test_compaction_moves_write_each_destination_once():
     assert torch.equal(got, want)
 
 
+def test_a_layers_kv_views_are_made_once_per_cache():
+    """The runtime keeps each layer's K, V views (half a layer's launch on the host to make): the same views for the
+    same cache tensor, equal to kv_views' and seeing its writes; another tensor (even one reusing a freed one's
+    address) gets its own."""
+    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+
+    rt = GPUTreeRuntime("cpu")
+    cache = torch.randn(4, HKV, BS, 2 * D)
+    k, v = rt._kv_views(cache)
+    assert rt._kv_views(cache)[0] is k and rt._kv_views(cache)[1] is v
+    want_k, want_v = kv_views(cache)
+    assert k.stride() == want_k.stride() and torch.equal(k, want_k) and torch.equal(v, want_v)
+    cache.add_(1.0)  # vLLM writes the cache in place: the held views read it
+    assert torch.equal(k, kv_views(cache)[0])
+    other = cache.clone()
+    ok, _ = rt._kv_views(other)
+    assert ok is not k and ok.data_ptr() == other.data_ptr()
+
+
 VLLM_TRITON = r'''
 import json, os, sys, types
 os.environ["TRITON_INTERPRET"] = "1"

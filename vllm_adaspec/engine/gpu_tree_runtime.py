@@ -38,6 +38,7 @@ from vllm_adaspec.kernels import tree_attention as kernels
 from vllm_adaspec.trees.batch import TreeBatch, draw_rows, pack_words, representative_rows, walk_order
 from vllm_adaspec.trees.tree import ancestor_rows, split_words
 
+MAX_HELD_VIEWS = 1024  # layers' K, V views a runtime keeps (`_kv_views`)
 ALIGN_BYTES = 16  # Triton specializes a pointer argument on 16-byte alignment: every staged array starts on one
 
 
@@ -184,6 +185,7 @@ class GPUTreeRuntime(TreeRuntime):
         self.kernel_fallbacks = 0  # layers computed by the torch fallback after a failed launch
         self.block_nodes = tree_verify.block_nodes(max_rows)  # the verification kernel's tile (fixed per engine)
         self._layers = (None, None)  # (the caches' key, kv_compaction.layer_offsets of them): built at start-up
+        self._views: dict[int, tuple] = {}  # id(a layer's cache) -> (the cache, its K view, its V view)
 
     def attached(self, impls: list, dtype: torch.dtype) -> None:
         """The model's layers are built: their heads, and every kernel variant a step can launch compiled and checked
@@ -335,7 +337,7 @@ class GPUTreeRuntime(TreeRuntime):
     def _launch(self, plan, query, kv_cache, block_table, scale: float, output) -> None:
         """One layer's tree rows by the kernel; a launch that fails is contained: the layer's rows are computed by the
         torch fallback (the same attention; it waits for the device), and the fault is counted."""
-        k, v = kv_views(kv_cache)
+        k, v = self._kv_views(kv_cache)
         try:
             self.faults.point("tree_kernel")
             kernels.launch(plan, query, k, v, block_table, scale, output)
@@ -343,6 +345,18 @@ class GPUTreeRuntime(TreeRuntime):
             self.faults.record("launching the tree-attention kernel (this layer's tree rows computed in torch)", e)
             self.kernel_fallbacks += 1
             kernels.launch_reference(plan, query, k, v, block_table, scale, output)
+
+    def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K, V views of a layer's cache, made once per cache: vLLM keeps each layer's cache tensor for the
+        engine's life, and making the two views (a transpose and a split) was half of a layer's launch on the host
+        (~4 of 8 us here, every layer of every tree step). Held by the tensor's identity, the tensor with them (an
+        id is not reused while it lives)."""
+        held = self._views.get(id(kv_cache))
+        if held is None or held[0] is not kv_cache:
+            if len(self._views) >= MAX_HELD_VIEWS:  # (engines have one cache a layer; tests make many)
+                self._views.clear()
+            held = self._views[id(kv_cache)] = (kv_cache, *kv_views(kv_cache))
+        return held[1], held[2]
 
     def on_device(self, draft):
         """A draft step of tree drafting as a kernel launch plan (its rows, the trees' prefixes and the nodes run so
