@@ -199,12 +199,12 @@ def chain_indices(num_draft_tokens, tree_rows: Collection[int]) -> tuple[list[in
     keep, num, cu_draft, cu_sampled = [], [], [], []
     at = d = s = 0
     for i, n in enumerate(drafts):
-        n = 0 if i in trees else int(n)
-        keep += range(at, at + n)  # the chain rows' draft rows, in order
-        at += int(drafts[i])
-        d += n
-        s += n + 1
-        num.append(n)
+        m = 0 if i in trees else int(n)  # a tree row's drafts leave vLLM's chain verification
+        keep += range(at, at + m)  # the chain rows' draft rows, in order
+        at += int(n)
+        d += m
+        s += m + 1
+        num.append(m)
         cu_draft.append(d)
         cu_sampled.append(s)
     return keep, num, cu_draft, cu_sampled
