@@ -23,7 +23,8 @@ from vllm_adaspec.models import resolve_model
 OUT = Path(__file__).parent / "out"
 
 
-def measure(model: str, shape: str, batch: int, k: int, rounds: int, dtype: str, eager: bool = False) -> dict[int, float]:
+def measure(model: str, shape: str, batch: int, k: int, rounds: int, dtype: str,
+            eager: bool = False) -> dict[int, float]:
     prompts = (load_prompts("humaneval", batch))
     engine = {"dtype": dtype, "max_model_len": 2048, "seed": 0, **({"enforce_eager": True} if eager else {}),
               "speculative_config": {"model": "vllm_adaspec.ProbeProposer", "num_speculative_tokens": k},

@@ -10,7 +10,7 @@ import torch
 from vllm_adaspec.engine.cpu_kv import compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at, paged_index
 from vllm_adaspec.engine.tree_runtime import TreeRequest, TreeRuntime, TreeStep, masked_attention_batch, plan_step
 from vllm_adaspec.engine.tree_runtime import shrink_tree_seq_lens
-from vllm_adaspec.engine.tree_sampler import (RowSampling, needs_own_sampler, row_histories, row_logits,
+from vllm_adaspec.engine.tree_sampler import (RowSampling, chain_indices, needs_own_sampler, row_histories, row_logits,
                                               tree_verifiable, verify_tree_request)
 from vllm_adaspec.step import DraftPlan
 from vllm_adaspec.trees import DraftTree, ancestor_mask, paths
@@ -191,6 +191,23 @@ def test_plan_step_writes_depth_positions_and_skips_chains_and_changed_drafts():
     write_positions(step, positions)
     assert positions.tolist() == [10, 11, 11] and len(step.requests[0].tree) == 2
     assert plan_step(["b"], np.array([0, 3]), np.array([0]), {"b": [1, 2]}, pending, 3) is None
+
+
+def test_chain_indices_take_the_tree_rows_drafts_out_of_vllms_chain_layout():
+    """vLLM lays a step's drafts out row after row; tree rows (verified apart) leave it: the kept draft rows are the
+    chain rows' own, in order, and the cumulative counts are the chain rows' drafts (sampled rows: drafts + 1)."""
+    drafts, trees = [3, 0, 2, 4, 1], {2, 3}
+    keep, num, cu_draft, cu_sampled = chain_indices(np.array(drafts), trees)
+    assert keep == [0, 1, 2, 9] and num == [3, 0, 0, 0, 1]
+    assert cu_draft == [3, 3, 3, 3, 4] and cu_sampled == [4, 5, 6, 7, 9]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        d = rng.integers(0, 6, size=rng.integers(1, 9)).tolist()
+        t = {i for i in range(len(d)) if rng.random() < 0.4}
+        starts = np.concatenate([[0], np.cumsum(d)])
+        want = [r for i in range(len(d)) if i not in t for r in range(starts[i], starts[i + 1])]
+        got = chain_indices(d, t)
+        assert got[0] == want and got[2] == np.cumsum(got[1]).tolist()
 
 
 def test_which_requests_the_tree_sampler_verifies():
