@@ -49,6 +49,9 @@ class ProbeDrafter(Drafter):
     def load_model(self, target_model) -> None:
         pass
 
+    def finish(self, req_ids) -> None:
+        self._last = None  # the run ends: a next run's first interval would time the idle gap between them
+
     def draft(self, view, rows, budgets, policies, plans) -> float:
         now = time.perf_counter()
         if self._last is not None:
