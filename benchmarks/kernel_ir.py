@@ -117,26 +117,29 @@ def registers(ptx: str, capability: int = 90) -> str | None:
     return None
 
 
-def default_case(heads=(32, 8, 128), batch: int = 8, prefix: int = 8192, nodes: int = 16, dtype=torch.bfloat16,
-                 **plan_options) -> dict:
-    """split_kernel_args for a batch of trees in vLLM's layouts (CPU tensors) with the engine's plan."""
+def default_plan(heads=(32, 8, 128), batch: int = 8, prefix: int = 8192, nodes: int = 16, dtype=torch.bfloat16,
+                 **plan_options) -> tuple:
+    """(case, plan): a batch of trees in vLLM's layouts (CPU tensors, bench_tree_attention.make_case) and the
+    engine's launch plan of it."""
     from bench_tree_attention import make_case, plan_inputs
 
     case = make_case(batch, prefix, nodes, *heads, dtype, device="cpu")
-    q, k_cache, v_cache, table = case[:4]
     plan_args, kw = plan_inputs(case, batch, prefix, nodes, *heads)
-    plan = ta.plan_launch(*plan_args, **kw, **plan_options)
+    return case, ta.plan_launch(*plan_args, **kw, **plan_options)
+
+
+def default_case(heads=(32, 8, 128), batch: int = 8, prefix: int = 8192, nodes: int = 16, dtype=torch.bfloat16,
+                 **plan_options) -> dict:
+    """split_kernel_args for a batch of trees in vLLM's layouts (CPU tensors) with the engine's plan."""
+    case, plan = default_plan(heads, batch, prefix, nodes, dtype, **plan_options)
+    q, k_cache, v_cache, table = case[:4]
     return ta.split_kernel_args(plan, q, k_cache, v_cache, table, heads[2] ** -0.5, torch.empty_like(q))
 
 
 def compile_reduce_kernel(heads=(32, 8, 128), batch: int = 8, prefix: int = 8192, nodes: int = 16,
                           dtype=torch.bfloat16, capability: int = 90):
     """The reduction compiled for `capability` at a step of `batch` trees split in 2 (as its launch specializes it)."""
-    from bench_tree_attention import make_case, plan_inputs
-
-    case = make_case(batch, prefix, nodes, *heads, dtype, device="cpu")
-    plan_args, kw = plan_inputs(case, batch, prefix, nodes, *heads)
-    plan = ta.plan_launch(*plan_args, **kw, splits=2, fused=False)
+    case, plan = default_plan(heads, batch, prefix, nodes, dtype, splits=2, fused=False)
     return compile_kernel(ta.reduce_kernel_args(plan, torch.empty_like(case[0])), capability, name="reduce")
 
 
