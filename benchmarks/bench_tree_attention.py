@@ -83,7 +83,7 @@ def plan_inputs(case, batch: int, prefix: int, nodes: int, hq: int, hkv: int, d:
     return args, {"max_rows": rows, "longest": prefix + rows, "block_q": tile_rows(rows, hq, hkv)}
 
 
-def bench_shapes(args, copy_gbs: float, do_bench) -> list[dict]:
+def bench_shapes(args, copy_gbs: float, do_bench, gpu_time=None) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dtype = getattr(torch, args.dtype)
@@ -124,11 +124,27 @@ def bench_shapes(args, copy_gbs: float, do_bench) -> list[dict]:
                            "kernel_us": t_kernel * 1e3, "anchor_us": t_anchor * 1e3, "plan_us": t_plan * 1e3,
                            "over_anchor": t_kernel / t_anchor, "over_one_kv_read": t_kernel / one_read_ms,
                            "anchor_over_one_kv_read": t_anchor / one_read_ms}
+                    gpu = ""
+                    if gpu_time is not None:
+                        # the GPU alone, both sides captured in a CUDA graph: what the step pays where the host runs
+                        # ahead of the GPU (the launch's host cost is timed apart: kernel_sweep.py --launch)
+                        try:
+                            g_kernel = gpu_time(lambda: launch(plan, q, k_cache, v_cache, table, scale, out))
+                            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                                g_anchor = gpu_time(lambda: torch.nn.functional.scaled_dot_product_attention(
+                                    aq, ak, av, scale=scale))
+                            row.update(gpu_kernel_us=g_kernel * 1e3, gpu_anchor_us=g_anchor * 1e3,
+                                       gpu_over_anchor=g_kernel / g_anchor, gpu_over_one_kv_read=g_kernel / one_read_ms)
+                            gpu = (f"; GPU alone {row['gpu_kernel_us']:.1f} / {row['gpu_anchor_us']:.1f} us: "
+                                   f"{row['gpu_over_anchor']:.2f}x, {row['gpu_over_one_kv_read']:.2f}x one KV read")
+                        except Exception as e:  # a capture that fails costs this column, not the run
+                            gpu = f"; GPU alone failed: {type(e).__name__}: {e}"
                     results.append(row)
                     print(f"heads {heads:9s} batch {b:2d} prefix {prefix:5d} nodes {nodes:2d}: kernel "
                           f"{row['kernel_us']:8.1f} us ({plan.splits} splits), FlashAttention {row['anchor_us']:8.1f} "
                           f"us: {row['over_anchor']:.2f}x; {row['over_one_kv_read']:.2f}x one KV read "
-                          f"(anchor {row['anchor_over_one_kv_read']:.2f}x); plan {row['plan_us']:.1f} us", flush=True)
+                          f"(anchor {row['anchor_over_one_kv_read']:.2f}x); plan {row['plan_us']:.1f} us{gpu}",
+                          flush=True)
                     del case, q, k_cache, v_cache, aq, ak, av
     return results
 
@@ -189,10 +205,15 @@ def verify_cost_curve(model: str, rows_list, batches, dtype, do_bench, ctx: int 
     return out
 
 
-def summarize(results: list[dict]) -> dict:
+def summarize(results: list[dict], gpu: bool = False) -> dict:
     """#41's targets over one run's shapes: the geometric mean of kernel / anchor, and how many shapes meet each
     target (<= 1.2x the anchor at nodes <= 16, <= 1.5x at 64 nodes, <= 1.5x one KV read at prefix >= 8192 and nodes
-    <= 16), with the medians."""
+    <= 16), with the medians. `gpu`: over the GPU-alone times (CUDA graphs) of the shapes that have them."""
+    if gpu:
+        results = [dict(r, over_anchor=r["gpu_over_anchor"], over_one_kv_read=r["gpu_over_one_kv_read"])
+                   for r in results if "gpu_over_anchor" in r]
+        if not results:
+            return {}
     small = [r for r in results if r["nodes"] <= 16]
     big = [r for r in results if r["nodes"] > 16]
     long = [r for r in small if r["prefix"] >= 8192]
@@ -229,11 +250,16 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--cost-curve", action="store_true", help="also the models' verification cost curves")
     p.add_argument("--curve-models", nargs="+", default=list(MODELS))
+    p.add_argument("--no-gpu-alone", action="store_true",
+                   help="time launches only as Python makes them (eager), not also captured in CUDA graphs")
     p.add_argument("--out", default="benchmarks/out/tree_attention.json")
     args = p.parse_args(argv)
     if args.summary:
         for path in args.summary:
-            print(f"{path}: {summary_line(summarize(json.loads(Path(path).read_text())['results']))}")
+            results = json.loads(Path(path).read_text())["results"]
+            print(f"{path}: {summary_line(summarize(results))}")
+            if summarize(results, gpu=True):
+                print(f"{path}, GPU alone: {summary_line(summarize(results, gpu=True))}")
         return 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -243,17 +269,31 @@ def main(argv=None) -> int:
     def do_bench(fn) -> float:
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
+    def gpu_time(fn, reps: int = 10) -> float:
+        """ms of one fn() on the GPU alone: `reps` calls captured in one CUDA graph and replayed."""
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        t = do_bench(graph.replay) / reps
+        del graph
+        return t
+
     buf = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     copy_ms = do_bench(lambda: buf.clone())
     copy_gbs = 2 * buf.numel() / (copy_ms * 1e-3) / 1e9  # read + write
     del buf
     print(f"device {torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
-    results = bench_shapes(args, copy_gbs, do_bench)
+    results = bench_shapes(args, copy_gbs, do_bench, None if args.no_gpu_alone else gpu_time)
     curves = {}
     if args.cost_curve:
         for model in args.curve_models:
             curves[model] = verify_cost_curve(model, [1, 2, 4, 8, 16, 32, 64], [1, 8, 32], torch.bfloat16, do_bench)
     print(summary_line(summarize(results)), flush=True)
+    if summarize(results, gpu=True):
+        print("GPU alone: " + summary_line(summarize(results, gpu=True)), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbs, "results": results,
