@@ -54,8 +54,16 @@ def parse(argv):
     p.add_argument("--cpu", action="store_true", help="CPU tensors, one tiny shape, Triton's interpreter")
     p.add_argument("--deadline", type=float, default=200.0, help="seconds; the sweep stops starting shapes after it")
     p.add_argument("--launch", action="store_true", help="only the launch's host cost, with and without FAST_LAUNCH")
+    p.add_argument("--shapes", nargs="+", metavar="HQ,HKV,D:BATCH:PREFIX:NODES",
+                   help="these shapes instead of the default eight (e.g. 32,8,128:8:32768:4)")
     p.add_argument("--out", default="benchmarks/out/kernel_sweep.json")
     return p.parse_args(argv)
+
+
+def parse_shape(text: str):
+    """'32,8,128:8:32768:4' -> ((32, 8, 128), 8, 32768, 4)."""
+    heads, b, prefix, nodes = text.split(":")
+    return tuple(int(x) for x in heads.split(",")), int(b), int(prefix), int(nodes)
 
 
 ARGS = parse(sys.argv[1:] if __name__ == "__main__" else [])
@@ -142,7 +150,9 @@ def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
     # the planned splits, half and twice them, and as many as fill the SMs once (no second wave on a few SMs)
     base = b * hkv * plan.q_blocks
     once = max(1, min(64, ta.device_programs(q.device) // base))
-    splits_around = sorted({max(1, plan.splits // 2), plan.splits, min(64, plan.splits * 2), once})
+    # (and 2-4 programs a slot: tiles of up to 64 rows x heads leave room on an SM for more than one program)
+    splits_around = sorted({max(1, plan.splits // 2), plan.splits, min(64, plan.splits * 2), once,
+                            min(64, 2 * once), min(64, 4 * once)})
     row["splits_once"] = once
     for block_n, warps, stages, even, prefetch, fused in OPTIONS:
         around = (block_n, stages, even, prefetch) == (64, 3, True, True)  # (other splits at one loop shape)
@@ -204,7 +214,7 @@ def main() -> int:
     start = time.perf_counter()
     deadline = start + ARGS.deadline
     dtype = torch.float32 if ARGS.cpu else torch.bfloat16
-    shapes = [((4, 2, 16), 2, 70, 4)] if ARGS.cpu else SHAPES
+    shapes = [((4, 2, 16), 2, 70, 4)] if ARGS.cpu else [parse_shape(t) for t in ARGS.shapes] if ARGS.shapes else SHAPES
     if ARGS.cpu:
         global OPTIONS
         OPTIONS = [(16, 4, 2, False, False, False), (64, 4, 3, True, True, False),  # (more splits: 2nd)
