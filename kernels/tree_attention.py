@@ -58,8 +58,8 @@ except ImportError:
     triton = None
 
 __all__ = ["MAX_TILE_M", "TOLERANCE", "TreeAttentionLaunch", "VARIANTS", "ancestor_bits", "check_on_device",
-           "choose_splits", "fuse_reduction", "launch", "launch_reference", "plan_launch", "reduce_kernel_args",
-           "split_kernel_args", "tile_rows", "tree_attention_reference", "tree_attention_triton", "warm_up"]
+           "choose_splits", "fuse_reduction", "launch", "launch_reference", "plan_launch", "programs_per_sm",
+           "reduce_kernel_args", "split_kernel_args", "tile_rows", "tree_attention_reference", "tree_attention_triton", "warm_up"]
 
 MAX_TILE_M = 128  # query rows x query heads of one tile (FlashAttention's M for head size 128, 8 warps)
 MAX_SPLITS = 64  # key chunks of one request
@@ -97,6 +97,23 @@ FUSED_TAIL_D = 64
 # 8k-32k prefixes with 64 nodes; 1.07-1.52x with chunks of 0.7-2.7k keys, and with SmolLM2's 64-row tiles, several to
 # an SM, 1.27-1.61x: not cut there)
 REFILL_MIN_CHUNK = 4096
+# Tiles smaller than FlashAttention's 128 x 128 leave an SM room for more than one program, and a kernel that streams
+# the keys needs them in flight: the slots `choose_splits` fills are SMs x `programs_per_sm`, SLOT_ELEMS / (M x head
+# size) of them, 1 to MAX_PROGRAMS_PER_SM. Session 30's H200 sweep (benchmarks/device_runs/s30_h200/run3, GPU alone):
+# Llama-3-8B's heads, 5 rows (32 x 128) at batch 8 over 32k: 4 chunks 298 us against 2 (one per SM) 435 us; over 8k
+# 91 against 122; SmolLM2's, 5 rows (16 x 64) over 32k: 20 chunks 62 us against 5 124, 21 rows (64 x 64) over 8k: 10
+# chunks 34 us against 5 38 (and 20: 45). 128-row tiles of head size 128: one program per SM (session 26: two per SM
+# cost 7-18%)
+SLOT_ELEMS = 8192
+MAX_PROGRAMS_PER_SM = 4
+# No chunk shorter than MIN_CHUNK_TILES key tiles (each chunk's partials cost a reduction). Session 30's H200 sweep,
+# SmolLM2's heads, batch 1, 64 nodes over 512 keys (6 tiles): 2 chunks 29 us, 4 21 us, 22 20 us (4 tiles a chunk: 2)
+MIN_CHUNK_TILES = 2
+# The split programs reduce their own partials only where the tiles are at least FUSED_MIN_TILES_PER_SM of the SMs:
+# with fewer, the last program of a tile reads every partial while the device idles. Session 30's H200 sweep: 6 tiles
+# (batch 1) fused 1.0-1.4x the reduce launch's time, 24 tiles (SmolLM2 at batch 8) 1.25-1.5x, 64 tiles (Llama-3-8B
+# at batch 8) 0.91-1.04x (session 28, H100, 64 tiles at 2k-8k keys: 0.63-0.88x)
+FUSED_MIN_TILES_PER_SM = 0.25
 # Integer arguments that change from step to step, kept out of Triton's specialization (a new value would compile a
 # new kernel): per kernel, the names given to `do_not_specialize` and read by `_arg_key`
 NO_SPECIALIZE = {
@@ -378,9 +395,9 @@ def choose_splits(batch: int, kv_heads: int, q_blocks: int, longest: int, block_
     the rest to wait on). More tiles than slots and `refill` (tiles of one program per SM): up to FUSED_MAX_SPLITS
     chunks of at least REFILL_MIN_CHUNK keys where they fill the last wave at least 10% better, the fewest of the
     best (8 trees of 64 nodes of Llama-3-8B on 132 SMs: 192 tiles, 2 waves of whole tiles or 3 of half ones: 2
-    chunks). Never a chunk shorter than 4 key tiles, at most MAX_SPLITS."""
+    chunks). Never a chunk shorter than MIN_CHUNK_TILES key tiles, at most MAX_SPLITS."""
     base = batch * kv_heads * q_blocks
-    most = int(min(max(1, longest // (4 * block_n)), MAX_SPLITS))
+    most = int(min(max(1, longest // (MIN_CHUNK_TILES * block_n)), MAX_SPLITS))
     if base <= programs:
         return int(min(programs // base, most))
     if not refill:
@@ -396,8 +413,16 @@ def choose_splits(batch: int, kv_heads: int, q_blocks: int, longest: int, block_
 
 
 def fuse_reduction(splits: int, chunk: int, tiles: int, programs: int) -> bool:
-    """Whether the split programs reduce their own partials (no second launch): FUSED_MAX_SPLITS, FUSED_MAX_CHUNK."""
-    return 2 <= splits <= FUSED_MAX_SPLITS and (chunk <= FUSED_MAX_CHUNK or tiles > programs)
+    """Whether the split programs reduce their own partials (no second launch): FUSED_MAX_SPLITS, FUSED_MAX_CHUNK,
+    FUSED_MIN_TILES_PER_SM (`programs`: the device's SMs)."""
+    return (2 <= splits <= FUSED_MAX_SPLITS and tiles >= FUSED_MIN_TILES_PER_SM * programs
+            and (chunk <= FUSED_MAX_CHUNK or tiles > programs))
+
+
+def programs_per_sm(tile: int, head_size: int) -> int:
+    """Programs of a `tile`-row x `head_size` tile an SM runs at once, as `choose_splits` counts its slots:
+    SLOT_ELEMS / (tile x head size), 1 to MAX_PROGRAMS_PER_SM."""
+    return max(1, min(MAX_PROGRAMS_PER_SM, SLOT_ELEMS // (tile * head_size)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -494,11 +519,13 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     sms = device_programs(bits.device)
     tiles = len(prefix_lens) * num_kv_heads * q_blocks
     if splits is None:
-        # one program per SM, rounded down: on an H100 (benchmarks/kernel_sweep.py) one program per SM rounded up
-        # cut the GPU time of two per SM 7-18% (session 26); rounded down (132 SMs: 16 splits for 8 kv heads, not
-        # 17) cut it another 15-22% at batch 1 and 8 over 2k-32k prefixes, 33% for SmolLM2's heads (session 27)
-        splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n, sms,
-                               refill=tile_m(block_q, num_heads // num_kv_heads) >= MAX_TILE_M)
+        # the slots filled once, rounded down: on an H100 (benchmarks/kernel_sweep.py) one 128-row program per SM
+        # rounded up cut the GPU time of two per SM 7-18% (session 26); rounded down (132 SMs: 16 splits for 8 kv
+        # heads, not 17) cut it another 15-22% at batch 1 and 8 over 2k-32k prefixes (session 27); smaller tiles:
+        # several programs to an SM (`programs_per_sm`, session 30)
+        m = tile_m(block_q, num_heads // num_kv_heads)
+        splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n,
+                               sms * programs_per_sm(m, head_size), refill=m >= MAX_TILE_M)
     splits = min(int(splits), MAX_SPLITS)
     chunk = _cdiv(_cdiv(longest, splits), block_n) * block_n
     splits = _cdiv(longest, chunk)

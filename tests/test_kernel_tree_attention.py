@@ -134,7 +134,8 @@ def test_splits_are_chosen_for_the_device():
     assert ta.choose_splits(1, 8, 1, 32768, 64, 132) == 16  # one request, a long prefix: fill the SMs once
     assert ta.choose_splits(8, 8, 1, 8192, 64, 132) == 2  # not 3: no second program on a few SMs
     assert ta.choose_splits(64, 8, 1, 32768, 64, 264) == 1  # a full batch fills the device alone
-    assert ta.choose_splits(1, 8, 1, 300, 64, 264) == 1  # a short prefix: no chunk under 4 key tiles
+    assert ta.choose_splits(1, 8, 1, 300, 64, 264) == 2  # a short prefix: no chunk under 2 key tiles
+    assert ta.choose_splits(1, 8, 1, 255, 64, 264) == 1
     # more tiles than SMs (128-row tiles, one to an SM): 2 chunks where they fill the last wave better (192 tiles on
     # 132 SMs: 2 waves of whole tiles or 3 of half ones), none where they do not (512 tiles: 4 waves either way), nor
     # into chunks under REFILL_MIN_CHUNK keys, nor for smaller tiles (several to an SM)
@@ -151,6 +152,19 @@ def test_the_split_programs_reduce_their_own_partials_where_the_device_measured_
     assert ta.fuse_reduction(2, 4160, 64, 132) and ta.fuse_reduction(4, 1024, 64, 132)
     assert not ta.fuse_reduction(1, 8192, 8, 132) and not ta.fuse_reduction(5, 1024, 24, 132)
     assert not ta.fuse_reduction(2, 16448, 64, 132) and ta.fuse_reduction(2, 16448, 192, 132)
+    # tiles under a quarter of the SMs (batch 1; SmolLM2's 3 kv heads at batch 8): the reduce launch
+    assert not ta.fuse_reduction(2, 320, 6, 132) and not ta.fuse_reduction(4, 2048, 24, 132)
+    assert ta.fuse_reduction(4, 2048, 33, 132)
+
+
+def test_smaller_tiles_fill_more_programs_per_sm():
+    """Slots for `choose_splits`: one 128 x 128 program per SM, two of 32 x 128 or 64 x 64, four of 16 x 64 (session
+    30's H200 sweep); a plan of 5-row trees of Llama-3-8B's heads at batch 8 over 32k keys on 132 SMs: 4 chunks, not
+    2; SmolLM2's 21-row tiles at batch 8 over 8k: 11, not 5."""
+    assert [ta.programs_per_sm(m, d) for m, d in ((128, 128), (128, 64), (64, 128), (32, 128), (64, 64), (16, 64),
+                                                  (16, 128))] == [1, 1, 1, 2, 2, 4, 4]
+    assert ta.choose_splits(8, 8, 1, 32768 + 5, 64, 132 * ta.programs_per_sm(32, 128)) == 4
+    assert ta.choose_splits(8, 3, 1, 8192 + 17, 64, 132 * ta.programs_per_sm(64, 64)) == 11
 
 
 def test_a_tile_packs_the_query_heads_without_padding_the_group():
