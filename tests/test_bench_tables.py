@@ -60,3 +60,20 @@ def test_the_tree_kernel_summary_counts_the_issue_targets_of_a_saved_device_run(
     assert (s["shapes"], s["small"], s["big"], s["long"]) == (69, 46, 23, 22)
     assert (s["small_within_1.2"], s["big_within_1.5"], s["long_kv_within_1.5"]) == (13, 4, 4)
     assert round(s["geomean_over_anchor"], 2) == 1.62 and round(s["small_median"], 2) == 1.41
+
+
+def test_the_tree_kernel_summary_over_gpu_alone_times_of_a_saved_device_run():
+    """--summary over the GPU-alone (CUDA graph) columns of session 30's last H200 run, the counts RESULTS quotes;
+    a run saved without them (session 27's) has no GPU-alone summary."""
+    import json
+
+    import bench_tree_attention
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks/device_runs"
+    results = json.loads((root / "s30_h200/run4/tree_attention.json").read_text())["results"]
+    s = bench_tree_attention.summarize(results, gpu=True)
+    assert (s["small_within_1.2"], s["big_within_1.5"], s["long_kv_within_1.5"]) == (28, 10, 6)
+    assert round(s["geomean_over_anchor"], 2) == 1.25 and round(s["small_median"], 2) == 1.07
+    assert bench_tree_attention.summarize(results)["small_within_1.2"] == 30  # the eager column differs
+    old = json.loads((root / "s27_h100/run3/tree_attention.json").read_text())["results"]
+    assert bench_tree_attention.summarize(old, gpu=True) == {}
