@@ -83,6 +83,20 @@ def plan_inputs(case, batch: int, prefix: int, nodes: int, hq: int, hkv: int, d:
     return args, {"max_rows": rows, "longest": prefix + rows, "block_q": tile_rows(rows, hq, hkv)}
 
 
+def graphed_time(fn, reps: int = 10) -> float:
+    """Milliseconds of one fn() on the GPU alone: `reps` calls captured in one CUDA graph and replayed (Python's
+    launch cost out)."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median") / reps
+
+
 def bench_shapes(args, copy_gbs: float, do_bench, gpu_time=None) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -269,24 +283,12 @@ def main(argv=None) -> int:
     def do_bench(fn) -> float:
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
-    def gpu_time(fn, reps: int = 10) -> float:
-        """ms of one fn() on the GPU alone: `reps` calls captured in one CUDA graph and replayed."""
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        t = do_bench(graph.replay) / reps
-        del graph
-        return t
-
     buf = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     copy_ms = do_bench(lambda: buf.clone())
     copy_gbs = 2 * buf.numel() / (copy_ms * 1e-3) / 1e9  # read + write
     del buf
     print(f"device {torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
-    results = bench_shapes(args, copy_gbs, do_bench, None if args.no_gpu_alone else gpu_time)
+    results = bench_shapes(args, copy_gbs, do_bench, None if args.no_gpu_alone else graphed_time)
     curves = {}
     if args.cost_curve:
         for model in args.curve_models:

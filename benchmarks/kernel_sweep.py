@@ -72,7 +72,7 @@ if ARGS.cpu:
 
 import torch  # noqa: E402
 
-from bench_tree_attention import make_case, plan_inputs  # noqa: E402
+from bench_tree_attention import graphed_time, make_case, plan_inputs  # noqa: E402
 from vllm_adaspec.kernels import tree_attention as ta  # noqa: E402
 from vllm_adaspec.kernels.tree_attention import launch, plan_launch  # noqa: E402
 
@@ -86,15 +86,7 @@ def gpu_time(fn, reps: int = 10) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median") / reps
+    return graphed_time(fn, reps)
 
 
 def eager_time(fn) -> float:

@@ -59,7 +59,8 @@ except ImportError:
 
 __all__ = ["MAX_TILE_M", "TOLERANCE", "TreeAttentionLaunch", "VARIANTS", "ancestor_bits", "check_on_device",
            "choose_splits", "fuse_reduction", "launch", "launch_reference", "plan_launch", "programs_per_sm",
-           "reduce_kernel_args", "split_kernel_args", "tile_rows", "tree_attention_reference", "tree_attention_triton", "warm_up"]
+           "reduce_kernel_args", "split_kernel_args", "tile_rows", "tree_attention_reference", "tree_attention_triton",
+           "warm_up"]
 
 MAX_TILE_M = 128  # query rows x query heads of one tile (FlashAttention's M for head size 128, 8 warps)
 MAX_SPLITS = 64  # key chunks of one request
