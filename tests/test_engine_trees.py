@@ -4,20 +4,13 @@
 - C2T trees (tree.builder "c2t", the shipped classifier) stay identical too, with thompson-cali reading the
   target's hidden state at the row of the last accepted node, the tree path's per-request KV copies under their cap
   (requests past it draft chains), and the records `adaspec train c2t` learns from;
-- vLLM's default compiled mode (no enforce_eager: inductor, and the profile run at start-up) starts README's own
-  LLM(...) example (MultiBranchProposer, its defaults, a multiprocess engine that finds the plugin by itself) and
-  early exit with trees; a batch mixing tree requests, penalised requests and seeded sampling keeps greedy rows
-  identical (the sampled distribution through the tree
-  sampler: test_engine_multibranch.py; sample-and-match itself: tests/test_trees.py)."""
-
-import json
-import subprocess
-import sys
+- vLLM's default compiled mode (no enforce_eager: inductor, and the profile run at start-up) starts early exit with
+  trees and keeps greedy output identical (README's own `adaspec serve` command, MultiBranchProposer with its
+  defaults in compiled mode: test_server.py's soak; vLLM finding the plugin by its entry point: test_wheel.py)."""
 
 import pytest
 
-from conftest import ENGINE, MAX_TOKENS, SPEC, TREE_MIX, assert_identical, greedy_batch
-from vllm_adaspec.harness import default_env
+from conftest import ENGINE, MAX_TOKENS, SPEC, assert_identical, greedy_batch
 
 pytestmark = pytest.mark.engine
 
@@ -83,60 +76,11 @@ def test_c2t_trees_with_thompson_cali_under_preemption_and_chunked_prefill(
         assert all(parents[i] < 0 or accepted[parents[i]] for i in range(len(accepted)) if accepted[i])
 
 
-# Plain vLLM usage: this script never imports vllm_adaspec. vLLM must find the plugin through its entry point in
-# each of its processes (front end, engine core, worker) and install our worker and scheduler by itself.
-AUTODISCOVERY = r"""
-import json, sys
-from vllm import LLM, SamplingParams
-job = json.loads(sys.stdin.read())
-if __name__ == "__main__":
-    imported_before = "vllm_adaspec" in sys.modules
-    llm = LLM(model=job["model"], disable_log_stats=False, kv_cache_memory_bytes=2**30, **job["engine"])
-    vc = llm.llm_engine.vllm_config
-    out = {"imported_before": imported_before, "worker_cls": vc.parallel_config.worker_cls,
-           "scheduler_cls": vc.scheduler_config.scheduler_cls, "batches": []}
-    for batch in job["batches"]:
-        before = llm.collective_rpc("adaspec_stats")[0]
-        outs = llm.generate(batch["prompts"], [SamplingParams(**p) for p in batch["params"]], use_tqdm=False)
-        after = llm.collective_rpc("adaspec_stats")[0]
-        out["batches"].append({"token_ids": [list(o.outputs[0].token_ids) for o in outs],
-                               "texts": [o.outputs[0].text for o in outs],
-                               **{k: after[k] - before[k] for k in ("tree_verified", "accepted_drafts")}})
-    llm.llm_engine.engine_core.shutdown()
-    print("@@" + json.dumps(out), flush=True)
-"""
-
-
 def compiled(engine: dict) -> dict:
     """vLLM's default mode: no enforce_eager (the model compiled by inductor, piecewise around attention), and at
     start-up vLLM's profile run, whose dummy sampler run sends dummy drafts for an empty batch through the rejection
     sampler (our tree sampler): what every GPU start does too."""
     return {k: v for k, v in engine.items() if k != "enforce_eager"}
-
-
-def test_readmes_llm_example_starts_in_vllms_default_mode_and_mixed_tree_batches_stay_exact(smollm2, plain_greedy,
-                                                                                           tmp_path):
-    # README's LLM(...) example as a user runs it: MultiBranchProposer with its defaults (every default pool, the
-    # step cost model), vLLM's default compiled mode, a multiprocess engine. It died at start-up in the profile run
-    # (IndexError in the tree sampler) before the dummy run was let through.
-    engine = compiled({**ENGINE, "speculative_config": {"model": "vllm_adaspec.MultiBranchProposer",
-                                                        "num_speculative_tokens": 16}})
-    job = {"model": smollm2, "engine": engine, "batches": [TREE_MIX]}  # one multiprocess engine
-    env = default_env(multiprocess=True, workdir=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", AUTODISCOVERY], input=json.dumps(job), capture_output=True,
-                          text=True, env=env, timeout=900)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("@@")), None)
-    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = json.loads(line[2:])
-    assert got["imported_before"] is False
-    assert got["worker_cls"] == "vllm_adaspec.engine.cpu_worker.AdaspecCPUWorker"
-    assert got["scheduler_cls"] == "vllm_adaspec.engine.scheduler.AdaspecScheduler"
-    (mix,) = got["batches"]
-    # greedy tree rows and greedy penalised rows equal plain (eager) decoding; sampled rows verify trees too (their
-    # distribution: test_engine_multibranch.py's exact test of the same tree sampler)
-    assert mix["token_ids"][:4] == plain_greedy["tree_mix"]["token_ids"][:4]
-    # its drafts land (in this mode on this CPU the cost model finds few trees worth their rows: issue 42's audit)
-    assert mix["accepted_drafts"] > 20, mix
 
 
 def test_early_exit_trees_in_vllms_default_compiled_mode(smollm2, plain_greedy, tree_engines):

@@ -513,15 +513,15 @@ EMULATION = str(Path(__file__).resolve().parent / "gpu_emulation")
 GPU_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[4], PROMPTS[7], PROMPTS[8], PROMPTS[0]]
 
 
-def _params(mode: str) -> list:
+def _params(mode: str, tokens: int = 40) -> list:
     """Speculation forced to trees whenever a request drafts (or off: the reference). The first request has a
     min_tokens setting (its trees are verified one by one on the host, each row with its own path's output), three
     are plain greedy (verified in one batch on the device); two sample, not compared: one seeded (one by one), one
     not (sample-and-match in the device batch)."""
     xargs = {"extra_args": {"adaspec_speculation": mode}}
-    greedy = {"temperature": 0.0, "max_tokens": 40, **xargs}
-    return ([{**greedy, "min_tokens": 4}] + [greedy] * 3 + [{"temperature": 0.8, "seed": 3, "max_tokens": 24, **xargs},
-                                                           {"temperature": 0.1, "max_tokens": 40, **xargs}])
+    greedy = {"temperature": 0.0, "max_tokens": tokens, **xargs}
+    return ([{**greedy, "min_tokens": 4}] + [greedy] * 3 + [{"temperature": 0.8, "seed": 3, "max_tokens": min(tokens, 24),
+                                                            **xargs}, {"temperature": 0.1, "max_tokens": tokens, **xargs}])
 
 
 @pytest.fixture(scope="module")
@@ -534,7 +534,9 @@ def gpu_path_runs(tiny_llama) -> dict:
     host = EngineHost(env={**default_env(), "ADASPEC_EMULATE_GPU": "1",
                            "PYTHONPATH": os.pathsep.join([EMULATION, os.environ.get("PYTHONPATH", "")])})
     base = {**ENGINE, "max_model_len": 256, "max_num_batched_tokens": 64, "max_num_seqs": 8}
-    batches = [{"prompts": GPU_PROMPTS, "params": _params("tree")}, {"prompts": GPU_PROMPTS, "params": _params("off")}]
+    # early exit: 16 tokens a request (its draft passes run the interpreted kernel too: ~5x the time a token of
+    # MultiBranchProposer's trees; 16 still give ~80 tree rounds)
+    tokens = {"multi_branch": 40, "early_exit": 16}
     engines = {"multi_branch": {**base, "speculative_config": {"model": "vllm_adaspec.MultiBranchProposer",
                                                                "num_speculative_tokens": 8},
                                 "additional_config": {"adaspec": {"pools": ["context", "recycled"],
@@ -544,8 +546,9 @@ def gpu_path_runs(tiny_llama) -> dict:
                               "additional_config": {"adaspec": {"exit_head": "none", "exit_layer": 2,
                                                                 "cost_model": "off", "tree": {"budget": 4}}}}}
     try:
-        return {name: [b["runs"][0] for b in host.run({"model": tiny_llama, "engine": engine,
-                                                        "batches": batches})["batches"]]
+        return {name: [b["runs"][0] for b in host.run({"model": tiny_llama, "engine": engine, "batches": [
+                    {"prompts": GPU_PROMPTS, "params": _params(mode, tokens[name])} for mode in ("tree", "off")]})[
+                    "batches"]]
                 for name, engine in engines.items()}
     finally:
         host.close()

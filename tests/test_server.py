@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import ENGINE, MAX_TOKENS, PROMPTS, SPEC
+from conftest import ENGINE, MAX_TOKENS, PROMPTS, SPEC, TREE_MIX
 from vllm_adaspec.harness import default_env
 
 pytestmark = pytest.mark.engine
@@ -40,13 +40,15 @@ def post(url, body, stream=False):
 
 
 @contextlib.contextmanager
-def serving(model, work, speculative: dict, additional: dict | None = None, env: dict | None = None):
+def serving(model, work, speculative: dict, additional: dict | None = None, env: dict | None = None,
+            eager: bool = True):
     """`adaspec serve MODEL` as README says (vllm serve itself dies on the CPU build), float32, on a free loopback
-    port; yields (base url, server process). Stopped by SIGTERM to its PID. env: added to the server's."""
+    port; yields (base url, server process). Stopped by SIGTERM to its PID. env: added to the server's. eager=False:
+    vLLM's default compiled mode (README's command as written; inductor and the profile run at start-up)."""
     port = free_port()
     cmd = [
         os.path.join(os.path.dirname(sys.executable), "adaspec"), "serve", model,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", ENGINE["dtype"], "--enforce-eager",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", ENGINE["dtype"], *(["--enforce-eager"] if eager else []),
         "--max-model-len", str(ENGINE["max_model_len"]), "--seed", "0", "--kv-cache-memory-bytes", str(2**30),
         "--speculative-config", json.dumps(speculative),
     ] + (["--additional-config", json.dumps(additional)] if additional else [])
@@ -156,7 +158,9 @@ def test_metrics_show_adaspec_drafting(server):
 # (vllm_adaspec/faults.py): each is contained, the soak's outputs stay exact and /metrics counts them.
 SOAK_FAULTS = {"suffix": 3, "tree_plan": 4, "trie": 10}
 SOAK_CONFIGS = {
-    # README's first configuration: MultiBranchProposer with every default (trees on this CPU)
+    # README's `adaspec serve` command as written: MultiBranchProposer with every default (trees on this CPU) in
+    # vLLM's default compiled mode, whose start-up profile run sends dummy drafts through our tree sampler (it died
+    # there once, the README's own examples with it)
     "multibranch default": ({"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": 16}, None),
     # early-exit trees, and chains for the requests that ask for them: the module's server above
     "early exit": None,
@@ -203,6 +207,11 @@ def soak_jobs(model):
         _, prompt, params = FEATURES[FEATURE_NAMES.index(name)]
         jobs.append({"body": {"model": model, "prompt": prompt, "temperature": 0.0, **params}})
         kinds.append(("feature", name))
+    # greedy rows with a repetition penalty (each tree row sees its own path's penalty state) and seeded sampling
+    # beside them (conftest.TREE_MIX)
+    for i in (2, 3, 4):
+        jobs.append({"body": {"model": model, "prompt": TREE_MIX["prompts"][i], **TREE_MIX["params"][i]}})
+        kinds.append(("tree_mix", i))
     for i, xargs in ((3, {"adaspec_speculation": "off"}), (5, {"adaspec_speculation": "tree", "adaspec_max_drafts": 2}),
                      (0, {"adaspec_speculation": "chain"})):
         jobs.append({"body": {"model": model, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS[i], "temperature": 0.0,
@@ -223,6 +232,10 @@ def soak_round(base, model, plain_greedy) -> dict:
     for (kind, what), res in zip(kinds, results):
         if kind == "greedy":  # equal to the same request served alone (plain decoding, float32)
             assert res["status"] == 200 and res["text"] == plain_greedy["mixed"]["texts"][what], (kind, what, res)
+        elif kind == "tree_mix":  # penalised greedy rows as plain decoding; the sampled row served
+            assert res["status"] == 200 and res["text"], (kind, what, res)
+            if TREE_MIX["params"][what]["temperature"] == 0.0:
+                assert res["text"] == plain_greedy["tree_mix"]["texts"][what], (kind, what, res)
         elif kind == "max_model_len":
             assert res["status"] == 200 and res["finish_reason"] == "length" and res["text"] == edge_text, res
         elif kind == "malformed":
@@ -270,7 +283,7 @@ def test_soak_outputs_exact_bad_requests_4xx_nothing_left_running(config, smollm
     spec, additional = SOAK_CONFIGS[config]
     faults = SOAK_FAULTS if config == "multibranch default" else {}
     env = {"VLLM_ADASPEC_INJECT_FAULTS": ",".join(f"{k}@{n}" for k, n in faults.items())} if faults else None
-    with serving(smollm2, tmp_path, spec, additional, env=env) as (base, _):
+    with serving(smollm2, tmp_path, spec, additional, env=env, eager=False) as (base, _):
         m = soak_round(base, smollm2, plain_greedy)
     # the injected faults were contained (the server served every request exactly) and counted
     assert total(m, "vllm:adaspec_drafter_faults_total") == len(faults), m
