@@ -47,7 +47,7 @@ def main(argv=None) -> int:
             results = run_jobs(base, jobs)
             seconds = time.perf_counter() - t0
             bad = sum(1 for (kind, _), res in zip(kinds, results)
-                      if (kind in ("greedy", "max_model_len", "dropped") and res["status"] != 200)
+                      if (kind in ("greedy", "tree_mix", "max_model_len", "dropped") and res["status"] != 200)
                       or (kind == "malformed" and not (res["status"] and 400 <= res["status"] < 500)))
             time.sleep(2.0)  # the engine notices vanished clients, the drafter writes its snapshot
             m = scrape(base)
