@@ -10,7 +10,7 @@
 
 import pytest
 
-from conftest import ENGINE, MAX_TOKENS, SPEC, assert_identical, greedy_batch
+from conftest import ENGINE, SPEC, assert_identical, greedy_batch
 
 pytestmark = pytest.mark.engine
 
@@ -91,5 +91,4 @@ def test_greedy_tree_decoding_in_vllms_default_compiled_mode_is_identical_to_pla
     assert cst["tree_verified"] == 0 and cst["verified_drafts"] > 0, cst
     tree_rate = st["accepted_drafts"] / st["tree_rounds"]
     chain_rate = cst["accepted_drafts"] / (cst["verified_drafts"] / 8)
-    print("accepted a round: tree", tree_rate, "chain", chain_rate)
     assert tree_rate > 1.15 * chain_rate, (tree_rate, chain_rate, st["tree_accepted_depth"])

@@ -520,8 +520,8 @@ def _params(mode: str, tokens: int = 40) -> list:
     not (sample-and-match in the device batch)."""
     xargs = {"extra_args": {"adaspec_speculation": mode}}
     greedy = {"temperature": 0.0, "max_tokens": tokens, **xargs}
-    return ([{**greedy, "min_tokens": 4}] + [greedy] * 3 + [{"temperature": 0.8, "seed": 3, "max_tokens": min(tokens, 24),
-                                                            **xargs}, {"temperature": 0.1, "max_tokens": tokens, **xargs}])
+    seeded = {"temperature": 0.8, "seed": 3, "max_tokens": min(tokens, 24), **xargs}
+    return [{**greedy, "min_tokens": 4}] + [greedy] * 3 + [seeded, {"temperature": 0.1, "max_tokens": tokens, **xargs}]
 
 
 @pytest.fixture(scope="module")
@@ -546,10 +546,12 @@ def gpu_path_runs(tiny_llama) -> dict:
                               "additional_config": {"adaspec": {"exit_head": "none", "exit_layer": 2,
                                                                 "cost_model": "off", "tree": {"budget": 4}}}}}
     try:
-        return {name: [b["runs"][0] for b in host.run({"model": tiny_llama, "engine": engine, "batches": [
-                    {"prompts": GPU_PROMPTS, "params": _params(mode, tokens[name])} for mode in ("tree", "off")]})[
-                    "batches"]]
-                for name, engine in engines.items()}
+        out = {}
+        for name, engine in engines.items():
+            batches = [{"prompts": GPU_PROMPTS, "params": _params(mode, tokens[name])} for mode in ("tree", "off")]
+            out[name] = [b["runs"][0] for b in host.run({"model": tiny_llama, "engine": engine,
+                                                         "batches": batches})["batches"]]
+        return out
     finally:
         host.close()
 
