@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -58,6 +59,7 @@ from vllm_adaspec.kernels import kv_compaction as kc  # noqa: E402
 from vllm_adaspec.kernels import tree_attention as ta  # noqa: E402
 from vllm_adaspec.kernels import tree_verify as tv  # noqa: E402
 from vllm_adaspec.step import DraftPlan  # noqa: E402
+from vllm_adaspec.trees import step_plan  # noqa: E402
 
 DEVICE = "cpu" if ARGS.cpu else "cuda"
 
@@ -151,6 +153,8 @@ def step_batch(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, hea
     run("plan", lambda: rt.begin_step(req_ids, qs, roots, positions, spec, plans, t, seq_lens, set(), set()))
     step = rt.step
     assert step is not None and len(step.requests) == trees
+    if step_plan.compiled():  # the Python the compiled plan replaced, on the same trees (its arrays only)
+        run("plan's arrays, Python", lambda: rt.prepare_reference(replace(step)))
     md = SimpleNamespace(num_actual_tokens=t, slot_mapping=slot_mapping, block_table=table)
     run("attention, every layer", lambda: [rt.attend(None, d ** -0.5, q, None, None, kv, md, out)
                                             for kv in layers_kv])
@@ -322,7 +326,8 @@ def main() -> int:
         say("needs a CUDA GPU (or --cpu)")
         return 2
     say(f"device: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu (interpreter)'}, torch "
-        f"{torch.__version__}, triton {__import__('triton').__version__}")
+        f"{torch.__version__}, triton {__import__('triton').__version__}; the step's plan: "
+        + ("compiled (numba)" if step_plan.compiled() else "Python (numba not installed here)"))
     ok = check_kernel()
     ok &= check_step()
     say(f"device check: {'PASS' if ok else 'FAIL'}")

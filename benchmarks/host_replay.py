@@ -470,6 +470,8 @@ def main() -> None:
     p.add_argument("--digest", action="store_true",
                    help="one replay per batch size on the simulated clock alone; print a digest of every drafted "
                         "token and plan (a host-side change that must not change decisions leaves it the same)")
+    p.add_argument("--cprofile", default=None, metavar="FILE",
+                   help="with --one: a cProfile of the replay loop alone (not start-up) to FILE")
     p.add_argument("--one", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # child: batch size, MB
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -510,7 +512,15 @@ def main() -> None:
     if args.one is not None:  # one replay, in a process of its own (a second replay in the same process runs
         # slower: the first one's objects stay and the garbage collector walks them)
         b, mb = args.one
+        if args.cprofile:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         r = replay(data, b, settings, model, mb, acc, args.max_tokens, heads_once)
+        if args.cprofile:
+            prof.disable()
+            prof.dump_stats(args.cprofile)
         r["parts"] = {label: 1e3 * acc[label][0] / r["steps"] for label, _, _ in parts}
         r["parts"][SHADOW] = 1e3 * acc[SHADOW][0] / r["steps"]
         r["host"] = [sum(r["host_ms"]) / r["steps"], sum(r["host_ms"]) / r["steps"] - r["parts"][HEADS]]

@@ -234,6 +234,82 @@ def test_the_gpu_plan_is_the_trees_packed_as_the_reference_packers_pack_them():
             assert got == [int(start[r.row]) + min(j, len(r.tree)) for j in range(width + 1)]
 
 
+def _device_fields(dev) -> dict:
+    """A DeviceStep's every tensor and host value, its launch's index tensors and split plan included."""
+    import dataclasses
+
+    out = {f.name: getattr(dev, f.name) for f in dataclasses.fields(dev) if f.name not in ("launch", "trees", "chains")}
+    out.update({f"chains[{i}]": v for i, v in enumerate(dev.chains)})
+    if dev.trees is not None:
+        out.update({f"trees.{f.name}": getattr(dev.trees, f.name) for f in dataclasses.fields(dev.trees)})
+    launch = dev.launch
+    out.update({f"launch.{name}": getattr(launch, name) for name in ("prefix_lens", "tree_lens", "cu_rows", "bits",
+                                                                      "q_rows", "bt_rows", "block_q", "splits")})
+    return out
+
+
+def test_the_compiled_gpu_plan_equals_the_python_one_array_for_array():
+    """GPUTreeRuntime.prepare plans a step in one compiled pass (trees/step_plan.py, numba) straight into its staging
+    buffers; prepare_reference is the Python it replaces. On random steps (1-8 requests; trees of 1-64 nodes: one to
+    three ancestor words; few tokens, so equal siblings; draft-branch rows; greedy, sampled and other requests; batch
+    rows with chains or no drafts) every array and host value of the step's device side is the same: dtype, shape and
+    contents."""
+    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.trees import step_plan
+
+    assert step_plan.compiled()  # numba comes with vLLM
+    g = np.random.default_rng(7)
+    checked = 0
+    for trial in range(120):
+        b = int(g.integers(1, 9))
+        req_ids = [f"r{i}" for i in range(b)]
+        plans = {}
+        most = (5, 17, 40, 65)[trial % 4]
+        for r in req_ids:
+            u = g.random()
+            n = int(g.integers(1, most))
+            parents = [-1] + [int(g.integers(-1, i)) if g.random() < 0.6 else i - 1 for i in range(1, n)]
+            tokens = tuple(int(t) for t in g.integers(0, 3, n))
+            if u < 0.7:  # a tree, some with draft-branch rows (read, not verified)
+                branch = int(g.integers(0, n)) if g.random() < 0.3 else 0
+                plans[r] = DraftPlan(tokens, tuple(parents), tree_path=True, verified=n - branch)
+            elif u < 0.85:  # a chain
+                plans[r] = DraftPlan(tokens, None)
+        spec = {r: list(p.tokens) for r, p in plans.items()}
+        qs = np.concatenate([[0], np.cumsum([1 + len(spec.get(r, ())) for r in req_ids])])
+        kinds = {r: ("greedy", "sampled", None)[int(g.integers(0, 3))] for r in req_ids}
+        step = plan_step(req_ids, qs, g.integers(10, 3000, b), spec, plans, int(qs[-1]))
+        if step is None:
+            continue
+        rt = GPUTreeRuntime("cpu", plain=kinds.get, max_rows=65)
+        rt.heads, rt.block_q = (32, 8, 128), 4
+        want = _device_fields(rt.prepare_reference(step).device)
+        got = _device_fields(rt.prepare(step).device)
+        assert want.keys() == got.keys()
+        for name, w in want.items():
+            v = got[name]
+            if isinstance(w, torch.Tensor):
+                assert w.dtype == v.dtype and w.shape == v.shape and torch.equal(w, v), (trial, name, w, v)
+            else:
+                assert w == v, (trial, name, w, v)
+        checked += 1
+    assert checked > 100
+
+
+def test_without_numba_the_gpu_plan_is_the_python_one(monkeypatch):
+    """numba comes with vLLM; where it cannot be imported, prepare plans in Python (the same arrays, slower)."""
+    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.trees import step_plan
+
+    calls = []
+    monkeypatch.setattr(step_plan, "njit", None)
+    monkeypatch.setattr(GPUTreeRuntime, "prepare_reference", lambda self, step: calls.append(step) or step)
+    rt = GPUTreeRuntime("cpu", max_rows=65)
+    step = plan_step(["a"], np.array([0, 3]), np.array([5]), {"a": [1, 2]},
+                     {"a": DraftPlan((1, 2), (-1, -1), tree_path=True)}, 3)
+    assert rt.prepare(step) is step and calls == [step]
+
+
 def test_nothing_in_the_gpu_step_reads_a_device_value(monkeypatch):
     """On the meta device (tensors without values) a host read of a device value raises: the step from planning to
     compaction, with vLLM's chain indices, greedy and sampled trees verified in the batch, a tree verified on the host
@@ -608,7 +684,8 @@ def _steps_of_every_width(rt, ta, k: int, g, widths=None) -> None:
 def test_no_kernel_variant_compiles_after_start_up(triton_interpret, monkeypatch):
     """Start-up compiles every variant of the tree kernel a step can launch (kernels/tree_attention.warm_up, on the
     engine's own caches and block table too): steps of every tree width, with and without the split reduction,
-    launch none other (on a GPU: no compile inside a forward). Triton specializes on pointer alignment: with the
+    launch none other (on a GPU: no compile inside a forward), and the host's plan (numba) is compiled there too.
+    Triton specializes on pointer alignment: with the
     staged index arrays at unaligned offsets (as before), steps meet variants start-up never compiled."""
     import vllm_adaspec.engine.gpu_tree_runtime as gtr
     from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
@@ -627,7 +704,13 @@ def test_no_kernel_variant_compiles_after_start_up(triton_interpret, monkeypatch
         rt.ready([torch.zeros(80, HKV, BS, 2 * D)], torch.zeros(64, 40, dtype=torch.int32))
         return rt
 
+    from vllm_adaspec.trees import step_plan
+
+    plan_warm_ups = []
+    warm_up = step_plan.warm_up
+    monkeypatch.setattr(step_plan, "warm_up", lambda: plan_warm_ups.append(warm_up()))
     rt = engine()
+    assert len(plan_warm_ups) == 1 and step_plan._plan.signatures  # the host's compiled plan too
     warm = len(ta.VARIANTS.warm)
     # split writing the output, reducing its own partials (2 .. FUSED_MAX_SPLITS chunks), writing partials; reduction
     assert warm == 4, ta.VARIANTS.warm

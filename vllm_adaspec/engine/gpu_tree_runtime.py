@@ -35,6 +35,7 @@ from vllm_adaspec.engine.tree_runtime import TreeRuntime, TreeStep
 from vllm_adaspec.engine.tree_sampler import chain_indices
 from vllm_adaspec.kernels import kv_compaction, tree_verify
 from vllm_adaspec.kernels import tree_attention as kernels
+from vllm_adaspec.trees import step_plan
 from vllm_adaspec.trees.batch import TreeBatch, draw_rows, pack_words, representative_rows, walk_order
 from vllm_adaspec.trees.tree import ancestor_rows, split_words
 
@@ -77,6 +78,24 @@ class StagingBuffer:
         self.turn = 0
         self.align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
 
+    def reserve(self, size: int) -> np.ndarray:
+        """The next turn's host buffer (numpy, at least `size` elements) to fill, then `send`."""
+        total = max(1, size)
+        self.turn ^= 1
+        t = self.turn
+        if self.host[t] is None or self.host[t].numel() < total:
+            cap = 1 << math.ceil(math.log2(total))
+            self.host[t] = torch.empty(cap, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            self.dev[t] = torch.empty(cap, dtype=self.dtype, device=self.device)
+            self.flat[t] = self.host[t].numpy()
+        return self.flat[t]
+
+    def send(self, size: int) -> torch.Tensor:
+        """The first `size` elements of the reserved buffer on the device (one copy), as one flat tensor."""
+        t = self.turn
+        self.dev[t][:max(1, size)].copy_(self.host[t][:max(1, size)], non_blocking=True)
+        return self.dev[t][:size]
+
     def upload(self, arrays: list) -> list[torch.Tensor]:
         """Each array's device copy, all from one transfer: numpy arrays keep their shape, Python lists are 1-D. In the
         buffer the lists come first, laid out as one Python list and converted once, then each numpy array; the device
@@ -99,20 +118,11 @@ class StagingBuffer:
             starts.append(at)
             spans += (n, -n % a_)
             at += n + spans[-1]
-        total = max(1, at)
-        self.turn ^= 1
-        t = self.turn
-        if self.host[t] is None or self.host[t].numel() < total:
-            cap = 1 << math.ceil(math.log2(total))
-            self.host[t] = torch.empty(cap, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-            self.dev[t] = torch.empty(cap, dtype=self.dtype, device=self.device)
-            self.flat[t] = self.host[t].numpy()
-        host = self.flat[t]
+        host = self.reserve(at)
         host[:len(flat)] = flat
         for i, s in zip(arrs, starts):
             host[s:s + arrays[i].size] = arrays[i].reshape(-1)
-        self.dev[t][:total].copy_(self.host[t][:total], non_blocking=True)
-        parts = self.dev[t][:at].split_with_sizes(spans)[::2]
+        parts = self.send(at).split_with_sizes(spans)[::2]
         out = [None] * len(arrays)
         for i, p in zip(lists + arrs, parts):
             a = arrays[i]
@@ -205,6 +215,8 @@ class GPUTreeRuntime(TreeRuntime):
         if not err <= kernels.TOLERANCE[dtype]:
             raise RuntimeError(f"the tree-attention kernel is off by {err:.3g} on {self.device} in {dtype} at its "
                                f"start-up check (at most {kernels.TOLERANCE[dtype]} allowed)")
+        if step_plan.compiled():
+            step_plan.warm_up()  # the host's compiled plan too: nothing compiles while serving
 
     def ready(self, kv_caches: list, block_table: torch.Tensor) -> None:
         """vLLM allocated the KV cache and the block table: the kernel's variants launched once more on the engine's
@@ -247,6 +259,66 @@ class GPUTreeRuntime(TreeRuntime):
     def prepare(self, step: TreeStep | None) -> TreeStep | None:
         if step is None:
             return None
+        if step_plan.compiled():
+            return self._prepare_compiled(step)
+        return self.prepare_reference(step)
+
+    def _prepare_compiled(self, step: TreeStep) -> TreeStep:
+        """`prepare_reference`'s arrays from one compiled pass over the trees (trees/step_plan.py), written straight
+        into the staging buffers: the host's Python is a few list joins and views."""
+        reqs = step.requests
+        parents, tokens, sizes, verified, starts, roots, rows, greedy, sampled = [], [], [], [], [], [], [], [], []
+        for k, r in enumerate(reqs):
+            tree = r.tree
+            parents += tree.parent_list
+            tokens += tree.token_list
+            sizes.append(len(tree.parent_list))
+            verified.append(r.num_verified)
+            starts.append(r.start)
+            roots.append(r.root_pos)
+            rows.append(r.row)
+            kind = self.plain(r.req_id)
+            if kind == "greedy":
+                greedy.append(k)
+            elif kind == "sampled":
+                sampled.append(k)
+        batched = greedy + sampled
+        width = max(sizes)
+        words = max(1, -(-(width + 1) // 32))
+        num_drafts = np.asarray(step.num_drafts, dtype=np.int64)
+        arr = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
+        n_long, n_int = step_plan.buffer_sizes(len(parents), len(reqs), len(batched), len(num_drafts),
+                                               int(num_drafts.sum()), width, words, ALIGN_BYTES)
+        host_long, host_int = self._long.reserve(n_long), self._int.reserve(n_int)
+        long_spans, int_spans, num = step_plan.plan_arrays(
+            arr(parents), arr(tokens), arr(sizes), arr(verified), arr(starts), arr(roots), arr(rows), arr(batched),
+            num_drafts, width, words, host_long, host_int, ALIGN_BYTES)
+        long_spans, int_spans = long_spans.tolist(), int_spans.tolist()
+        dev = self._long.send(sum(long_spans)).split_with_sizes(long_spans)[::2]
+        ints = self._int.send(sum(int_spans)).split_with_sizes(int_spans)[::2]
+        d_q_rows, d_cu, d_roots, d_bt_rows, d_bits, d_seq = ints
+        d_bits = d_bits.view(-1, words)
+        (d_node_rows, d_node_pos, d_rows, d_starts, d_sizes, d_batched, d_logit_rows, d_keep, d_cu_draft,
+         d_cu_sampled, d_firsts, d_batched_rows) = dev[:12]
+        rb = len(batched)
+        d_logit_rows = d_logit_rows.view(rb, width + 1)
+        d_trees = None
+        if batched:
+            tok, par, dep, val, anc_words, order = dev[12:]
+            d_trees = TreeBatch(tok.view(rb, width), par.view(rb, width), dep.view(rb, width),
+                                val.view(rb, width).bool(), anc_words.view(rb, width + 1, words), order.view(rb, width))
+        hq, hkv, d = self.heads
+        longest = max(root + n + 1 for root, n in zip(roots, sizes))
+        plan = kernels.plan_launch(d_roots, d_cu, d_bits, d_q_rows, d_bt_rows, hq, hkv, d, max_rows=width + 1,
+                                   longest=longest, tree_lens=d_seq, block_q=self.block_q)
+        step.device = DeviceStep(plan, d_node_rows, d_node_pos, d_rows, d_seq, d_starts, d_sizes, width, batched,
+                                 len(greedy), d_batched, d_batched_rows, d_logit_rows, d_trees,
+                                 (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num.tolist()))
+        return step
+
+    def prepare_reference(self, step: TreeStep) -> TreeStep:
+        """The step's device arrays built per tree in Python: the definition `_prepare_compiled` must equal (its
+        tests), and the plan where numba is missing."""
         reqs = step.requests
         sizes = [len(r.tree) for r in reqs]
         width = max(sizes)
