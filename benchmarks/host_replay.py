@@ -335,6 +335,7 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     from vllm_adaspec.engine.tree_runtime import plan_step
     from vllm_adaspec.kernels.tree_attention import tile_rows
     from vllm_adaspec.requests import bonus_rows
+    from vllm_adaspec.trees.step_plan import warm_up as warm_up_plan
     from vllm_adaspec.step import Taps
 
     from profile_step import SHADOW
@@ -346,6 +347,7 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     driver = make_driver(model_path, settings_json, port)
     gpu = GPUTreeRuntime("cpu", plain=lambda r: "greedy", max_rows=65)
     gpu.heads, gpu.block_q = (32, 8, 128), tile_rows(65, 32, 8)  # Llama-3-8B's heads
+    warm_up_plan()  # as an engine's start-up does (GPUTreeRuntime.attached): no compile inside the replay
     sink = np.zeros(max(1, evict_mb) << 18, dtype=np.float32) if evict_mb else None  # evict_mb MB
     hidden_size = data[0]["hidden"].shape[1]
     steps = tokens = forwards = tree_steps = nodes = 0

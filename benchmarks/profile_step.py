@@ -121,12 +121,15 @@ def shadow_gpu_planning(acc, model: str) -> None:
     from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
     from vllm_adaspec.engine.tree_runtime import TreeRuntime
     from vllm_adaspec.kernels.tree_attention import tile_rows
+    from vllm_adaspec.trees import step_plan
 
     with open(os.path.join(model, "config.json")) as f:
         cfg = _json.load(f)
     hq, hkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     shadow = GPUTreeRuntime("cpu", plain=lambda r: "greedy", max_rows=65)
     shadow.heads, shadow.block_q = (hq, hkv, cfg["hidden_size"] // hq), tile_rows(65, hq, hkv)
+    if step_plan.compiled():
+        step_plan.warm_up()  # as an engine's start-up does: no compile inside the measured steps
     base = TreeRuntime.prepare
 
     def prepare(self, step):
