@@ -335,7 +335,10 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     from vllm_adaspec.engine.tree_runtime import plan_step
     from vllm_adaspec.kernels.tree_attention import tile_rows
     from vllm_adaspec.requests import bonus_rows
-    from vllm_adaspec.trees.step_plan import warm_up as warm_up_plan
+    try:
+        from vllm_adaspec.trees.step_plan import warm_up as warm_up_plan
+    except ImportError:  # --against a tree from before the compiled plan
+        warm_up_plan = lambda: None  # noqa: E731
     from vllm_adaspec.step import Taps
 
     from profile_step import SHADOW
