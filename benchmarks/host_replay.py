@@ -503,7 +503,8 @@ def main() -> None:
     heads_once = lambda folder: built.setdefault(folder, heads(folder))  # noqa: E731
 
     acc = defaultdict(lambda: [0.0, 0])
-    parts = [(label, where, name) for label, where, name in PARTS if where and where.startswith("vllm_adaspec")]
+    parts = [(label, where, name) for label, where, name in PARTS  # the drafter's and the plan's (no forward here)
+             if where and where.startswith("vllm_adaspec") and ":TreeRuntime" not in where]
     if args.fine:  # the drafter's smaller parts too (nested timers cost ~1 us a call: compare parts, not totals)
         parts += FINE
     install(acc, parts)
