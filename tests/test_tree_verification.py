@@ -50,10 +50,11 @@ def test_gather_reads_the_paged_cpu_layout(isa, bs, d):
     assert torch.equal(gk, k) and torch.equal(gv, v)
 
 
-@pytest.mark.parametrize("root_pos", [0, 5, 70])
+@pytest.mark.parametrize("root_pos", [0, 5, 70, 600])
 def test_tree_rows_equal_causal_attention_along_each_path(root_pos):
     """verify_attention for one request: its rows' keys and values come from the layer's inputs, the prefix from
-    the paged cache; each row must equal causal attention over the prefix, the root and its own path."""
+    the paged cache; each row must equal causal attention over the prefix, the root and its own path (from 512
+    prefix tokens on, the query heads folded into the rows: tree_runtime.FOLD_FROM)."""
     g = torch.Generator().manual_seed(root_pos)
     tree = DraftTree(torch.arange(7), torch.tensor([-1, -1, 0, 0, 1, 2, 4]))
     n1 = len(tree) + 1
@@ -92,11 +93,17 @@ def _check_tree_rows(output, query, req, kk, vv, scale=0.125):
         torch.testing.assert_close(output[req.start + 1 + node], want, rtol=1e-5, atol=1e-5)
 
 
-def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_attention_along_each_path():
+@pytest.mark.parametrize("fold_from", [0, 10 ** 9])
+def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_attention_along_each_path(fold_from,
+                                                                                                    monkeypatch):
     """What the CPU attention patch runs per layer (verify_attention): tree requests of different lengths and tree
     sizes packed between other rows; each request's prefix copied once and extended step by step (a second step
     must see what changed after the first, and must not re-read final positions), the rows' own keys and values
-    taken from the layer's inputs; vLLM's seq_lens of tree requests cut to their rows."""
+    taken from the layer's inputs; vLLM's seq_lens of tree requests cut to their rows. With the query heads folded
+    into the rows and without (fold_from: tree_runtime.FOLD_FROM)."""
+    import vllm_adaspec.engine.tree_runtime as tree_runtime
+
+    monkeypatch.setattr(tree_runtime, "FOLD_FROM", fold_from)
     g = torch.Generator().manual_seed(11)
     trees = [DraftTree(torch.arange(7), torch.tensor([-1, -1, 0, 0, 1, 2, 4])),
              DraftTree(torch.arange(2), torch.tensor([-1, -1])),

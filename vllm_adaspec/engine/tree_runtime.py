@@ -35,6 +35,12 @@ from vllm_adaspec.step import DraftMask
 from vllm_adaspec.trees import DraftTree, ancestor_mask, copy_capacity
 
 
+# Prefix length from which a tree request's query heads are folded into its rows (verify_attention): measured on
+# the project's CPU with SmolLM2's heads (9 / 3), 8-16 nodes: unfolded 0.91-0.95 of the old path's time at 200-400
+# keys (folded 0.91-1.07), folded 0.85-0.90 from 600 keys on (unfolded 0.94-0.96).
+FOLD_FROM = 512
+
+
 @dataclass
 class TreeRequest:
     row: int  # batch row (input_batch order)
@@ -42,7 +48,8 @@ class TreeRequest:
     start: int  # flattened index of the root's row; nodes follow at start + 1 + i
     root_pos: int
     tree: DraftTree
-    visible: torch.Tensor | None = None  # [1, 1, n + 1, root + n + 1] bool, built by the first layer
+    visible: torch.Tensor | None = None  # the rows' additive mask over their keys (0 / -inf), built by the first layer
+    # ([1, 1, n + 1, root + n + 1], or its rows repeated per query head of a kv head where the heads are folded)
     branch_rows: int = 0  # the last nodes are draft-branch rows (pools/branches.py): read, not verified
     _mask: torch.Tensor | None = None
 
@@ -89,8 +96,9 @@ class SequenceKV:
     """One tree request's K, V in one attention layer, contiguous: positions 0..final-1 are final (committed and
     compacted: never written again), so a step gathers from the paged cache only what came after them (nothing when
     the request's last step was a tree: `advance_copies` kept its accepted rows); the rows of the current forward
-    (root + nodes) are written right after the prefix, as scratch."""
-    k: torch.Tensor  # [capacity, H, D]
+    (root + nodes) are written right after the prefix, as scratch. Head-major: each kv head's keys are one matrix,
+    as SDPA reads them (a [capacity, H, D] copy made SDPA gather them, ~5% of its time)."""
+    k: torch.Tensor  # [H, capacity, D]
     v: torch.Tensor
     final: int = 0
 
@@ -237,7 +245,7 @@ class TreeRuntime:
         """Positions held by all requests' copies, counted once per request (every layer holds the same)."""
         held: dict[str, int] = {}
         for (req_id, _), seq in self.copies.items():
-            held[req_id] = max(held.get(req_id, 0), seq.k.shape[0])
+            held[req_id] = max(held.get(req_id, 0), seq.k.shape[1])
         return sum(held.values())
 
     # --- attention (the tree backend, every layer) ---
@@ -294,16 +302,17 @@ class TreeRuntime:
         key = (req_id, cache.data_ptr())
         seq = self.copies.get(key)
         start = 0 if seq is None else min(seq.final, root)
-        if seq is None or seq.k.shape[0] < root + rows:
+        if seq is None or seq.k.shape[1] < root + rows:
             _, h, _, d2 = cache.shape
             cap = copy_capacity(root + rows)
-            k = cache.new_empty((cap, h, d2 // 2))
-            v = cache.new_empty((cap, h, d2 // 2))
+            k = cache.new_empty((h, cap, d2 // 2))
+            v = cache.new_empty((h, cap, d2 // 2))
             if seq is not None:
-                k[:start], v[:start] = seq.k[:start], seq.v[:start]
+                k[:, :start], v[:, :start] = seq.k[:, :start], seq.v[:, :start]
             seq = self.copies[key] = SequenceKV(k, v)
         if start < root:
-            seq.k[start:root], seq.v[start:root] = gather_cpu_kv(cache, block_row, root, isa, start=start)
+            k, v = gather_cpu_kv(cache, block_row, root, isa, start=start)  # [root - start, H, D]
+            seq.k[:, start:root], seq.v[:, start:root] = k.transpose(0, 1), v.transpose(0, 1)
         seq.final = root
         return seq
 
@@ -313,22 +322,31 @@ class TreeRuntime:
         """The tree rows of one attention layer of a verification forward, written into `output` [T, Hq, D]: for
         each tree request, its rows' queries (query [T, Hq, D]) attend to the prefix (its contiguous copy) and to
         the rows' own keys and values of this forward (key, value [T, Hkv, D]) under the ancestor mask, in one SDPA
-        call."""
+        call. Over a long prefix the query heads of a kv head are folded into its rows (each key read once for all
+        of them, not once a head: 10-15% less time from 600 keys on, slower under ~400: FOLD_FROM)."""
+        _, hq, d = query.shape
+        hkv = key.shape[1]
+        group = hq // hkv
         for r in step.requests:
             n1 = len(r.tree) + 1
             rows = slice(r.start, r.start + n1)
             seq = self.sequence_kv(cache, block_table[r.row], r.req_id, r.root_pos, n1, isa)
             end = r.root_pos + n1
-            seq.k[r.root_pos:end], seq.v[r.root_pos:end] = key[rows], value[rows]
-            if r.visible is None:  # [1, 1, n1, root + n1]: the whole prefix, then ancestors-or-self among the rows
-                vis = torch.ones(n1, end, dtype=torch.bool)
-                vis[:, r.root_pos:] = r.mask
-                r.visible = vis[None, None]
-            out = F.scaled_dot_product_attention(
-                query[rows].transpose(0, 1)[None], seq.k[:end].transpose(0, 1)[None],
-                seq.v[:end].transpose(0, 1)[None], attn_mask=r.visible, scale=scale,
-                enable_gqa=query.shape[1] != key.shape[1])  # [1, Hq, n1, D]
-            output[rows] = out[0].transpose(0, 1).to(output.dtype)
+            seq.k[:, r.root_pos:end], seq.v[:, r.root_pos:end] = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
+            fold = group > 1 and r.root_pos >= FOLD_FROM
+            if r.visible is None:  # the whole prefix, then ancestors-or-self among the rows (an additive mask)
+                bias = torch.zeros(n1, end, dtype=query.dtype)
+                bias[:, r.root_pos:].masked_fill_(~r.mask, -math.inf)
+                r.visible = (bias.repeat_interleave(group, 0) if fold else bias)[None, None]
+            k, v = seq.k[None, :, :end], seq.v[None, :, :end]  # [1, Hkv, end, D]
+            if fold:  # [1, Hkv, n1 * group, D]: row i * group + j is row i's query head j of the kv head
+                q = query[rows].view(n1, hkv, group, d).transpose(0, 1).reshape(1, hkv, n1 * group, d)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=r.visible, scale=scale)
+                output[rows] = out.view(hkv, n1, group, d).transpose(0, 1).reshape(n1, hq, d).to(output.dtype)
+            else:
+                out = F.scaled_dot_product_attention(query[rows].transpose(0, 1)[None], k, v, attn_mask=r.visible,
+                                                     scale=scale, enable_gqa=group > 1)  # [1, Hq, n1, D]
+                output[rows] = out[0].transpose(0, 1).to(output.dtype)
 
     # --- after sampling (the tree sampler) ---
     def take_step(self) -> TreeStep | None:
@@ -391,5 +409,5 @@ class TreeRuntime:
                 if seq is None or seq.final != r.root_pos:
                     continue
                 if moves:
-                    seq.k[dst], seq.v[dst] = seq.k[src], seq.v[src]
+                    seq.k[:, dst], seq.v[:, dst] = seq.k[:, src], seq.v[:, src]
                 seq.final = r.root_pos + 1 + len(path)
