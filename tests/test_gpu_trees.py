@@ -296,18 +296,31 @@ def test_the_compiled_gpu_plan_equals_the_python_one_array_for_array():
     assert checked > 100
 
 
-def test_without_numba_the_gpu_plan_is_the_python_one(monkeypatch):
-    """numba comes with vLLM; where it cannot be imported, prepare plans in Python (the same arrays, slower)."""
+def test_without_numba_or_when_it_fails_the_gpu_plan_is_the_python_one(monkeypatch, caplog):
+    """numba comes with vLLM; where it cannot be imported, or its plan fails to compile at start-up, prepare plans in
+    Python (the same arrays, slower), said once in the log: the engine starts and serves."""
     from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
     from vllm_adaspec.trees import step_plan
 
     calls = []
-    monkeypatch.setattr(step_plan, "njit", None)
     monkeypatch.setattr(GPUTreeRuntime, "prepare_reference", lambda self, step: calls.append(step) or step)
-    rt = GPUTreeRuntime("cpu", max_rows=65)
     step = plan_step(["a"], np.array([0, 3]), np.array([5]), {"a": [1, 2]},
                      {"a": DraftPlan((1, 2), (-1, -1), tree_path=True)}, 3)
+
+    def broken():
+        raise RuntimeError("no LLVM here")
+
+    monkeypatch.setattr(step_plan, "warm_up", broken)
+    rt = GPUTreeRuntime("cpu", max_rows=65)
+    assert rt.compiled_plan and not rt.plan_ready() and not rt.plan_ready()
     assert rt.prepare(step) is step and calls == [step]
+    assert [r.message for r in caplog.records].count(
+        "vllm_adaspec: the compiled tree-step plan failed at start-up (RuntimeError: no LLVM here); steps are planned "
+        "in Python") == 1
+    monkeypatch.setattr(step_plan, "njit", None)  # numba missing
+    rt = GPUTreeRuntime("cpu", max_rows=65)
+    assert not rt.compiled_plan and not rt.plan_ready()
+    assert rt.prepare(step) is step and calls == [step, step]
 
 
 def test_nothing_in_the_gpu_step_reads_a_device_value(monkeypatch):

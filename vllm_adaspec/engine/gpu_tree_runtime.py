@@ -24,6 +24,7 @@ the Triton interpreter), the same code runs there.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -196,6 +197,7 @@ class GPUTreeRuntime(TreeRuntime):
         self.block_nodes = tree_verify.block_nodes(max_rows)  # the verification kernel's tile (fixed per engine)
         self._layers = (None, None)  # (the caches' key, kv_compaction.layer_offsets of them): built at start-up
         self._views: dict[int, tuple] = {}  # id(a layer's cache) -> (the cache, its K view, its V view)
+        self.compiled_plan, self._plan_checked = step_plan.compiled(), False  # `plan_ready`
 
     def attached(self, impls: list, dtype: torch.dtype) -> None:
         """The model's layers are built: their heads, and every kernel variant a step can launch compiled and checked
@@ -215,8 +217,22 @@ class GPUTreeRuntime(TreeRuntime):
         if not err <= kernels.TOLERANCE[dtype]:
             raise RuntimeError(f"the tree-attention kernel is off by {err:.3g} on {self.device} in {dtype} at its "
                                f"start-up check (at most {kernels.TOLERANCE[dtype]} allowed)")
-        if step_plan.compiled():
-            step_plan.warm_up()  # the host's compiled plan too: nothing compiles while serving
+        self.plan_ready()
+
+    def plan_ready(self) -> bool:
+        """The host's compiled plan (trees/step_plan.py) compiled now, at start-up, so that nothing compiles while
+        serving; where numba is missing or fails here, steps are planned by the Python reference (the same arrays).
+        Whether plans run compiled."""
+        if self.compiled_plan and not self._plan_checked:
+            self._plan_checked = True
+            try:
+                step_plan.warm_up()
+            except Exception as e:
+                self.compiled_plan = False
+                logging.getLogger("vllm_adaspec").warning(
+                    "vllm_adaspec: the compiled tree-step plan failed at start-up (%s: %s); steps are planned in "
+                    "Python", type(e).__name__, e)
+        return self.compiled_plan
 
     def ready(self, kv_caches: list, block_table: torch.Tensor) -> None:
         """vLLM allocated the KV cache and the block table: the kernel's variants launched once more on the engine's
@@ -259,7 +275,7 @@ class GPUTreeRuntime(TreeRuntime):
     def prepare(self, step: TreeStep | None) -> TreeStep | None:
         if step is None:
             return None
-        if step_plan.compiled():
+        if self.compiled_plan:
             return self._prepare_compiled(step)
         return self.prepare_reference(step)
 

@@ -277,9 +277,18 @@ def _close(spans, part, o, length, align):
     return o + pad, part + 1
 
 
-if njit is not None:  # compiled on first call (cached on disk by numba; GPUTreeRuntime calls it at start-up)
-    _close = njit(cache=True)(_close)
-    _plan = njit(cache=True)(_plan)
+def _compiled(fn):
+    """fn compiled by numba on its first call, its machine code cached on disk (beside this file, else in the user's
+    cache folder); where neither is writable, compiled anew at every start."""
+    try:
+        return njit(cache=True)(fn)
+    except Exception:  # numba: "cannot cache function ...: no locator available"
+        return njit(fn)
+
+
+if njit is not None:  # (GPUTreeRuntime compiles it at start-up: `warm_up`)
+    _close = _compiled(_close)
+    _plan = _compiled(_plan)
 
 
 def plan_arrays(parents: np.ndarray, tokens: np.ndarray, sizes: np.ndarray, verified: np.ndarray, starts: np.ndarray,
