@@ -296,6 +296,28 @@ def test_the_compiled_gpu_plan_equals_the_python_one_array_for_array():
     assert checked > 100
 
 
+def test_a_malformed_plan_raises_instead_of_writing_past_its_buffers():
+    """The compiled plan checks its indices: inputs no planned step can have (a parent after its node, which
+    DraftTree refuses first) raise IndexError, which begin_step contains as a planning fault; they never write past
+    the staging buffers (in a process of its own: an unchecked write could take the process down)."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import numpy as np
+        from vllm_adaspec.trees import step_plan
+        a = lambda *x: np.array(x, np.int64)
+        n_long, n_int = step_plan.buffer_sizes(1, 1, 1, 1, 1, 1, 1)
+        try:
+            step_plan.plan_arrays(a(40), a(5), a(1), a(1), a(0), a(9), a(0), a(0), a(1), 1, 1,
+                                  np.zeros(n_long, np.int64), np.zeros(n_int, np.int32))
+        except IndexError as e:
+            print("IndexError:", e)
+        """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "IndexError: index is out of bounds" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_without_numba_or_when_it_fails_the_gpu_plan_is_the_python_one(monkeypatch, caplog):
     """numba comes with vLLM; where it cannot be imported, or its plan fails to compile at start-up, prepare plans in
     Python (the same arrays, slower), said once in the log: the engine starts and serves."""

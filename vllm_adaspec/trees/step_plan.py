@@ -279,11 +279,13 @@ def _close(spans, part, o, length, align):
 
 def _compiled(fn):
     """fn compiled by numba on its first call, its machine code cached on disk (beside this file, else in the user's
-    cache folder); where neither is writable, compiled anew at every start."""
+    cache folder); where neither is writable, compiled anew at every start. Bounds checked: an index out of range
+    raises IndexError (a planning fault, contained: the step verifies chains) instead of writing past a buffer; it
+    costs 2-8% of the plan (`benchmarks/plan_cost.py`)."""
     try:
-        return njit(cache=True)(fn)
+        return njit(cache=True, boundscheck=True)(fn)
     except Exception:  # numba: "cannot cache function ...: no locator available"
-        return njit(fn)
+        return njit(boundscheck=True)(fn)
 
 
 if njit is not None:  # (GPUTreeRuntime compiles it at start-up: `warm_up`)
