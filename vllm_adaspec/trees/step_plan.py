@@ -2,9 +2,9 @@
 `GPUTreeRuntime.prepare` uploads, written straight into its two staging buffers.
 
 The same arrays built per tree in Python (`GPUTreeRuntime.prepare_reference`, kept as the definition the tests
-compare with, and the plan where numba is missing) cost the host ~20-30 us a tree: at batch 8 the plan was 0.24 ms
-of the host side on the project's CPU and 0.6 ms on an H200's host (issue 41, whose target for plan, verification
-and compaction together is 5% of an 8B step: ~0.35 ms at batch 8). A step of R
+compare with, and the plan where numba is missing) cost the host ~20-30 us a tree: at 8 trees x 16 nodes the plan
+was 0.3 ms on the project's CPU (0.14 compiled: benchmarks/plan_cost.py) and 0.6 ms on an H200's host (issue 41,
+whose target for plan, verification and compaction together is 5% of an 8B step: ~0.35 ms at batch 8). A step of R
 trees (N nodes in all, T = N + R rows) over B batch rows, Rb of its trees verified in one batch (`batched`), the
 most nodes of a tree `width`, `words` 32-bit words of ancestor bits a row:
 
@@ -317,7 +317,7 @@ def compiled() -> bool:
 
 def warm_up() -> None:
     """Compile the plan now (start-up), not in a request's first tree step: one step of one two-node tree. numba
-    caches the machine code on disk, so later starts load it (~0.3 s) instead of compiling it (~3 s)."""
+    caches the machine code on disk, so later starts load it (~0.3 s) instead of compiling it (~4.5 s here)."""
     a = lambda *x: np.array(x, np.int64)  # noqa: E731
     n_long, n_int = buffer_sizes(2, 1, 1, 1, 2, 2, 1)
     plan_arrays(a(-1, 0), a(5, 6), a(2), a(2), a(0), a(9), a(0), a(0), a(2), 2, 1, np.zeros(n_long, np.int64),
