@@ -312,25 +312,8 @@ class GPUTreeRuntime(TreeRuntime):
         long_spans, int_spans = long_spans.tolist(), int_spans.tolist()
         dev = self._long.send(sum(long_spans)).split_with_sizes(long_spans)[::2]
         ints = self._int.send(sum(int_spans)).split_with_sizes(int_spans)[::2]
-        d_q_rows, d_cu, d_roots, d_bt_rows, d_bits, d_seq = ints
-        d_bits = d_bits.view(-1, words)
-        (d_node_rows, d_node_pos, d_rows, d_starts, d_sizes, d_batched, d_logit_rows, d_keep, d_cu_draft,
-         d_cu_sampled, d_firsts, d_batched_rows) = dev[:12]
-        rb = len(batched)
-        d_logit_rows = d_logit_rows.view(rb, width + 1)
-        d_trees = None
-        if batched:
-            tok, par, dep, val, anc_words, order = dev[12:]
-            d_trees = TreeBatch(tok.view(rb, width), par.view(rb, width), dep.view(rb, width),
-                                val.view(rb, width).bool(), anc_words.view(rb, width + 1, words), order.view(rb, width))
-        hq, hkv, d = self.heads
         longest = max(root + n + 1 for root, n in zip(roots, sizes))
-        plan = kernels.plan_launch(d_roots, d_cu, d_bits, d_q_rows, d_bt_rows, hq, hkv, d, max_rows=width + 1,
-                                   longest=longest, tree_lens=d_seq, block_q=self.block_q)
-        step.device = DeviceStep(plan, d_node_rows, d_node_pos, d_rows, d_seq, d_starts, d_sizes, width, batched,
-                                 len(greedy), d_batched, d_batched_rows, d_logit_rows, d_trees,
-                                 (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num.tolist()))
-        return step
+        return self._device_step(step, ints, dev, width, words, batched, len(greedy), longest, num.tolist())
 
     def prepare_reference(self, step: TreeStep) -> TreeStep:
         """The step's device arrays built per tree in Python: the definition `_prepare_compiled` must equal (its
@@ -380,19 +363,27 @@ class GPUTreeRuntime(TreeRuntime):
                                  for a, shape in zip(longs, shapes)])
         ints = self._int.upload([q_rows, cu, [r.root_pos for r in reqs], rows, int32_words(words64),
                                  [n + 1 for n in sizes]])
+        longest = max(r.root_pos + n + 1 for r, n in zip(reqs, sizes))
+        return self._device_step(step, ints, dev, width, words, batched, len(greedy), longest, num)
+
+    def _device_step(self, step: TreeStep, ints: list, longs: list, width: int, words: int, batched: list[int],
+                     greedy: int, longest: int, num: list[int]) -> TreeStep:
+        """step.device from the staged arrays (their device views, in trees/step_plan.py's order; shaped here) and the
+        kernel's launch plan."""
         d_q_rows, d_cu, d_roots, d_bt_rows, d_bits, d_seq = ints
         (d_node_rows, d_node_pos, d_rows, d_starts, d_sizes, d_batched, d_logit_rows, d_keep, d_cu_draft,
-         d_cu_sampled, d_firsts, d_batched_rows) = dev[:12]
+         d_cu_sampled, d_firsts, d_batched_rows) = longs[:12]
+        rb = len(batched)
         d_trees = None
         if batched:
-            tok, par, dep, val, anc_words, order = dev[12:]
-            d_trees = TreeBatch(tok, par, dep, val.bool(), anc_words, order)
+            tok, par, dep, val, anc_words, order = longs[12:]
+            d_trees = TreeBatch(tok.view(rb, width), par.view(rb, width), dep.view(rb, width),
+                                val.view(rb, width).bool(), anc_words.view(rb, width + 1, words), order.view(rb, width))
         hq, hkv, d = self.heads
-        longest = max(r.root_pos + n + 1 for r, n in zip(reqs, sizes))
-        plan = kernels.plan_launch(d_roots, d_cu, d_bits, d_q_rows, d_bt_rows, hq, hkv, d, max_rows=width + 1,
-                                   longest=longest, tree_lens=d_seq, block_q=self.block_q)
+        plan = kernels.plan_launch(d_roots, d_cu, d_bits.view(-1, words), d_q_rows, d_bt_rows, hq, hkv, d,
+                                   max_rows=width + 1, longest=longest, tree_lens=d_seq, block_q=self.block_q)
         step.device = DeviceStep(plan, d_node_rows, d_node_pos, d_rows, d_seq, d_starts, d_sizes, width, batched,
-                                 len(greedy), d_batched, d_batched_rows, d_logit_rows, d_trees,
+                                 greedy, d_batched, d_batched_rows, d_logit_rows.view(rb, width + 1), d_trees,
                                  (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num))
         return step
 
