@@ -33,7 +33,8 @@ PARTS = [
     ("    prepare inputs", None, "_prepare_inputs"),  # instance attribute: adaspec wraps it per runner
     ("    model forward", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_model_forward"),
     ("      attention (all layers)", "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl", "forward"),
-    ("        tree rows' attention", "vllm_adaspec.engine.tree_runtime:TreeRuntime", "verify_attention"),
+    # (after vLLM's kernel, in the tree backend's forward: beside the line above, not inside it)
+    ("      tree rows' attention (all layers)", "vllm_adaspec.engine.tree_runtime:TreeRuntime", "verify_attention"),
     ("  sample_tokens", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "sample_tokens"),
     ("    sample / verify", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_sample"),
     ("      tree KV compaction", "vllm_adaspec.engine.tree_runtime:TreeRuntime", "finish_step"),
