@@ -262,9 +262,9 @@ def medusa_from(model_path: str, data: list[dict] | None = None, cache_dir: Path
     return build
 
 
-def make_driver(model_path: str, settings_json: dict, port: ReplayPort):
+def make_driver(model_path: str, settings_json: dict, port: ReplayPort, device: str = "cuda"):
     """A MultiBranchProposer's driver with the settings start-up would resolve for this model, and the cost model's
-    prior of a CUDA engine for an 8B model."""
+    prior of a CUDA engine for an 8B model (device "cpu": of this model on the CPU engine)."""
     from transformers import AutoConfig
 
     from vllm_adaspec.config import parse_adaspec_config, resolve_config
@@ -291,7 +291,8 @@ def make_driver(model_path: str, settings_json: dict, port: ReplayPort):
     from vllm_adaspec.policies.cost_model import model_parameters, prior_for
 
     prior = driver_mod.engine_prior
-    driver_mod.engine_prior = lambda cfg: prior_for("cuda", model_parameters(big))  # the 8B's curve
+    driver_mod.engine_prior = lambda cfg: (prior_for("cuda", model_parameters(big)) if device == "cuda"
+                                           else prior_for("cpu"))  # the 8B's curve, or this CPU's
     try:
         driver = ReplayDriver(vllm_config, resolved)
     finally:

@@ -1,0 +1,368 @@
+"""What MultiBranchProposer's decisions make of the workload mix on this CPU, against vLLM's `suffix` and plain
+decoding, in a minute instead of an engine run (issue 42: judge an idea here before spending interleaved rounds).
+
+Each prompt's greedy continuation is known (transformers, float32, cached: `host_replay.continuations`), so greedy
+verification of any draft or tree is replayed exactly (feasibility.md's method). The real driver, pools, calibration
+and cost model decide every step; vLLM's `suffix` is replayed with the same suffix cache and its defaults (K 24,
+depth 24, spec factor 1.0, min token prob 0.1: `SuffixDecodingProposer.propose`). The forward is simulated: its
+seconds are the CPU prior of the step cost model (`policies.cost_model.VERIFY_COST` and its per-request, attention
+and tree-verification terms) at a plain one-request step of `--unit` seconds, so ours is judged by the costs it
+believes in (the audit found them within ~5% of this machine's, RESULTS session 25); prefill and drafting time are
+not counted (tok/s here is decode only: ratios run larger than an engine's). Each type's prompts run as one queue of
+`--batch-size` (vLLM with max_num_seqs), the types one after another in one driver and one suffix cache (as the
+interleaved benchmark's engines see them).
+
+    .venv/bin/python benchmarks/decision_replay.py --batch-size 8 --num-prompts 8 --offset 7
+    .venv/bin/python benchmarks/decision_replay.py --batch-size 1 --settings '{}' '{"pools": ["suffix"]}'
+    .venv/bin/python benchmarks/decision_replay.py --settings '{}' '{"env": {"VLLM_ADASPEC_X": "1"}}'  # a switch
+
+Prints per type: tau (tokens per target forward, every forward counted), drafted and accepted rows per forward,
+simulated tok/s over plain, and each of ours over `suffix`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import host_replay as hr  # noqa: E402
+
+SUFFIX = {"k": 24, "depth": 24, "factor": 1.0, "min_prob": 0.1}  # vLLM's suffix decoding at its defaults
+
+
+# This machine's compiled-mode steps (RESULTS session 29, `verify_cost.py --batches 1 8 --k 16 --rounds 8 --calls 4`):
+# relative to a one-row step (20.1 ms) by the rows of a step in all, rows 1-17 from batch 1, 16-136 from batch 8
+# (24.4 ms at 8 rows: 0.7 ms of it the 7 more requests' own, ~0.005 each); a tree request adds ~0.12 of a one-row
+# step and each of its rows ~0.005 (tree / chain 1.12-1.16 at batch 1, 1.14-1.34 at batch 8 from 8 rows a request).
+MEASURED = {1: 1.0, 2: 1.05, 3: 1.11, 4: 1.04, 6: 1.08, 8: 1.18, 10: 1.23, 12: 1.22, 14: 1.37, 16: 1.36, 17: 1.43,
+            24: 1.60, 32: 1.93, 48: 2.55, 64: 3.15, 80: 3.69, 96: 4.17, 112: 4.86, 128: 5.60, 136: 5.74}
+
+
+def cpu_step(unit: float, truth: str = "measured"):
+    """(batch, rows, tree requests, tree rows, attention load) -> simulated seconds of a CPU verification step:
+    this machine's measured compiled-mode curve, or the cost model's CPU prior (truth="prior")."""
+    from vllm_adaspec.policies.cost_model import ATTENTION_PRIOR, Prior, StepCostModel, prior_for
+
+    truth = StepCostModel(prior_for("cpu") if truth == "prior" else Prior(MEASURED, 0.005, ATTENTION_PRIOR, 0.12, 0.005))
+    truth.unit = unit
+    return lambda batch, rows, treqs=0, trows=0, att=0.0: truth.predict(batch, rows, treqs, trows, att)
+
+
+def run_queue(data: list[dict], ks: list[int], batch_size: int, max_tokens: int, draft, verify, step_s) -> dict:
+    """Continuous batching of requests `ks` (a finished request's place goes to the next): draft(batch, made, got)
+    -> drafts per batch entry; verify(k, made, drafts) -> (tokens committed, tree?). Returns the counters."""
+    plen = {k: len(data[k]["prompt"]) for k in ks}
+    limit = {k: min(max_tokens, len(data[k]["cont"])) for k in ks}
+    made, queue = {k: 0 for k in ks}, list(ks)[::-1]
+    batch = [queue.pop() for _ in range(min(batch_size, len(queue)))]
+    got = {k: [data[k]["cont"][0]] for k in batch}
+    c = {"tokens": 0, "forwards": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "tree_steps": 0,
+         "output": {k: [] for k in ks}}  # output: the tokens committed per request (= its continuation: lossless)
+    while batch:
+        for k in batch:
+            made[k] += len(got[k])
+            c["tokens"] += len(got[k])
+            c["output"][k] += got[k]
+        drafts = draft(batch, made, got)
+        done = [k for k in batch if made[k] >= limit[k]]
+        keep = [(k, d) for k, d in zip(batch, drafts) if k not in done]
+        batch = [k for k, _ in keep]
+        drafts = [d[:max(0, limit[k] - made[k] - 1)] for k, d in keep]  # the scheduler's max_tokens cap
+        new = [queue.pop() for _ in range(min(len(done), len(queue)))]
+        verify.before(batch, drafts, new, done)
+        if not batch and not new:
+            break
+        rows = len(batch) + sum(map(len, drafts))
+        att = sum((1 + len(d)) * (plen[k] + made[k]) for k, d in zip(batch, drafts)) / 1000
+        got, tree_reqs, tree_rows = {}, 0, 0
+        for k, d in zip(batch, drafts):
+            got[k], tree = verify(k, made[k], d)
+            c["drafted"] += len(d)
+            c["accepted"] += len(got[k]) - 1
+            tree_reqs += tree
+            tree_rows += len(d) if tree else 0
+        for k in new:
+            got[k] = [data[k]["cont"][0]]
+        c["tree_steps"] += tree_reqs > 0
+        if batch:  # prefills alone: not counted (every method pays them alike)
+            c["seconds"] += step_s(len(batch), rows, tree_reqs, tree_rows, att)
+            c["forwards"] += len(batch)
+            c["steps"] += 1
+        verify.after(batch, new, got)
+        batch = batch + new
+    c["forwards"] += len(ks)  # each request's first token: its prefill's forward
+    return c
+
+
+class Plain:
+    def __init__(self, data):
+        self.data = data
+
+    def draft(self, batch, made, got):
+        return [[] for _ in batch]
+
+    def __call__(self, k, at, d):
+        return [self.data[k]["cont"][at]], False
+
+    def before(self, *a):
+        pass
+
+    def after(self, *a):
+        pass
+
+
+class VllmSuffix(Plain):
+    """SuffixDecodingProposer.propose at vLLM's defaults on one shared cache."""
+
+    def __init__(self, data, names):
+        super().__init__(data)
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache, self.names = SuffixDecodingCache(max_tree_depth=SUFFIX["depth"], max_cached_requests=10000), names
+
+    def draft(self, batch, made, got):
+        out = []
+        for k in batch:
+            r, d = self.names[k], self.data[k]
+            if r not in self.cache.active_requests:
+                self.cache.start_request(r, np.asarray(d["prompt"], dtype=np.int32))
+            self.cache.add_active_response(r, got[k])
+            seq = d["prompt"] + d["cont"][:made[k]]
+            pattern = np.asarray(seq[-SUFFIX["depth"]:], dtype=np.int32)
+            out.append(list(self.cache.speculate(r, pattern, max_spec_tokens=SUFFIX["k"],
+                                                 max_spec_factor=SUFFIX["factor"],
+                                                 min_token_prob=SUFFIX["min_prob"]).token_ids))
+        return out
+
+    def __call__(self, k, at, d):
+        cont, a = self.data[k]["cont"], 0
+        while a < len(d) and at + a < len(cont) and d[a] == cont[at + a]:
+            a += 1
+        return list(d[:a]) + [cont[min(at + a, len(cont) - 1)]], False
+
+    def before(self, batch, drafts, new, done):
+        for k in done:
+            self.cache.stop_request(self.names[k])
+
+
+class Ours(Plain):
+    """MultiBranchProposer's driver as the engine runs it (host_replay's port; the clock is the simulated one)."""
+
+    def __init__(self, data, names, driver, port, clock, step_s):
+        super().__init__(data)
+        self.names, self.driver, self.port, self.clock, self.step_s = names, driver, port, clock, step_s
+        self.medusa = "medusa" in driver.drafter.pools
+        self.plen = [len(d["prompt"]) for d in data]
+        self.token_ids = np.zeros((len(data), max(self.plen) + 512), dtype=np.int32)
+        for k, d in enumerate(data):
+            self.token_ids[k, :self.plen[k]] = d["prompt"]
+        self.pending = None  # the last step's batch, for the port's results
+
+    def start(self, batch):
+        from vllm_adaspec.step import Taps
+
+        self.port.verified_rows, self.port.results = None, {}
+        self.port.taps = Taps(hidden=torch.stack([self.data[k]["hidden"][self.plen[k] - 1] for k in batch])
+                              if self.medusa else None)
+
+    def draft(self, batch, made, got):
+        port = self.port
+        for k in batch:
+            s = self.plen[k] + made[k]
+            self.token_ids[k, s - len(got[k]):s] = got[k]
+        port.req_ids = [self.names[k] for k in batch]
+        port.num_prompt = np.array([self.plen[k] for k in batch])
+        port.temperature = np.zeros(len(batch), dtype=np.float32)
+        num_tokens = np.array([self.plen[k] + made[k] for k in batch])
+        self.made = made
+        return self.driver.propose([got[k] for k in batch], num_tokens, self.token_ids[batch])
+
+    def before(self, batch, drafts, new, done):
+        names = self.names
+        scheduled = {names[k]: 1 + len(d) for k, d in zip(batch, drafts)}
+        scheduled.update({names[k]: self.plen[k] for k in new})
+        self.spec = {names[k]: d for k, d in zip(batch, drafts) if d}
+        self.driver.on_schedule(scheduled, self.spec, [names[k] for k in done])
+        self.rows, self.results, self.lens = 0, {}, []
+        self.port.req_ids = [names[k] for k in batch + new]
+
+    def __call__(self, k, at, d):
+        plan = self.driver.plans.get(self.names[k])
+        cont = self.data[k]["cont"]
+        path, tree = hr.accepted_path(plan.scheduled(len(d)), cont, at) if d else ([], False)
+        got = [plan.tokens[j] for j in path] + [cont[at + len(path)]]
+        if tree:
+            self.results[len(self.lens)] = (path, got[-1], ())
+        self.lens.append(len(d))
+        return got, tree
+
+    def after(self, batch, new, got):
+        from vllm_adaspec.requests import bonus_rows
+        from vllm_adaspec.step import Taps
+
+        self.clock.offset = self.clock_total  # the driver's clock: the simulated forwards so far
+        port = self.port
+        port.results, port.verified_rows = self.results, self.lens + [0] * len(new)
+        if self.medusa:
+            at_rows = bonus_rows([len(got[k]) for k in batch + new], port.verified_rows,
+                                 {r: p for r, (p, *_) in self.results.items()})
+            h = torch.zeros(len(batch) + len(new) + sum(port.verified_rows), self.data[0]["hidden"].shape[1])  # [rows, H]
+            for row, k in enumerate(batch + new):
+                j = self.plen[k] + (self.made[k] + len(got[k]) - 2 if k in batch else -1)
+                h[at_rows[row]] = self.data[k]["hidden"][j]
+            port.taps = Taps(hidden=h)
+        else:
+            port.taps = Taps()
+
+
+def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tokens, step_s, heads) -> dict:
+    import vllm_adaspec.proposers.driver as driver_mod
+
+    env = settings.pop("env", {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    clock = hr.SimClock(simulated=True)
+    real_time = driver_mod.time
+    driver_mod.time = types.SimpleNamespace(perf_counter=clock.perf_counter, time=lambda: clock.offset)
+    try:
+        from vllm_adaspec.observers import CostAudit
+
+        port = hr.ReplayPort(heads)
+        audit = CostAudit()
+        port.observers.append(audit)
+        driver = hr.make_driver(model, settings, port, device="cpu")
+        ours = Ours(data, names, driver, port, clock, step_s)
+        out = {}
+        total = [0.0]
+
+        def timed(*a):  # the step's seconds also advance the driver's clock
+            s = step_s(*a)
+            total[0] += s
+            ours.clock_total = total[0]
+            return s
+
+        for ds, ks in by_type.items():
+            ours.start(ks[:batch_size])
+            ours.clock_total = total[0]
+            seen = set(audit.rounds)
+            out[ds] = run_queue(data, ks, batch_size, max_tokens, ours.draft, ours, timed)
+            rounds = [r for rid in set(audit.rounds) - seen for r in audit.rounds[rid]]
+            out[ds]["expected / committed"] = sum(r[0] for r in rounds) / max(1, sum(r[1] for r in rounds))
+            out[ds]["proposals"] = len(rounds)
+        out["reliability"] = audit.reliability
+        return out
+    finally:
+        driver_mod.time = real_time
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--datasets", nargs="+", default=["mix"])
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per type")
+    p.add_argument("--offset", type=int, default=7, help="skip each type's first prompts (unseen ones: 7 on)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--settings", nargs="+", default=["{}"], help="MultiBranchProposer settings, JSON each "
+                   "(an \"env\" key sets environment variables for that replay)")
+    p.add_argument("--unit", type=float, default=0.03, help="seconds of a plain one-request step")
+    p.add_argument("--truth", choices=("measured", "prior"), default="measured",
+                   help="the simulated step: this machine's measured compiled curve, or the cost model's CPU prior")
+    p.add_argument("--out", default=None, help="JSON of every cell")
+    p.add_argument("--reliability", action="store_true", help="also print each replay's reliability table")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    import vllm_adaspec.pools.medusa as medusa_pool
+    from vllm_adaspec.data.prompts import WORKLOAD_MIX, load_prompts
+    from vllm_adaspec.models import resolve_model
+
+    model = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(model)
+    sets = [d for ds in args.datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
+    data, by_type = [], {}
+    for ds in sets:  # (cached per type: any choice of types reuses them)
+        got = load_prompts(ds, args.offset + args.num_prompts, tokenizer=tok)[args.offset:]
+        by_type[ds] = list(range(len(data), len(data) + len(got)))
+        data += hr.continuations(model, got, args.max_tokens, ROOT / "benchmarks" / "out")
+    names = [f"r{k}" for k in range(len(data))]
+    hr.RANKED = medusa_pool.ranked_tokens
+    medusa_pool.ranked_tokens = hr.ranked_on_device
+    heads = hr.medusa_from(model, data, ROOT / "benchmarks" / "out")
+    built = {}
+    heads_once = lambda folder: built.setdefault(folder, heads(folder))  # noqa: E731
+    step_s = cpu_step(args.unit, args.truth)
+
+    cells = {}
+    for name, method in (("plain", Plain(data)), ("suffix", VllmSuffix(data, names))):
+        cells[name] = {ds: run_queue(data, ks, args.batch_size, args.max_tokens, method.draft, method, step_s)
+                       for ds, ks in by_type.items()}
+    for s in args.settings:
+        cells[f"ours {s}"] = replay_ours(data, by_type, names, json.loads(s), model, args.batch_size,
+                                         args.max_tokens, step_s, heads_once)
+        print(f"[replay] {s} done", file=sys.stderr, flush=True)
+
+    rel = {m: per.pop("reliability") for m, per in cells.items() if "reliability" in per}
+    for per in cells.values():
+        for ds, c in per.items():
+            ok = all(out == data[k]["cont"][:len(out)] and len(out) >= min(args.max_tokens, len(data[k]["cont"]))
+                     for k, out in c.pop("output").items())
+            assert ok, f"{ds}: a replay committed other tokens than the continuation"
+    speed = {m: {ds: c["tokens"] / c["seconds"] for ds, c in per.items()} for m, per in cells.items()}
+    head = "| task type | " + " | ".join(f"{m}: tau, drafted / forward, x plain" for m in cells if m != "plain") \
+        + " | " + " | ".join(f"{m} / suffix" for m in cells if m.startswith("ours")) + " |"
+    lines = [f"batch {args.batch_size}, prompts {args.offset}-{args.offset + args.num_prompts - 1} of each type, "
+             f"simulated CPU steps (decode only)", "", head, "|---|" + "---|" * (head.count("|") - 2)]
+    for ds in list(by_type) + ["mix"]:
+        row = []
+        for m, per in cells.items():
+            if m == "plain":
+                continue
+            if ds == "mix":
+                row.append(f"x{geo([speed[m][d] / speed['plain'][d] for d in by_type]):.3f}")
+                continue
+            c = per[ds]
+            row.append(f"{c['tokens'] / c['forwards']:.2f}, {c['drafted'] / c['forwards']:.2f}, "
+                       f"x{speed[m][ds] / speed['plain'][ds]:.3f}"
+                       + (f", exp/got {c['expected / committed']:.2f}" if "proposals" in c else ""))
+        for m in cells:
+            if m.startswith("ours"):
+                ds_list = list(by_type) if ds == "mix" else [ds]
+                row.append(f"{geo([speed[m][d] / speed['suffix'][d] for d in ds_list]):.3f}")
+        lines.append(f"| {ds} | " + " | ".join(row) + " |")
+    if args.reliability:
+        from audit_cost_model import reliability_table
+
+        for m, r in rel.items():
+            lines += ["", f"{m}: acceptance of verified nodes by calibrated path probability", "",
+                      reliability_table(r)]
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "cells": cells}, indent=1))
+    return 0
+
+
+def geo(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""benchmarks/decision_replay.py: the offline replay of decoding that judges drafting decisions on this CPU's step
+costs against vLLM's `suffix`. Its numbers mean something only if verification is replayed exactly (every method
+commits exactly the known continuation), every forward is counted, and the simulated step is the measured one."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import decision_replay as dr  # noqa: E402
+
+
+def synthetic(n: int = 3) -> list[dict]:
+    """Requests whose continuation copies a phrase of the prompt twice, then runs on with fresh tokens; in between it
+    starts the phrase and leaves it at once (a one-token match: the suffix cache drafts a wrong first token)."""
+    out = []
+    for k in range(n):
+        phrase = [100 + 10 * k + j for j in range(12)]
+        prompt = [1, 2, 3] + phrase + [4, 5] + phrase[:3]
+        cont = phrase[3:] + [7, phrase[0], 6] + phrase + [900 + k * 50 + j for j in range(20)]
+        out.append({"prompt": prompt, "cont": cont})
+    return out
+
+
+def run(method, data, batch, max_tokens=40, unit=0.02):
+    return dr.run_queue(data, list(range(len(data))), batch, max_tokens, method.draft, method, dr.cpu_step(unit))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_plain_and_suffix_commit_the_continuation_and_count_every_forward(batch):
+    data = synthetic()
+    plain = run(dr.Plain(data), data, batch)
+    suffix = run(dr.VllmSuffix(data, [f"r{k}" for k in range(len(data))]), data, batch)
+    for c in (plain, suffix):
+        for k, out in c["output"].items():
+            assert out == data[k]["cont"][:len(out)] and len(out) >= 40
+        assert c["tokens"] == sum(map(len, c["output"].values()))
+    assert plain["tokens"] == plain["forwards"] and plain["drafted"] == 0  # tau 1: one token a forward
+    # the copied phrase is drafted by the suffix cache and accepted: fewer forwards for the same tokens
+    assert suffix["drafted"] > 0 and 0 < suffix["accepted"] <= suffix["drafted"]
+    assert suffix["tokens"] == suffix["forwards"] + suffix["accepted"]
+    assert suffix["forwards"] < plain["forwards"]
+    assert suffix["seconds"] < plain["seconds"]
+
+
+def test_the_simulated_step_is_this_machines_measured_curve():
+    step = dr.cpu_step(1.0)
+    assert step(1, 1) == pytest.approx(1.0)
+    assert step(1, 8) == pytest.approx(1.18)  # batch 1, 8 rows (session 29: 1.18)
+    b8 = step(8, 8)
+    assert step(8, 32) / b8 == pytest.approx(1.62, abs=0.03)  # batch 8, 4 rows a request (session 29: 1.62)
+    assert step(8, 128) / b8 == pytest.approx(4.64, abs=0.1)  # 16 rows a request (4.64)
+    assert step(1, 8, 1, 7) - step(1, 8) == pytest.approx(0.12 + 7 * 0.005)  # a tree request's extra
+    assert step(1, 8, att=2.0) > step(1, 8)  # attention grows with context
+    prior = dr.cpu_step(1.0, "prior")
+    assert prior(1, 8) == pytest.approx(1.08)  # the cost model's own prior (VERIFY_COST)
+
+
+def test_ours_replays_the_engine_driver_losslessly():
+    """MultiBranchProposer's real driver, pools, calibration and cost model on the replay's port: every request
+    commits exactly its continuation, and the copies are drafted and accepted."""
+    from vllm_adaspec.models import resolve_model
+
+    data = synthetic()
+    names = [f"r{k}" for k in range(len(data))]
+    got = dr.replay_ours(data, {"synthetic": list(range(len(data)))}, names, {"pools": ["context", "suffix"]},
+                         resolve_model("smollm2-135m-instruct"), 2, 40, dr.cpu_step(0.02), heads=None)
+    c = got["synthetic"]
+    for k, out in c["output"].items():
+        assert out == data[k]["cont"][:len(out)] and len(out) >= 40
+    assert c["accepted"] > 0 and c["tokens"] == c["forwards"] + c["accepted"]
+    assert c["proposals"] > 0
