@@ -42,12 +42,14 @@ import host_replay as hr  # noqa: E402
 SUFFIX = {"k": 24, "depth": 24, "factor": 1.0, "min_prob": 0.1}  # vLLM's suffix decoding at its defaults
 
 
-# This machine's compiled-mode steps (RESULTS session 29, `verify_cost.py --batches 1 8 --k 16 --rounds 8 --calls 4`):
-# relative to a one-row step (20.1 ms) by the rows of a step in all, rows 1-17 from batch 1, 16-136 from batch 8
-# (24.4 ms at 8 rows: 0.7 ms of it the 7 more requests' own, ~0.005 each); a tree request adds ~0.12 of a one-row
-# step and each of its rows ~0.005 (tree / chain 1.12-1.16 at batch 1, 1.14-1.34 at batch 8 from 8 rows a request).
-MEASURED = {1: 1.0, 2: 1.05, 3: 1.11, 4: 1.04, 6: 1.08, 8: 1.18, 10: 1.23, 12: 1.22, 14: 1.37, 16: 1.36, 17: 1.43,
-            24: 1.60, 32: 1.93, 48: 2.55, 64: 3.15, 80: 3.69, 96: 4.17, 112: 4.86, 128: 5.60, 136: 5.74}
+# This machine's compiled-mode steps (the AMD EPYC of RESULTS from session 30 on; session 33, `verify_cost.py --batches
+# 1 8 --k 16 --rounds 8 --calls 4`): relative to a one-row step (30.9 ms) by the rows of a step in all, rows 1-17
+# from batch 1 (its matrix library is cheaper at 3-6 rows than at 1), 16-136 from batch 8 (34.0 ms at 8 rows: the 7
+# more requests' own share is under the noise); a tree request adds ~0.15 of a one-row step and each of its rows
+# ~0.005 (tree / chain 1.12-1.24 at batch 1 from 3 rows, 1.15-1.29 at batch 8 from 4 rows a request).
+MEASURED = {1: 1.0, 2: 1.10, 3: 0.94, 4: 0.89, 5: 0.88, 6: 0.92, 7: 1.02, 8: 1.12, 10: 1.11, 12: 1.17, 14: 1.28,
+            16: 1.40, 17: 1.41, 24: 1.90, 32: 2.24, 40: 2.61, 48: 3.39, 56: 3.54, 64: 3.76, 80: 4.44, 96: 5.21,
+            112: 6.06, 128: 6.74, 136: 7.28}
 
 
 def cpu_step(unit: float, truth: str = "measured"):
@@ -55,7 +57,7 @@ def cpu_step(unit: float, truth: str = "measured"):
     this machine's measured compiled-mode curve, or the cost model's CPU prior (truth="prior")."""
     from vllm_adaspec.policies.cost_model import ATTENTION_PRIOR, Prior, StepCostModel, prior_for
 
-    truth = StepCostModel(prior_for("cpu") if truth == "prior" else Prior(MEASURED, 0.005, ATTENTION_PRIOR, 0.12, 0.005))
+    truth = StepCostModel(prior_for("cpu") if truth == "prior" else Prior(MEASURED, 0.003, ATTENTION_PRIOR, 0.15, 0.005))
     truth.unit = unit
     return lambda batch, rows, treqs=0, trows=0, att=0.0: truth.predict(batch, rows, treqs, trows, att)
 
