@@ -35,8 +35,10 @@ PARTS = [
     ("      attention (all layers)", "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl", "forward"),
     # (after vLLM's kernel, in the tree backend's forward: beside the line above, not inside it)
     ("      tree rows' attention (all layers)", "vllm_adaspec.engine.tree_runtime:TreeRuntime", "verify_attention"),
+    ("        of which their KV copies' upkeep", "vllm_adaspec.engine.tree_runtime:TreeRuntime", "sequence_kv"),
     ("  sample_tokens", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "sample_tokens"),
     ("    sample / verify", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_sample"),
+    ("      tree sampler (trees and chains)", "vllm_adaspec.engine.tree_sampler:TreeRejectionSampler", "__call__"),
     ("      tree KV compaction", "vllm_adaspec.engine.tree_runtime:TreeRuntime", "finish_step"),
     ("    bookkeeping", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_bookkeeping_sync"),
     ("    propose (drafter)", None, "propose_draft_token_ids"),
