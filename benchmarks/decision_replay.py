@@ -1,23 +1,31 @@
 """What MultiBranchProposer's decisions make of the workload mix on this CPU, against vLLM's `suffix` and plain
-decoding, in a minute instead of an engine run (issue 42: judge an idea here before spending interleaved rounds).
+decoding, in seconds instead of an engine run (issue 42: judge an idea here before spending interleaved rounds).
 
-Each prompt's greedy continuation is known (transformers, float32, cached: `host_replay.continuations`), so greedy
-verification of any draft or tree is replayed exactly (feasibility.md's method). The real driver, pools, calibration
-and cost model decide every step; vLLM's `suffix` is replayed with the same suffix cache and its defaults (K 24,
-depth 24, spec factor 1.0, min token prob 0.1: `SuffixDecodingProposer.propose`). The forward is simulated: its
-seconds are the CPU prior of the step cost model (`policies.cost_model.VERIFY_COST` and its per-request, attention
-and tree-verification terms) at a plain one-request step of `--unit` seconds, so ours is judged by the costs it
-believes in (the audit found them within ~5% of this machine's, RESULTS session 25); prefill and drafting time are
-not counted (tok/s here is decode only: ratios run larger than an engine's). Each type's prompts run as one queue of
-`--batch-size` (vLLM with max_num_seqs), the types one after another in one driver and one suffix cache (as the
-interleaved benchmark's engines see them).
+Each prompt's greedy continuation is known (transformers, float32, cached per type: `host_replay.continuations`), so
+greedy verification of any draft or tree is replayed exactly (feasibility.md's method). The real driver, pools,
+calibration and cost model decide every step; vLLM's `suffix` is replayed with the same suffix cache at its
+defaults (K 24, depth 24, spec factor 1.0, min token prob 0.1: `SuffixDecodingProposer.propose`). The forward is
+simulated by this machine's measured compiled-mode step curve (`MEASURED`: rows, requests, tree requests and rows,
+attention by context; `--truth prior`: the cost model's own CPU prior instead), and the driver's cost model learns
+from those simulated steps. Counted besides the steps (unless --decode-only): each prompt's prefill and each
+method's host work a step (ours: the drafter, Medusa heads included; suffix: its proposer; both from profile_step.py).
+Each type's prompts run as one queue of `--batch-size` (vLLM with max_num_seqs), the types one after another in one
+driver and one suffix cache (as the interleaved benchmark's engines see them).
+
+Checked against the engine (RESULTS, session 33): on session 32's batch-1 prompts the replay gives `suffix` the
+engine's tau on every type (2.78 / 1.44 / 1.96 / 1.67 / 1.63 against 2.78 / 1.44 / 1.96 / 1.68 / 1.63), ours
+2.98 / 1.70 / 2.25 / 2.13 / 2.03 (engine 2.98 / 1.62 / 2.25 / 2.10 / 1.91), and ours / `suffix` 1.092 on the mix
+(engine 1.09, per type within 0.04).
 
     .venv/bin/python benchmarks/decision_replay.py --batch-size 8 --num-prompts 8 --offset 7
     .venv/bin/python benchmarks/decision_replay.py --batch-size 1 --settings '{}' '{"pools": ["suffix"]}'
     .venv/bin/python benchmarks/decision_replay.py --settings '{}' '{"env": {"VLLM_ADASPEC_X": "1"}}'  # a switch
+    .venv/bin/python benchmarks/decision_replay.py --settings '{}' '{"pools": ["suffix"], "host_ms": [0.3, 0.05]}'
+    .venv/bin/python benchmarks/decision_replay.py --warm 4 --settings '{}' '{"warm_calibration": true}'
 
-Prints per type: tau (tokens per target forward, every forward counted), drafted and accepted rows per forward,
-simulated tok/s over plain, and each of ours over `suffix`.
+Prints per type: tau (tokens per target forward, every forward counted), drafted rows per forward, simulated
+speed over plain, and each of ours over `suffix`. Runs every replay in this process; ~20 s once the continuations
+are cached (the first run of a prompt set computes them: ~8 s a prompt).
 """
 
 from __future__ import annotations
@@ -62,9 +70,13 @@ def cpu_step(unit: float, truth: str = "measured"):
     return lambda batch, rows, treqs=0, trows=0, att=0.0: truth.predict(batch, rows, treqs, trows, att)
 
 
-def run_queue(data: list[dict], ks: list[int], batch_size: int, max_tokens: int, draft, verify, step_s) -> dict:
+def run_queue(data: list[dict], ks: list[int], batch_size: int, max_tokens: int, draft, verify, step_s,
+              other_s=None) -> dict:
     """Continuous batching of requests `ks` (a finished request's place goes to the next): draft(batch, made, got)
-    -> drafts per batch entry; verify(k, made, drafts) -> (tokens committed, tree?). Returns the counters."""
+    -> drafts per batch entry; verify(k, made, drafts) -> (tokens committed, tree?). Returns the counters: seconds
+    (the verification steps: what the cost model sees) and engine_seconds (those, plus other_s(decoding requests,
+    prompt tokens prefilled) each step: the method's host work and the prefills)."""
+    other_s = other_s or (lambda requests, prompt_tokens: 0.0)
     plen = {k: len(data[k]["prompt"]) for k in ks}
     limit = {k: min(max_tokens, len(data[k]["cont"])) for k in ks}
     made, queue = {k: 0 for k in ks}, list(ks)[::-1]
@@ -72,6 +84,7 @@ def run_queue(data: list[dict], ks: list[int], batch_size: int, max_tokens: int,
     got = {k: [data[k]["cont"][0]] for k in batch}
     c = {"tokens": 0, "forwards": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "tree_steps": 0,
          "output": {k: [] for k in ks}}  # output: the tokens committed per request (= its continuation: lossless)
+    c["engine_seconds"] = other_s(0, sum(plen[k] for k in batch))
     while batch:
         for k in batch:
             made[k] += len(got[k])
@@ -98,8 +111,11 @@ def run_queue(data: list[dict], ks: list[int], batch_size: int, max_tokens: int,
         for k in new:
             got[k] = [data[k]["cont"][0]]
         c["tree_steps"] += tree_reqs > 0
-        if batch:  # prefills alone: not counted (every method pays them alike)
-            c["seconds"] += step_s(len(batch), rows, tree_reqs, tree_rows, att)
+        c["engine_seconds"] += other_s(len(batch), sum(plen[k] for k in new))
+        if batch:
+            s = step_s(len(batch), rows, tree_reqs, tree_rows, att)
+            c["seconds"] += s
+            c["engine_seconds"] += s
             c["forwards"] += len(batch)
             c["steps"] += 1
         verify.after(batch, new, got)
@@ -229,9 +245,20 @@ class Ours(Plain):
             port.taps = Taps()
 
 
-def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tokens, step_s, heads) -> dict:
+def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tokens, step_s, heads,
+                warm: dict | None = None, other_s=None) -> dict:
+    """warm: {type: requests} run first by a driver of their own, whose calibration counts the measured driver then
+    starts from (settings' "warm_calibration": true)."""
+    import copy
+
     import vllm_adaspec.proposers.driver as driver_mod
 
+    settings = dict(settings)
+    use_warm = settings.pop("warm_calibration", False)
+    counts = None
+    if use_warm and warm:
+        first = replay_ours(data, warm, names, settings, model, batch_size, max_tokens, step_s, heads)
+        counts = first.pop("calibration")
     env = settings.pop("env", {})
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -245,6 +272,8 @@ def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tok
         audit = CostAudit()
         port.observers.append(audit)
         driver = hr.make_driver(model, settings, port, device="cpu")
+        if counts is not None:
+            driver.drafter.calibration.counts = copy.deepcopy(counts)
         ours = Ours(data, names, driver, port, clock, step_s)
         out = {}
         total = [0.0]
@@ -259,11 +288,12 @@ def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tok
             ours.start(ks[:batch_size])
             ours.clock_total = total[0]
             seen = set(audit.rounds)
-            out[ds] = run_queue(data, ks, batch_size, max_tokens, ours.draft, ours, timed)
+            out[ds] = run_queue(data, ks, batch_size, max_tokens, ours.draft, ours, timed, other_s)
             rounds = [r for rid in set(audit.rounds) - seen for r in audit.rounds[rid]]
             out[ds]["expected / committed"] = sum(r[0] for r in rounds) / max(1, sum(r[1] for r in rounds))
             out[ds]["proposals"] = len(rounds)
         out["reliability"] = audit.reliability
+        out["calibration"] = driver.drafter.calibration.counts
         return out
     finally:
         driver_mod.time = real_time
@@ -284,7 +314,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--settings", nargs="+", default=["{}"], help="MultiBranchProposer settings, JSON each "
                    "(an \"env\" key sets environment variables for that replay)")
-    p.add_argument("--unit", type=float, default=0.03, help="seconds of a plain one-request step")
+    p.add_argument("--warm", type=int, default=0, help="prompts before --offset of each type a settings' "
+                   "\"warm_calibration\": true replays first, in a driver of its own, to start from its calibration")
+    p.add_argument("--unit", type=float, default=0.0309, help="seconds of a plain one-request step (this machine's)")
+    p.add_argument("--prefill", type=float, default=0.042,
+                   help="a prompt token's prefill, in plain one-request steps (this machine, batch 8: ~1.3 ms)")
+    p.add_argument("--ours-host-ms", type=float, nargs=2, default=[1.3, 0.18], metavar=("STEP", "REQUEST"),
+                   help="our drafter's host work a step: ms per step and per decoding request (profile_step.py)")
+    p.add_argument("--suffix-host-ms", type=float, nargs=2, default=[0.11, 0.03], metavar=("STEP", "REQUEST"),
+                   help="vLLM suffix's proposer a step (profile_step.py)")
+    p.add_argument("--decode-only", action="store_true", help="count the verification steps alone")
     p.add_argument("--truth", choices=("measured", "prior"), default="measured",
                    help="the simulated step: this machine's measured compiled curve, or the cost model's CPU prior")
     p.add_argument("--out", default=None, help="JSON of every cell")
@@ -300,10 +339,14 @@ def main(argv=None) -> int:
     model = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(model)
     sets = [d for ds in args.datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
-    data, by_type = [], {}
+    data, by_type, warm = [], {}, {}
     for ds in sets:  # (cached per type: any choice of types reuses them)
         got = load_prompts(ds, args.offset + args.num_prompts, tokenizer=tok)[args.offset:]
         by_type[ds] = list(range(len(data), len(data) + len(got)))
+        data += hr.continuations(model, got, args.max_tokens, ROOT / "benchmarks" / "out")
+    for ds in sets if args.warm else ():  # the prompts before --offset: a warm-up set ("warm_calibration")
+        got = load_prompts(ds, args.offset, tokenizer=tok)[args.offset - args.warm:]
+        warm[ds] = list(range(len(data), len(data) + len(got)))
         data += hr.continuations(model, got, args.max_tokens, ROOT / "benchmarks" / "out")
     names = [f"r{k}" for k in range(len(data))]
     hr.RANKED = medusa_pool.ranked_tokens
@@ -313,26 +356,40 @@ def main(argv=None) -> int:
     heads_once = lambda folder: built.setdefault(folder, heads(folder))  # noqa: E731
     step_s = cpu_step(args.unit, args.truth)
 
+    def other(host_ms):  # a method's host work each step (ms: per step, per decoding request) and the prefills
+        per_step, per_request = host_ms if not args.decode_only else (0.0, 0.0)
+        prefill = 0.0 if args.decode_only else args.prefill * args.unit
+        return lambda requests, prompt_tokens: (1e-3 * (per_step + per_request * requests) if requests else 0.0) \
+            + prefill * prompt_tokens
+
     cells = {}
-    for name, method in (("plain", Plain(data)), ("suffix", VllmSuffix(data, names))):
-        cells[name] = {ds: run_queue(data, ks, args.batch_size, args.max_tokens, method.draft, method, step_s)
-                       for ds, ks in by_type.items()}
+    for name, method, host in (("plain", Plain(data), (0.0, 0.0)),
+                               ("suffix", VllmSuffix(data, names), args.suffix_host_ms)):
+        cells[name] = {ds: run_queue(data, ks, args.batch_size, args.max_tokens, method.draft, method, step_s,
+                                     other(host)) for ds, ks in by_type.items()}
     for s in args.settings:
-        cells[f"ours {s}"] = replay_ours(data, by_type, names, json.loads(s), model, args.batch_size,
-                                         args.max_tokens, step_s, heads_once)
+        settings = json.loads(s)
+        host = settings.pop("host_ms", args.ours_host_ms)  # this replay's own host work, where it differs
+        cells[f"ours {s}"] = replay_ours(data, by_type, names, settings, model, args.batch_size, args.max_tokens,
+                                         step_s, heads_once, warm, other(host))
         print(f"[replay] {s} done", file=sys.stderr, flush=True)
 
     rel = {m: per.pop("reliability") for m, per in cells.items() if "reliability" in per}
+    for per in cells.values():
+        per.pop("calibration", None)
     for per in cells.values():
         for ds, c in per.items():
             ok = all(out == data[k]["cont"][:len(out)] and len(out) >= min(args.max_tokens, len(data[k]["cont"]))
                      for k, out in c.pop("output").items())
             assert ok, f"{ds}: a replay committed other tokens than the continuation"
-    speed = {m: {ds: c["tokens"] / c["seconds"] for ds, c in per.items()} for m, per in cells.items()}
+    speed = {m: {ds: c["tokens"] / c["engine_seconds"] for ds, c in per.items()} for m, per in cells.items()}
     head = "| task type | " + " | ".join(f"{m}: tau, drafted / forward, x plain" for m in cells if m != "plain") \
         + " | " + " | ".join(f"{m} / suffix" for m in cells if m.startswith("ours")) + " |"
     lines = [f"batch {args.batch_size}, prompts {args.offset}-{args.offset + args.num_prompts - 1} of each type, "
-             f"simulated CPU steps (decode only)", "", head, "|---|" + "---|" * (head.count("|") - 2)]
+             + ("simulated CPU steps, decode only" if args.decode_only else
+              f"simulated CPU steps, prefills ({args.prefill} of a step a prompt token) and host work (ours "
+              f"{args.ours_host_ms[0]} + {args.ours_host_ms[1]} ms a request, suffix {args.suffix_host_ms[0]} + "
+              f"{args.suffix_host_ms[1]}) counted"), "", head, "|---|" + "---|" * (head.count("|") - 2)]
     for ds in list(by_type) + ["mix"]:
         row = []
         for m, per in cells.items():

@@ -44,6 +44,18 @@ def test_plain_and_suffix_commit_the_continuation_and_count_every_forward(batch)
     assert suffix["seconds"] < plain["seconds"]
 
 
+def test_engine_seconds_add_the_prefills_and_the_host_work_to_the_steps():
+    data = synthetic()
+    other = lambda requests, prompt_tokens: 1e-3 * requests + 1e-4 * prompt_tokens  # noqa: E731
+    c = run(dr.VllmSuffix(data, [f"r{k}" for k in range(len(data))]), data, 2)
+    method = dr.VllmSuffix(data, [f"s{k}" for k in range(len(data))])
+    e = dr.run_queue(data, list(range(len(data))), 2, 40, method.draft, method, dr.cpu_step(0.02), other)
+    assert c["engine_seconds"] == pytest.approx(c["seconds"])  # nothing else counted by default
+    prompts = sum(len(d["prompt"]) for d in data)
+    decoding = e["forwards"] - len(data)  # (each request's first forward is its prefill's)
+    assert e["engine_seconds"] == pytest.approx(e["seconds"] + 1e-3 * decoding + 1e-4 * prompts)
+
+
 def test_the_simulated_step_is_this_machines_measured_curve():
     step = dr.cpu_step(1.0)
     assert step(1, 1) == pytest.approx(1.0)
