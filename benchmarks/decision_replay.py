@@ -271,7 +271,8 @@ def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tok
         port = hr.ReplayPort(heads)
         audit = CostAudit()
         port.observers.append(audit)
-        driver = hr.make_driver(model, settings, port, device="cpu")
+        driver = hr.make_driver(model, settings, port, device="cpu",
+                                k=settings.get("tree", {}).get("budget", 16))  # (as bench_e2e sets K)
         if counts is not None:
             driver.drafter.calibration.counts = copy.deepcopy(counts)
         ours = Ours(data, names, driver, port, clock, step_s)

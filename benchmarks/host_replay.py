@@ -262,9 +262,10 @@ def medusa_from(model_path: str, data: list[dict] | None = None, cache_dir: Path
     return build
 
 
-def make_driver(model_path: str, settings_json: dict, port: ReplayPort, device: str = "cuda"):
+def make_driver(model_path: str, settings_json: dict, port: ReplayPort, device: str = "cuda", k: int = 16):
     """A MultiBranchProposer's driver with the settings start-up would resolve for this model, and the cost model's
-    prior of a CUDA engine for an 8B model (device "cpu": of this model on the CPU engine)."""
+    prior of a CUDA engine for an 8B model (device "cpu": of this model on the CPU engine); k: vLLM's
+    num_speculative_tokens (the tree budget's cap)."""
     from transformers import AutoConfig
 
     from vllm_adaspec.config import parse_adaspec_config, resolve_config
@@ -275,7 +276,7 @@ def make_driver(model_path: str, settings_json: dict, port: ReplayPort, device: 
     hf = AutoConfig.from_pretrained(model_path)
     resolved = resolve_config(parse_adaspec_config({"adaspec": settings_json}, proposer="multi_branch"),
                               architectures=hf.architectures, num_layers=hf.num_hidden_layers,
-                              num_speculative_tokens=16, proposer="multi_branch")
+                              num_speculative_tokens=k, proposer="multi_branch")
     vllm_config = types.SimpleNamespace(
         model_config=types.SimpleNamespace(seed=0, hf_text_config=hf, tokenizer=model_path),
         parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
