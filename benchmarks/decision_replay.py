@@ -65,7 +65,8 @@ def cpu_step(unit: float, truth: str = "measured"):
     this machine's measured compiled-mode curve, or the cost model's CPU prior (truth="prior")."""
     from vllm_adaspec.policies.cost_model import ATTENTION_PRIOR, Prior, StepCostModel, prior_for
 
-    truth = StepCostModel(prior_for("cpu") if truth == "prior" else Prior(MEASURED, 0.003, ATTENTION_PRIOR, 0.15, 0.005))
+    measured = Prior(MEASURED, per_request=0.003, attention=ATTENTION_PRIOR, tree_request=0.15, tree_row=0.005)
+    truth = StepCostModel(prior_for("cpu") if truth == "prior" else measured)
     truth.unit = unit
     return lambda batch, rows, treqs=0, trows=0, att=0.0: truth.predict(batch, rows, treqs, trows, att)
 
@@ -236,7 +237,8 @@ class Ours(Plain):
         if self.medusa:
             at_rows = bonus_rows([len(got[k]) for k in batch + new], port.verified_rows,
                                  {r: p for r, (p, *_) in self.results.items()})
-            h = torch.zeros(len(batch) + len(new) + sum(port.verified_rows), self.data[0]["hidden"].shape[1])  # [rows, H]
+            rows = len(batch) + len(new) + sum(port.verified_rows)
+            h = torch.zeros(rows, self.data[0]["hidden"].shape[1])  # [rows, H]: the forward's output rows
             for row, k in enumerate(batch + new):
                 j = self.plen[k] + (self.made[k] + len(got[k]) - 2 if k in batch else -1)
                 h[at_rows[row]] = self.data[k]["hidden"][j]
