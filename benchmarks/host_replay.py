@@ -506,7 +506,8 @@ def main() -> None:
 
     acc = defaultdict(lambda: [0.0, 0])
     parts = [(label, where, name) for label, where, name in PARTS  # the drafter's and the plan's (no forward here)
-             if where and where.startswith("vllm_adaspec") and ":TreeRuntime" not in where]
+             if where and where.startswith("vllm_adaspec") and ":TreeRuntime" not in where
+             and ":TreeRejectionSampler" not in where]  # (the CPU engine's verification: not in a replay)
     if args.fine:  # the drafter's smaller parts too (nested timers cost ~1 us a call: compare parts, not totals)
         parts += FINE
     install(acc, parts)
