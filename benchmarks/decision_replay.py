@@ -142,6 +142,23 @@ class Plain:
         pass
 
 
+class VllmNgram(Plain):
+    """vLLM's `ngram` proposer as bench_e2e runs it (K 5, n-grams of 2-4 tokens): its own matching function."""
+    K, MIN_N, MAX_N = 5, 2, 4
+
+    def draft(self, batch, made, got):
+        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as find
+
+        out = []
+        for k in batch:
+            d = self.data[k]
+            seq = np.asarray(d["prompt"] + d["cont"][:made[k]], dtype=np.int32)
+            out.append(find(seq, self.MIN_N, self.MAX_N, 1 << 20, self.K).tolist())
+        return out
+
+    __call__ = None  # (set below: suffix's greedy check)
+
+
 class VllmSuffix(Plain):
     """SuffixDecodingProposer.propose at vLLM's defaults on one shared cache."""
 
@@ -174,6 +191,9 @@ class VllmSuffix(Plain):
     def before(self, batch, drafts, new, done):
         for k in done:
             self.cache.stop_request(self.names[k])
+
+
+VllmNgram.__call__ = VllmSuffix.__call__  # a chain's greedy verification
 
 
 class Ours(Plain):
@@ -262,6 +282,7 @@ def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tok
         first = replay_ours(data, warm, names, settings, model, batch_size, max_tokens, step_s, heads)
         counts = first.pop("calibration")
     env = settings.pop("env", {})
+    trees = settings.pop("trees", True)  # false: chains only (an engine without a tree path)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     clock = hr.SimClock(simulated=True)
@@ -273,7 +294,7 @@ def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tok
         port = hr.ReplayPort(heads)
         audit = CostAudit()
         port.observers.append(audit)
-        driver = hr.make_driver(model, settings, port, device="cpu",
+        driver = hr.make_driver(model, settings, port, device="cpu", trees=trees,
                                 k=settings.get("tree", {}).get("budget", 16))  # (as bench_e2e sets K)
         if counts is not None:
             driver.drafter.calibration.counts = copy.deepcopy(counts)
@@ -327,6 +348,7 @@ def main(argv=None) -> int:
     p.add_argument("--suffix-host-ms", type=float, nargs=2, default=[0.11, 0.03], metavar=("STEP", "REQUEST"),
                    help="vLLM suffix's proposer a step (profile_step.py)")
     p.add_argument("--decode-only", action="store_true", help="count the verification steps alone")
+    p.add_argument("--ngram", action="store_true", help="also vLLM's ngram (K 5, n 2-4; host work as suffix's)")
     p.add_argument("--truth", choices=("measured", "prior"), default="measured",
                    help="the simulated step: this machine's measured compiled curve, or the cost model's CPU prior")
     p.add_argument("--out", default=None, help="JSON of every cell")
@@ -366,8 +388,10 @@ def main(argv=None) -> int:
             + prefill * prompt_tokens
 
     cells = {}
-    for name, method, host in (("plain", Plain(data), (0.0, 0.0)),
-                               ("suffix", VllmSuffix(data, names), args.suffix_host_ms)):
+    baselines = [("plain", Plain(data), (0.0, 0.0))] + ([("ngram", VllmNgram(data), args.suffix_host_ms)]
+                                                      if args.ngram else []) \
+        + [("suffix", VllmSuffix(data, names), args.suffix_host_ms)]
+    for name, method, host in baselines:
         cells[name] = {ds: run_queue(data, ks, args.batch_size, args.max_tokens, method.draft, method, step_s,
                                      other(host)) for ds, ks in by_type.items()}
     for s in args.settings:

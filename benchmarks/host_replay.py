@@ -262,10 +262,11 @@ def medusa_from(model_path: str, data: list[dict] | None = None, cache_dir: Path
     return build
 
 
-def make_driver(model_path: str, settings_json: dict, port: ReplayPort, device: str = "cuda", k: int = 16):
+def make_driver(model_path: str, settings_json: dict, port: ReplayPort, device: str = "cuda", k: int = 16,
+                trees: bool = True):
     """A MultiBranchProposer's driver with the settings start-up would resolve for this model, and the cost model's
     prior of a CUDA engine for an 8B model (device "cpu": of this model on the CPU engine); k: vLLM's
-    num_speculative_tokens (the tree budget's cap)."""
+    num_speculative_tokens (the tree budget's cap); trees=False: as an engine without a tree path (chains only)."""
     from transformers import AutoConfig
 
     from vllm_adaspec.config import parse_adaspec_config, resolve_config
@@ -281,7 +282,8 @@ def make_driver(model_path: str, settings_json: dict, port: ReplayPort, device: 
         model_config=types.SimpleNamespace(seed=0, hf_text_config=hf, tokenizer=model_path),
         parallel_config=types.SimpleNamespace(tensor_parallel_size=1),
         device_config=types.SimpleNamespace(device_type="cuda"))
-    resolved = replace(_with_pool_files(resolved, vllm_config), checked=True, tree_unsupported=None)
+    resolved = replace(_with_pool_files(resolved, vllm_config), checked=True,
+                       tree_unsupported=None if trees else "the replay: chains only")
     big = types.SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                 intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -231,7 +230,7 @@ class MultiBranchDrafter(Drafter):
             chains_where_cheaper(tries, chosen_of, may_switch,
                                  decoding + sum(p for p, _, _ in flat[:keep]), base_rows + keep, extra[keep],
                                  per_row, sum(branching), self._extra_rows * sum(branching), step_cost, tree_extra,
-                                 yields=(self.yields.ratio(True), self.yields.ratio(False)))
+                                 budgets, yields=(self.yields.ratio(True), self.yields.ratio(False)))
         for e, i in enumerate(rows):
             st = self.requests[req_ids[i]]
             chosen = chosen_of[e]
@@ -300,37 +299,46 @@ def is_tree(trie: Trie, nodes: list[int]) -> bool:
 
 def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch: list[bool], tokens: float,
                          rows: int, attention: float, per_row: list[float], tree_requests: int, tree_rows: int, cost,
-                         tree_extra, yields: tuple[float, float] = (1.0, 1.0)) -> None:
+                         tree_extra, budgets: list[int], yields: tuple[float, float] = (1.0, 1.0)) -> None:
     """Tree verification costs more than a chain of as many rows (its own attention: tree_extra(requests, rows)).
     For each request whose chosen nodes branch (and `may_switch`), keep the tree only if the batch's expected
-    tokens per second beat those with the tree's best path alone; chosen[e] is replaced in place. tokens / rows /
-    attention: the batch's expected tokens, rows and attention seconds with every choice as it stands (per_row[e]:
-    what a row of request e adds to attention); tree_requests / tree_rows: tree rows that cannot switch (draft
-    branches). yields: what a promised draft yields in a tree and in a chain (`tokens` counts the trees' at y_tree)."""
+    tokens per second beat those with the request's best chain instead: its trie's best path (up to its budget),
+    as deep as pays (a tree spreads its rows over branches; the chain that replaces it takes them along one path:
+    cut to the tree's own nodes it was 1.4% slower at batch 1 on this CPU, `decision_replay.py`, session 33).
+    chosen[e] is replaced in place. tokens / rows / attention: the batch's expected tokens, rows and attention
+    seconds with every choice as it stands (per_row[e]: what a row of request e adds to attention); tree_requests /
+    tree_rows: tree rows that cannot switch (draft branches). yields: what a promised draft yields in a tree and in a
+    chain (`tokens` counts the trees' at y_tree)."""
     y_tree, y_chain = yields  # what a promised draft yields as part of a tree, of a chain (YieldCalibration)
     branching = [e for e, nodes in enumerate(chosen) if may_switch[e] and is_tree(tries[e], nodes)]
     tree_requests += len(branching)
     tree_rows += sum(len(chosen[e]) for e in branching)
     for e in branching:
         nodes, trie = chosen[e], tries[e]
-        chain = best_path(trie, len(nodes), among=nodes)
-        t_chain = tokens - y_tree * sum(trie.path[i] for i in nodes) + y_chain * sum(trie.path[i] for i in chain)
-        r_chain = rows - len(nodes) + len(chain)
-        a_chain = attention - per_row[e] * (len(nodes) - len(chain))
         tree_rate = tokens / (cost(rows) + attention + tree_extra(tree_requests, tree_rows))
-        chain_rate = t_chain / (cost(r_chain) + a_chain + tree_extra(tree_requests - 1, tree_rows - len(nodes)))
+        # the batch without this request's nodes, then its best chain at the depth that pays most
+        t0 = tokens - y_tree * sum(trie.path[i] for i in nodes)
+        r0, a0 = rows - len(nodes), attention - per_row[e] * len(nodes)
+        others = tree_extra(tree_requests - 1, tree_rows - len(nodes))
+        path = best_path(trie, budgets[e])
+        chain, chain_rate, t = [], t0 / (cost(r0) + a0 + others), t0
+        for depth, node in enumerate(path, start=1):
+            t += y_chain * trie.path[node]
+            rate = t / (cost(r0 + depth) + a0 + per_row[e] * depth + others)
+            if rate > chain_rate:
+                chain, chain_rate = path[:depth], rate
         if chain_rate >= tree_rate:
             chosen[e] = chain
-            tokens, rows, attention = t_chain, r_chain, a_chain
+            tokens = t0 + y_chain * sum(trie.path[i] for i in chain)
+            rows, attention = r0 + len(chain), a0 + per_row[e] * len(chain)
             tree_requests, tree_rows = tree_requests - 1, tree_rows - len(nodes)
 
 
-def best_path(trie: Trie, budget: int, among: Sequence[int] | None = None) -> list[int]:
-    """Chain fallback: from the root, always the child with the highest path probability, up to `budget` nodes
-    (only `among` these nodes, when given)."""
+def best_path(trie: Trie, budget: int) -> list[int]:
+    """Chain fallback: from the root, always the child with the highest path probability, up to `budget` nodes."""
     kids: dict[int, list[int]] = {}
     parents = trie.parents
-    for i in (range(len(parents)) if among is None else sorted(among)):  # (node order: ties go to the first)
+    for i in range(len(parents)):  # (node order: ties go to the first)
         kids.setdefault(parents[i], []).append(i)
     out, node = [], -1
     while len(out) < budget and kids.get(node):
