@@ -304,7 +304,7 @@ def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch:
     For each request whose chosen nodes branch (and `may_switch`), keep the tree only if the batch's expected
     tokens per second beat those with the request's best chain instead: its trie's best path (up to its budget),
     as deep as pays (a tree spreads its rows over branches; the chain that replaces it takes them along one path:
-    cut to the tree's own nodes it was 1.4% slower at batch 1 on this CPU, `decision_replay.py`, session 33).
+    cut to the tree's own nodes, batch 1 on this CPU ran 1.3-2.6% slower a round, RESULTS session 33).
     chosen[e] is replaced in place. tokens / rows / attention: the batch's expected tokens, rows and attention
     seconds with every choice as it stands (per_row[e]: what a row of request e adds to attention); tree_requests /
     tree_rows: tree rows that cannot switch (draft branches). yields: what a promised draft yields in a tree and in a
