@@ -335,13 +335,16 @@ def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch:
 
 
 def best_path(trie: Trie, budget: int) -> list[int]:
-    """Chain fallback: from the root, always the child with the highest path probability, up to `budget` nodes."""
-    kids: dict[int, list[int]] = {}
-    parents = trie.parents
-    for i in range(len(parents)):  # (node order: ties go to the first)
-        kids.setdefault(parents[i], []).append(i)
-    out, node = [], -1
-    while len(out) < budget and kids.get(node):
-        node = max(kids[node], key=lambda c: trie.path[c])
+    """Chain fallback: from the root, always the child with the highest path probability, up to `budget` nodes
+    (ties: the first in node order). One pass for every node's best child: it runs for each branching request."""
+    best: dict[int, int] = {}  # parent -> its best child so far
+    path = trie.path
+    for i, parent in enumerate(trie.parents):
+        b = best.get(parent)
+        if b is None or path[i] > path[b]:
+            best[parent] = i
+    out, node = [], best.get(-1)
+    while node is not None and len(out) < budget:
         out.append(node)
+        node = best.get(node)
     return out
