@@ -248,23 +248,13 @@ class Ours(Plain):
         return got, tree
 
     def after(self, batch, new, got):
-        from vllm_adaspec.requests import bonus_rows
         from vllm_adaspec.step import Taps
 
         self.clock.offset = self.clock_total  # the driver's clock: the simulated forwards so far
         port = self.port
         port.results, port.verified_rows = self.results, self.lens + [0] * len(new)
-        if self.medusa:
-            at_rows = bonus_rows([len(got[k]) for k in batch + new], port.verified_rows,
-                                 {r: p for r, (p, *_) in self.results.items()})
-            rows = len(batch) + len(new) + sum(port.verified_rows)
-            h = torch.zeros(rows, self.data[0]["hidden"].shape[1])  # [rows, H]: the forward's output rows
-            for row, k in enumerate(batch + new):
-                j = self.plen[k] + (self.made[k] + len(got[k]) - 2 if k in batch else -1)
-                h[at_rows[row]] = self.data[k]["hidden"][j]
-            port.taps = Taps(hidden=h)
-        else:
-            port.taps = Taps()
+        port.taps = (hr.hidden_taps(self.data, batch + new, self.plen, self.made, got, port.verified_rows, self.results)
+                     if self.medusa else Taps())
 
 
 def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tokens, step_s, heads,

@@ -330,6 +330,20 @@ def accepted_path(plan, cont: list[int], at: int) -> tuple[list[int], bool]:
     return verify_greedy(tree, argmax)[0], plan.is_tree
 
 
+def hidden_taps(data: list[dict], batch: list[int], plen, made, got: dict, verified_rows: list[int], results: dict):
+    """What the Medusa pool reads after a step of requests `batch` (decoding, then prefills): the forward's output
+    rows (1 + drafts per decoding request, 1 per prefill) [rows, H], each bonus row the final hidden state of the
+    position that produced the request's new last token (made[k]: tokens before this step's got[k])."""
+    from vllm_adaspec.requests import bonus_rows
+    from vllm_adaspec.step import Taps
+
+    at_rows = bonus_rows([len(got[k]) for k in batch], verified_rows, {r: p for r, (p, *_) in results.items()})
+    h = torch.zeros(len(batch) + sum(verified_rows), data[0]["hidden"].shape[1])  # [rows, H]
+    for row, k in enumerate(batch):
+        h[at_rows[row]] = data[k]["hidden"][plen[k] + made[k] + len(got[k]) - 2]
+    return Taps(hidden=h)
+
+
 def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: str, evict_mb: int, acc,
            max_tokens: int, heads, digest=None) -> dict:
     """One replay; digest (a hashlib object, --digest): every propose call's drafts and plans go into it, and the
@@ -338,7 +352,6 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
     from vllm_adaspec.engine.tree_runtime import plan_step
     from vllm_adaspec.kernels.tree_attention import tile_rows
-    from vllm_adaspec.requests import bonus_rows
     try:
         from vllm_adaspec.trees.step_plan import warm_up as warm_up_plan
     except ImportError:  # --against a tree from before the compiled plan
@@ -356,7 +369,6 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     gpu.heads, gpu.block_q = (32, 8, 128), tile_rows(65, 32, 8)  # Llama-3-8B's heads
     warm_up_plan()  # as an engine's start-up does (GPUTreeRuntime.attached): no compile inside the replay
     sink = np.zeros(max(1, evict_mb) << 18, dtype=np.float32) if evict_mb else None  # evict_mb MB
-    hidden_size = data[0]["hidden"].shape[1]
     steps = tokens = forwards = tree_steps = nodes = 0
     host_ms, ref_ms = [], []
     names = [f"r{k}" for k in range(len(data))]
@@ -443,14 +455,7 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
             batch = batch + new
             port.results, port.verified_rows = results, [len(d) for d in drafts] + [0] * len(new)
             if medusa:
-                # the forward's output rows (1 + drafts per decoding request, 1 per prefill); each bonus row holds
-                # the final hidden state of the position that produced the request's new last token
-                at_rows = bonus_rows([len(got[k]) for k in batch], port.verified_rows,
-                                     {r: p for r, (p, *_) in results.items()})
-                h = torch.zeros(len(batch) + sum(port.verified_rows), hidden_size)
-                for row, k in enumerate(batch):
-                    h[at_rows[row]] = data[k]["hidden"][plen[k] + made[k] + len(got[k]) - 2]
-                port.taps = Taps(hidden=h)
+                port.taps = hidden_taps(data, batch, plen, made, got, port.verified_rows, results)
     finally:
         driver_mod.time = real_time
     return {"steps": steps, "tokens": tokens, "forwards": forwards, "tree_steps": tree_steps, "nodes": nodes,
