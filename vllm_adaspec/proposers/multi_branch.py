@@ -322,15 +322,15 @@ def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch:
         others = tree_extra(tree_requests - 1, tree_rows - len(nodes))
         path = best_path(trie, budgets[e])
         chain, chain_rate, t = [], t0 / (cost(r0) + a0 + others), t0
+        t_chain = t0
         for depth, node in enumerate(path, start=1):
             t += y_chain * trie.path[node]
             rate = t / (cost(r0 + depth) + a0 + per_row[e] * depth + others)
             if rate > chain_rate:
-                chain, chain_rate = path[:depth], rate
+                chain, chain_rate, t_chain = path[:depth], rate, t
         if chain_rate >= tree_rate:
             chosen[e] = chain
-            tokens = t0 + y_chain * sum(trie.path[i] for i in chain)
-            rows, attention = r0 + len(chain), a0 + per_row[e] * len(chain)
+            tokens, rows, attention = t_chain, r0 + len(chain), a0 + per_row[e] * len(chain)
             tree_requests, tree_rows = tree_requests - 1, tree_rows - len(nodes)
 
 
