@@ -22,6 +22,12 @@ engine's tau on every type (2.78 / 1.44 / 1.96 / 1.67 / 1.63 against 2.78 / 1.44
     .venv/bin/python benchmarks/decision_replay.py --settings '{}' '{"env": {"VLLM_ADASPEC_X": "1"}}'  # a switch
     .venv/bin/python benchmarks/decision_replay.py --settings '{}' '{"pools": ["suffix"], "host_ms": [0.3, 0.05]}'
     .venv/bin/python benchmarks/decision_replay.py --warm 4 --settings '{}' '{"warm_calibration": true}'
+    .venv/bin/python benchmarks/decision_replay.py --settings '{}' '{"oracle": true}'  # selection's ceiling
+
+`"oracle": true` scores every candidate node by the known continuation (on it: ~1, off it: ~0) instead of its
+calibrated chance: the pools' candidates as they are, picked perfectly. What better scoring could still gain over
+today's on the same candidates (session 34: batch 1 1.105 -> 1.269 `suffix`, batch 8 1.026 -> 1.158); a new
+candidate source is judged by what it adds to this ceiling as well as to the default.
 
 Prints per type: tau (tokens per target forward, every forward counted), drafted rows per forward, simulated
 speed over plain, and each of ours over `suffix`. Runs every replay in this process; ~20 s once the continuations
@@ -257,6 +263,29 @@ class Ours(Plain):
                      if self.medusa else Taps())
 
 
+def mark_truth(trie, truth: list[int]) -> None:
+    """Score a trie's nodes by the continuation `truth` (the tokens after its root): a node on it ~1, off it ~0
+    (not 1 / 0: the cost model still weighs rows against a finite gain), path probabilities their products."""
+    on: list[bool] = []
+    for n, (tok, parent, depth) in enumerate(zip(trie.tokens, trie.parents, trie.depth)):
+        on.append((parent < 0 or on[parent]) and depth <= len(truth) and tok == truth[depth - 1])
+        trie.cond[n] = 0.999 if on[n] else 0.001
+        trie.path[n] = trie.cond[n] * (trie.path[parent] if parent >= 0 else 1.0)
+
+
+def oracle_scores(score, data, names, ours):
+    """The drafter's `score` with every node re-scored by the request's known continuation from its position."""
+    index = {name: k for k, name in enumerate(names)}
+
+    def scored(req_id, candidates, state):
+        trie = score(req_id, candidates, state)
+        k = index[req_id]
+        mark_truth(trie, data[k]["cont"][ours.made[k]:])
+        return trie
+
+    return scored
+
+
 def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tokens, step_s, heads,
                 warm: dict | None = None, other_s=None) -> dict:
     """warm: {type: requests} run first by a driver of their own, whose calibration counts the measured driver then
@@ -273,6 +302,7 @@ def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tok
         counts = first.pop("calibration")
     env = settings.pop("env", {})
     trees = settings.pop("trees", True)  # false: chains only (an engine without a tree path)
+    oracle = settings.pop("oracle", False)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     clock = hr.SimClock(simulated=True)
@@ -289,6 +319,8 @@ def replay_ours(data, by_type, names, settings: dict, model, batch_size, max_tok
         if counts is not None:
             driver.drafter.calibration.counts = copy.deepcopy(counts)
         ours = Ours(data, names, driver, port, clock, step_s)
+        if oracle:
+            driver.drafter.score = oracle_scores(driver.drafter.score, data, names, ours)
         out = {}
         total = [0.0]
 
@@ -327,7 +359,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--settings", nargs="+", default=["{}"], help="MultiBranchProposer settings, JSON each "
-                   "(an \"env\" key sets environment variables for that replay)")
+                   "(an \"env\" key sets environment variables for that replay; \"oracle\": true scores candidates "
+                   "by the known continuation)")
     p.add_argument("--warm", type=int, default=0, help="prompts before --offset of each type a settings' "
                    "\"warm_calibration\": true replays first, in a driver of its own, to start from its calibration")
     p.add_argument("--unit", type=float, default=0.0309, help="seconds of a plain one-request step (this machine's)")

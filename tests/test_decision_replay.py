@@ -83,3 +83,25 @@ def test_ours_replays_the_engine_driver_losslessly():
         assert out == data[k]["cont"][:len(out)] and len(out) >= 40
     assert c["accepted"] > 0 and c["tokens"] == c["forwards"] + c["accepted"]
     assert c["proposals"] > 0
+
+
+def test_oracle_selection_drafts_only_what_the_target_accepts():
+    """`"oracle": true` scores candidates by the continuation: every drafted node is accepted (a node off the
+    continuation is never worth its row), and it commits no fewer tokens a forward than the calibrated scores."""
+    from vllm_adaspec.models import resolve_model
+
+    data = synthetic()
+    names = [f"r{k}" for k in range(len(data))]
+    model = resolve_model("smollm2-135m-instruct")
+    got = {}
+    for oracle in (False, True):
+        out = dr.replay_ours(data, {"synthetic": list(range(len(data)))}, names,
+                             {"pools": ["context", "suffix"], "oracle": oracle}, model, 2, 40, dr.cpu_step(0.02),
+                             heads=None)
+        got[oracle] = out["synthetic"]
+    c = got[True]
+    for k, out in c["output"].items():
+        assert out == data[k]["cont"][:len(out)]
+    assert c["drafted"] > 0 and c["accepted"] == c["drafted"]
+    assert got[False]["accepted"] < got[False]["drafted"]  # the calibrated scores do draft wrong tokens here
+    assert c["forwards"] <= got[False]["forwards"]

@@ -176,6 +176,12 @@ class MultiBranchDrafter(Drafter):
             for pool in st.trie.keys[node][0][0]:  # the pools that proposed it
                 self.stats.pool_accepted[pool] += 1
 
+    def score(self, req_id: str, candidates: list, state: tuple) -> Trie:
+        """A request's candidates (one Candidates per pool) as its trie, each node scored with its calibrated chance
+        (trees.trie.merge). The one place scores are made: an offline replay may stand in for it
+        (benchmarks/decision_replay.py's oracle selection)."""
+        return merge(candidates, self.calibration, state)
+
     def draft(self, view: BatchView, rows: list[int], budgets: list[int], policies: list,
                plans: dict[int, DraftPlan]) -> float:
         if not rows:
@@ -190,7 +196,7 @@ class MultiBranchDrafter(Drafter):
         for e, (i, budget) in enumerate(zip(rows, budgets)):
             st = self.requests[req_ids[i]]
             self.driver.faults.point("trie")
-            trie = merge(candidates[e], self.calibration, streak_state(st.accepted_last))
+            trie = self.score(req_ids[i], candidates[e], streak_state(st.accepted_last))
             if treeish[e] and self.prune_grammar and self.driver.traits_of(req_ids[i]).grammar:
                 trie, treeish[e] = self._grammar_pruned(view, i, trie)
             order = ranked(trie)[:budget] if treeish[e] else best_path(trie, budget)
