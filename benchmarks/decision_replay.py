@@ -148,23 +148,6 @@ class Plain:
         pass
 
 
-class VllmNgram(Plain):
-    """vLLM's `ngram` proposer as bench_e2e runs it (K 5, n-grams of 2-4 tokens): its own matching function."""
-    K, MIN_N, MAX_N = 5, 2, 4
-
-    def draft(self, batch, made, got):
-        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as find
-
-        out = []
-        for k in batch:
-            d = self.data[k]
-            seq = np.asarray(d["prompt"] + d["cont"][:made[k]], dtype=np.int32)
-            out.append(find(seq, self.MIN_N, self.MAX_N, 1 << 20, self.K).tolist())
-        return out
-
-    __call__ = None  # (set below: suffix's greedy check)
-
-
 class VllmSuffix(Plain):
     """SuffixDecodingProposer.propose at vLLM's defaults on one shared cache."""
 
@@ -199,7 +182,21 @@ class VllmSuffix(Plain):
             self.cache.stop_request(self.names[k])
 
 
-VllmNgram.__call__ = VllmSuffix.__call__  # a chain's greedy verification
+class VllmNgram(Plain):
+    """vLLM's `ngram` proposer as bench_e2e runs it (K 5, n-grams of 2-4 tokens): its own matching function."""
+    K, MIN_N, MAX_N = 5, 2, 4
+
+    def draft(self, batch, made, got):
+        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as find
+
+        out = []
+        for k in batch:
+            d = self.data[k]
+            seq = np.asarray(d["prompt"] + d["cont"][:made[k]], dtype=np.int32)
+            out.append(find(seq, self.MIN_N, self.MAX_N, 1 << 20, self.K).tolist())
+        return out
+
+    __call__ = VllmSuffix.__call__  # a chain's greedy verification
 
 
 class Ours(Plain):
