@@ -276,14 +276,17 @@ def annotate_exit(rows: dict, runs: list[dict], model: str) -> None:
 def merge_rounds(per_round: list[dict], todo: dict) -> dict:
     """Round 1's rows (acceptance, tau, costs), with tok/s and speedup as medians over the rounds and identity
     as the worst round's."""
+    # every round's rates read before any row is overwritten: round 1's rows are the merged rows, and plain's
+    # (merged first) must not divide the others' round-1 rates by its median
+    rates = {(name, key): [r[name][key]["tok_s"] for r in per_round] for name in todo for key in per_round[0][name]}
+    identical = {(name, key): min(r[name][key]["identical"] for r in per_round) for name, key in rates}
     results = {name: per_round[0][name] for name in todo}
     for name, rows in results.items():
         for key, row in rows.items():
-            rates = [r[name][key]["tok_s"] for r in per_round]
-            ratios = [r[name][key]["tok_s"] / r["plain"][key]["tok_s"] for r in per_round]
-            row["tok_s_rounds"], row["speedup_rounds"] = rates, ratios
-            row["tok_s"], row["speedup"] = statistics.median(rates), statistics.median(ratios)
-            row["identical"] = min(r[name][key]["identical"] for r in per_round)
+            ratios = [a / b for a, b in zip(rates[name, key], rates["plain", key])]
+            row["tok_s_rounds"], row["speedup_rounds"] = rates[name, key], ratios
+            row["tok_s"], row["speedup"] = statistics.median(rates[name, key]), statistics.median(ratios)
+            row["identical"] = identical[name, key]
     return results
 
 

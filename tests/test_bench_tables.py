@@ -41,6 +41,19 @@ def test_paired_ratios_need_every_round():
     assert bench_e2e.paired_ratios(r, "ours", "suffix", ["translation|1", "math|1"]) == []
 
 
+def test_merged_rounds_divide_each_round_by_its_own_plain_run():
+    """Round 1's rows become the merged rows: plain's median must not replace its round-1 rate before the other
+    methods' round-1 ratios are taken (it did until session 35: round 1 was divided by plain's median)."""
+    def row(tok_s):
+        return {"tok_s": tok_s, "identical": 2}
+    per_round = [{"plain": {"rag|1": row(p)}, "ours": {"rag|1": row(1.5 * p)}} for p in (2.0, 4.0, 3.0)]
+    merged = bench_e2e.merge_rounds(per_round, {"plain": {}, "ours": {}})
+    assert merged["ours"]["rag|1"]["speedup_rounds"] == pytest.approx([1.5, 1.5, 1.5])
+    assert merged["ours"]["rag|1"]["speedup"] == pytest.approx(1.5)
+    assert merged["plain"]["rag|1"]["tok_s_rounds"] == [2.0, 4.0, 3.0]
+    assert merged["plain"]["rag|1"]["tok_s"] == 3.0
+
+
 def test_mix_table_reports_the_paired_ratio_and_the_worst_type():
     table = bench_e2e.mix_table(results())
     row = next(line for line in table.splitlines() if line.startswith("| vs vLLM suffix, paired"))
