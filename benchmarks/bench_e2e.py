@@ -551,16 +551,32 @@ def mix_table(results: dict) -> str:
             lines.append("| vs vLLM suffix, paired by round: geo. mean over types, median (range); worst type | | "
                          + " | ".join(_paired_cell(paired_ratios(results, n, "suffix", keys), per_key[n])
                                       for n in names) + " |")
-            others = [n for n in names if n != "suffix"]
             lines += ["", f"batch {bs}: each method / vLLM suffix on the same prompts in the same round (per type: "
-                          "median over rounds, range)", "",
-                      "| task type | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
-            for key in keys:
-                cells = [f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" if r else "-"
-                         for r in (per_key[n][key] for n in others)]
-                lines.append(f"| {key.split('|')[0]} | " + " | ".join(cells) + " |")
+                          "median over rounds, range)", ""]
+            lines += _paired_table(results, [n for n in names if n != "suffix"], "suffix", keys)
+        ours = min((n for n in names if n.startswith("multibranch default")), key=len, default=None)
+        parts = [n for n in names if n.startswith("multibranch") and n != ours]
+        if ours and parts:  # #42: the default never below one of its own parts beyond the spread
+            lines += ["", f"batch {bs}: each of ours' other rows / ours' default ({ours}), paired by round (per type "
+                          "and over the mix: median over rounds, range)", ""]
+            lines += _paired_table(results, parts, ours, keys, mix=True)
         out.append("\n".join(lines))
     return "\n\n".join(out)
+
+
+def _paired_table(results: dict, names: list[str], ref: str, keys: list[str], mix: bool = False) -> list[str]:
+    """Markdown rows: per task type (and with `mix` the geometric mean over them) each of `names` / `ref` paired by
+    round (`paired_ratios`), median over rounds (range)."""
+    def cell(r: list[float]) -> str:
+        return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" if r else "-"
+
+    lines = ["| task type | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for key in keys:
+        lines.append(f"| {key.split('|')[0]} | " + " | ".join(cell(paired_ratios(results, n, ref, [key]))
+                                                             for n in names) + " |")
+    if mix:
+        lines.append("| **mix** | " + " | ".join(cell(paired_ratios(results, n, ref, keys)) for n in names) + " |")
+    return lines
 
 
 def plot_mix(results: dict, path: Path) -> None:

@@ -62,6 +62,17 @@ def test_mix_table_reports_the_paired_ratio_and_the_worst_type():
     assert "| translation | 1.10x (1.10-1.10) |" in table
 
 
+def test_mix_table_pairs_each_of_ours_rows_with_ours_default():
+    """#42's "never below one of its own parts": every other multibranch row over the default, paired by round."""
+    r = results()
+    r["multibranch default B=16"], r["multibranch suffix B=16"] = r.pop("ours"), r.pop("suffix")
+    r["suffix"] = r["multibranch suffix B=16"]
+    table = bench_e2e.mix_table(r)
+    part = table[table.index("ours' default (multibranch default B=16)"):]
+    assert "| translation | 0.91x (0.91-0.91) |" in part  # 1 / 1.1 in every round
+    assert f"| **mix** | {1 / math.sqrt(1.1):.2f}x ({1 / math.sqrt(1.1 * 1.05):.2f}-{1 / math.sqrt(1.1 * 0.95):.2f}) |" in part
+
+
 def test_the_tree_kernel_summary_counts_the_issue_targets_of_a_saved_device_run():
     """bench_tree_attention.py --summary, on a device run kept in the repository (session 27's last): the counts
     RESULTS quotes (13 of 46 shapes within 1.2x FlashAttention at nodes <= 16, ...), recomputed from the file."""
