@@ -814,15 +814,18 @@ def warm_up(device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_
     err = 0.0
     VARIANTS.warming = True
     try:
-        for splits in (1, 2, FUSED_MAX_SPLITS + 1):  # one chunk, fused, partials and the reduction
+        # one chunk, fused, partials and the reduction: `fused` named, not left to `fuse_reduction`, whose choice
+        # for this small case's 2 tiles depends on the device's SMs (on 132 it would not fuse, and a step's first
+        # fused launch compiled mid-request: session 36's H200 run)
+        for splits, fused in ((1, False), (2, True), (FUSED_MAX_SPLITS + 1, False)):
             got = tree_attention_triton(q, k, v, wide, plen, cu, bits, scale, max_rows=max(nodes) + 1,
                                         longest=longest, block_n=block_n, splits=splits, block_q=block_q,
-                                        out=torch.empty_like(q))
+                                        out=torch.empty_like(q), fused=fused)
             err = max(err, float((got.float() - want).abs().max()))
             if k_cache is not None:  # the engine's own tensors (its block table's first rows: zeros at start-up)
                 tree_attention_triton(q, k_cache, v_cache, block_table[:2], plen, cu, bits, scale,
                                       max_rows=max(nodes) + 1, longest=longest, block_n=block_n, splits=splits,
-                                      block_q=block_q, out=torch.empty_like(q))
+                                      block_q=block_q, out=torch.empty_like(q), fused=fused)
     finally:
         VARIANTS.warming = False
     return err

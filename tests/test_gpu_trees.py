@@ -85,8 +85,10 @@ def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, m
     monkeypatch.setattr(gtr, "tree_verify", load_interpreted("tree_verify"))
 
     monkeypatch.setattr(gtr, "kv_compaction", load_interpreted("kv_compaction"))
+    monkeypatch.setattr(gtr, "row_draws", load_interpreted("row_draws"))
     g = torch.Generator().manual_seed(0)
     rt, step, qs = planned(plain=(lambda req_id: "greedy") if all_batched else None)
+    rt.draw_kernel = True  # the rows' argmax from the kernel, as on a GPU (the emulated engine keeps torch's)
     assert [r.req_id for r in step.requests] == ["tree_a", "tree_b", "tree_c"]  # the chain is vLLM's
     positions, seq_lens = torch.from_numpy(np.concatenate([ROOTS[i] + np.arange(n) for i, n in enumerate(ROWS)])), \
         torch.from_numpy(ROOTS + np.array(ROWS)).to(torch.int32)
@@ -834,3 +836,44 @@ def test_failed_verification_and_compaction_launches_are_contained(triton_interp
     (tok_a, caches_a, count_a), (tok_b, caches_b, count_b) = ends
     assert torch.equal(tok_a, tok_b) and torch.equal(count_a, count_b) and int(count_a.sum()) > 0, count_a
     assert all(torch.equal(a, b) for a, b in zip(caches_a, caches_b))
+
+
+def test_a_failed_row_draw_launch_is_contained(triton_interpret, monkeypatch):
+    """The rows' argmax and draws (kernels/row_draws.py, on as on a GPU) from a launch that raises: a counted fault,
+    the torch ops instead, vLLM's sampled tokens as the kernel writes them (greedy trees); with top-k set the torch
+    ops draw and the kernel is not launched."""
+    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+
+    rd = load_interpreted("row_draws")
+    monkeypatch.setattr(gtr, "tree_verify", load_interpreted("tree_verify"))
+    monkeypatch.setattr(gtr, "row_draws", rd)
+    launches = []
+    draws = rd.row_draws
+    ends = []
+    for broken in (False, True):
+        def launch(*a, **kw):
+            launches.append(broken)
+            if broken:
+                raise RuntimeError("an illegal memory access was encountered")
+            return draws(*a, **kw)
+
+        monkeypatch.setattr(rd, "row_draws", launch)
+        rt, _, qs = planned()
+        rt.draw_kernel = True
+        t = int(qs[-1])
+        rt.begin_step(REQ_IDS, qs, ROOTS, torch.zeros(t, dtype=torch.long), {r: list(p.tokens) for r, p in
+                      PLANS.items()}, PLANS, t, torch.zeros(len(REQ_IDS), dtype=torch.int32), set(), set())
+        logits = torch.randn(t, 50, generator=torch.Generator().manual_seed(3))
+        tokens = torch.full((len(REQ_IDS), 8), -2, dtype=torch.int32)
+        verdict = rt.verify_batched(rt.step, logits, tokens, SimpleNamespace(temperature=None, top_k=None, top_p=None))
+        assert (rt.faults.count, rt.kernel_fallbacks) == ((1, 1) if broken else (0, 0))
+        ends.append((tokens, verdict.argmax))
+    assert torch.equal(ends[0][0], ends[1][0]) and torch.equal(ends[0][1], ends[1][1]) and launches == [False, True]
+    rt, _, qs = planned(plain={"tree_a": "greedy", "tree_b": "sampled"}.get)
+    rt.draw_kernel = True
+    rt.begin_step(REQ_IDS, qs, ROOTS, torch.zeros(t, dtype=torch.long), {r: list(p.tokens) for r, p in
+                  PLANS.items()}, PLANS, t, torch.zeros(len(REQ_IDS), dtype=torch.int32), set(), set())
+    sm = SimpleNamespace(temperature=torch.full((len(REQ_IDS),), 0.7), top_k=torch.full((len(REQ_IDS),), 5),
+                         top_p=None)
+    rt.verify_batched(rt.step, logits, tokens, sm)
+    assert launches == [False, True] and rt.faults.count == 0

@@ -243,6 +243,19 @@ def test_the_start_up_check_passes_here_and_catches_a_wrong_kernel(triton_interp
     assert ta.check_on_device("cpu", torch.float32, 9, 3, 64) > 0.1
 
 
+@pytest.mark.parametrize("sms", [8, 132])
+def test_start_up_compiles_every_variant_a_step_can_launch_whatever_the_devices_sms(triton_interpret, monkeypatch,
+                                                                                  sms):
+    """The fused reduction is chosen by the step's tiles against the device's SMs (`fuse_reduction`): start-up must
+    compile it whatever its own small case would choose. Session 36's H200 (132 SMs) found the fused variant
+    compiled inside a step, where this machine's 8 interpreter slots had always fused the small case."""
+    monkeypatch.setattr(ta, "device_programs", lambda device: sms)
+    monkeypatch.setattr(ta, "VARIANTS", ta.KernelVariants())
+    ta.warm_up("cpu", torch.float32, 9, 3, 64, max_rows=6)
+    fused = {value for key in ta.VARIANTS.warm for name, value, *_ in key[1] if name == "FUSED"}
+    assert len(ta.VARIANTS.warm) == 4 and fused == {True, False}, ta.VARIANTS.warm
+
+
 def test_the_device_script_runs_here_on_cpu_tensors(tmp_path):
     """benchmarks/device_check.py and kernel_sweep.py --launch, what a session lent a GPU runs first
     (benchmarks/device_check.sh), run here on CPU tensors under the interpreter with tiny shapes: every check they

@@ -16,8 +16,8 @@ repeat a place for several faults; with VLLM_ADASPEC_INJECT_FAULTS_RANK=R, only 
 Failpoints: one per pool ("context", "suffix", "recycled", "corpus", "medusa", "branches": in the pool set's
 propose), "trie" (MultiBranchProposer's merge), "draft" (early exit: after its first draft pass), "tree_plan"
 (planning a step's trees), "tree_verify" (verifying a tree request), "compaction" (after the paged KV of accepted
-nodes moved), "tree_kernel", "verify_kernel", "compaction_kernel" (a GPU runtime's launches of the tree-attention,
-verification and KV compaction kernels). Unset, `point` is one attribute test.
+nodes moved), "tree_kernel", "draw_kernel", "verify_kernel", "compaction_kernel" (a GPU runtime's launches of the
+tree-attention, row-draw, verification and KV compaction kernels). Unset, `point` is one attribute test.
 
 The negative control of the sampling tests (they must reject a verifier that is not lossless):
 
@@ -46,7 +46,7 @@ INJECT_RANK_ENV = "VLLM_ADASPEC_INJECT_FAULTS_RANK"
 BIAS_ENV = "VLLM_ADASPEC_BIASED_VERIFIER_SEEDS"
 BIAS = 0.5  # how often a biased verifier accepts a rejected node
 FAILPOINTS = ("context", "suffix", "recycled", "corpus", "medusa", "branches", "trie", "draft", "tree_plan",
-              "tree_verify", "compaction", "tree_kernel", "verify_kernel", "compaction_kernel")
+              "tree_verify", "compaction", "tree_kernel", "draw_kernel", "verify_kernel", "compaction_kernel")
 
 
 class InjectedFault(RuntimeError):

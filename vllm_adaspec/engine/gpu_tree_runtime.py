@@ -10,8 +10,9 @@ per layer, the tree sampler, KV compaction), done on the device:
    (kernels/tree_attention.py) writes the tree requests' rows of the layer's output, reading the paged cache where
    vLLM's kernel just wrote the rows' keys and values; no copy of any request's KV.
 3. `verify_batched` (the tree sampler): plain trees verified together (trees/batch.py): greedy ones by the argmax
-   of their rows, sampled ones (temperature, top-k, top-p, no seed) by sample-and-match, one draw per depth for all
-   of them; their committed tokens are written into vLLM's sampled-token tensor on the device. Other tree requests
+   of their rows, sampled ones (temperature, top-k, top-p, no seed) by sample-and-match, one draw at every row
+   (on a GPU both from one launch over the logits in place, kernels/row_draws.py, unless top-k / top-p are set);
+   their committed tokens are written into vLLM's sampled-token tensor on the device. Other tree requests
    (seeds, penalties, grammars, log-probs, min_p, bias) go through the tree sampler one by one, as on CPU (those
    wait for the device).
 4. `finish_step`: the accepted nodes' KV moves to root + 1 .. root + a in every layer (gpu_kv.compaction_moves).
@@ -34,7 +35,7 @@ import torch
 from vllm_adaspec.engine.gpu_kv import compaction_moves, gather_kv_at, kv_views, move_slots
 from vllm_adaspec.engine.tree_runtime import TreeRuntime, TreeStep
 from vllm_adaspec.engine.tree_sampler import chain_indices
-from vllm_adaspec.kernels import kv_compaction, tree_verify
+from vllm_adaspec.kernels import kv_compaction, row_draws, tree_verify
 from vllm_adaspec.kernels import tree_attention as kernels
 from vllm_adaspec.trees import step_plan
 from vllm_adaspec.trees.batch import TreeBatch, draw_rows, pack_words, representative_rows, walk_order
@@ -195,6 +196,9 @@ class GPUTreeRuntime(TreeRuntime):
         self.block_q = None  # the engine's tile (kernels.tile_rows), fixed once the heads are known
         self.kernel_fallbacks = 0  # layers computed by the torch fallback after a failed launch
         self.block_nodes = tree_verify.block_nodes(max_rows)  # the verification kernel's tile (fixed per engine)
+        # the rows' argmax and draws in one launch (kernels/row_draws.py) where the logits are on a GPU: Triton's
+        # interpreter, which stands in for one on CPU, takes ~0.1 s a row over a 49k vocabulary (tests turn it on)
+        self.draw_kernel = self.device.type == "cuda"
         self._layers = (None, None)  # (the caches' key, kv_compaction.layer_offsets of them): built at start-up
         self._views: dict[int, tuple] = {}  # id(a layer's cache) -> (the cache, its K view, its V view)
         self.compiled_plan, self._plan_checked = step_plan.compiled(), False  # `plan_ready`
@@ -255,11 +259,32 @@ class GPUTreeRuntime(TreeRuntime):
         out = torch.full((1, self.max_rows), -1, dtype=torch.int32, device=dev)
         tree_verify.verify_trees(batch, torch.zeros((1, 2), dtype=torch.long, device=dev), out,
                                  torch.zeros(1, dtype=torch.long, device=dev), self.block_nodes)
+        if self.draw_kernel:  # the logits as vLLM's sampler gets them (float32) and in the model's dtype
+            self._warm_up_draws({torch.float32, self.dtype})
         offsets = self.layers_ready(kv_caches)
         if offsets is not None:
             zero = torch.zeros(1, dtype=torch.long, device=dev)
             kv_compaction.compact(kv_caches, offsets, torch.zeros(2, dtype=torch.long, device=dev), zero,
                                   torch.full_like(one, -1), zero)
+
+    def _warm_up_draws(self, dtypes) -> None:
+        """The row-draw kernel compiled at start-up for each logits dtype, and checked: a greedy row's argmax is
+        torch's. Where it fails the rows' draws stay torch ops (a warning, not a failed start)."""
+        dev = self.device
+        try:
+            for dtype in dtypes:
+                logits = torch.randn(3, 1000, device=dev).to(dtype)
+                rows = torch.tensor([[2, 0]], dtype=torch.long, device=dev)
+                temperature = torch.ones(1, dtype=torch.float32, device=dev)
+                for first_sampled in (0, 1):
+                    argmax, _ = row_draws.row_draws(logits, rows, rows[0, :1], temperature, first_sampled)
+                    if not torch.equal(argmax, logits.argmax(-1)[rows]):
+                        raise RuntimeError(f"argmax of {dtype} logits differs from torch's")
+        except Exception as e:
+            logging.getLogger("vllm_adaspec").warning(
+                "vllm_adaspec: the row-draw kernel failed its start-up check on %s (%s): the trees' draws are torch "
+                "ops", dev, e)
+            self.draw_kernel = False
 
     def layers_ready(self, kv_caches: list):
         """The compaction kernel's table of the layers' caches (a copy to the device: built at start-up, `ready`, and
@@ -486,12 +511,25 @@ class GPUTreeRuntime(TreeRuntime):
         """The plain trees' verdict; their committed tokens (accepted nodes, then the bonus) go into vLLM's sampled
         tokens tokens [B, width] (-1 padded) on the device. Greedy trees walk their rows' argmax; sampled trees walk
         one draw at each of their rows from vLLM's distribution there (temperature, then top-k / top-p with vLLM's own
-        op on its per-row tensors): one launch of the verification kernel for all of them (kernels/tree_verify.py),
-        the torch ops where a launch fails."""
+        op on its per-row tensors): the argmax and draws from one launch (kernels/row_draws.py; without top-k /
+        top-p), then one launch of the verification kernel for all of them (kernels/tree_verify.py); the torch ops
+        where a launch fails."""
         dev = step.device
         g = dev.greedy
-        argmax = logits.argmax(dim=-1)[dev.logit_rows]  # [Rb, N + 1] (the sampled trees' read-only rows need it too)
-        draws = argmax if g == len(dev.batched) else torch.cat([argmax[:g], self._draws(dev, logits, sampling_metadata)])
+        sm = sampling_metadata
+        argmax = None
+        if self.draw_kernel and (g == len(dev.batched) or (sm.top_k is None and sm.top_p is None)):
+            try:
+                self.faults.point("draw_kernel")
+                argmax, draws = row_draws.row_draws(logits, dev.logit_rows, dev.batched_rows,
+                                                    None if g == len(dev.batched) else sm.temperature, g)
+            except Exception as e:
+                self.faults.record("launching the row-draw kernel (the rows' argmax and draws by torch ops)", e)
+                self.kernel_fallbacks += 1
+                argmax = None
+        if argmax is None:
+            argmax = logits.argmax(dim=-1)[dev.logit_rows]  # [Rb, N + 1] (the sampled trees' read-only rows too)
+            draws = argmax if g == len(dev.batched) else torch.cat([argmax[:g], self._draws(dev, logits, sm)])
         try:
             self.faults.point("verify_kernel")
             path, count, bonus = tree_verify.verify_trees(dev.trees, draws, tokens, dev.batched_rows,

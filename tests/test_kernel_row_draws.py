@@ -1,0 +1,71 @@
+"""kernels/row_draws.py under the Triton interpreter: the argmax of every verification row is torch's, bit for bit
+(ties to the first token, any logits dtype, strided rows, a vocabulary not a multiple of the tile), greedy trees'
+draws are their argmax, and a sampled tree's draws follow softmax(logits / its temperature), each row on its own
+(chi-square against the exact law; a kernel that ignored the temperature or shared numbers between rows fails)."""
+
+import pytest
+import torch
+
+from conftest import load_interpreted
+from stats import chi2_pvalue
+
+rd = load_interpreted("row_draws")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_rows_argmax_is_torchs(triton_interpret, monkeypatch, dtype):
+    monkeypatch.setattr(rd, "BLOCK_V", 256)  # 3 tiles and a ragged end over 700 tokens (the interpreter is slow)
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(12, 800, generator=g).to(dtype)
+    logits = wide[:, :700]  # rows strided past the vocabulary, as a view of a wider buffer
+    logits[1, 5] = logits[1, 600] = 40.0  # a tie across tiles: the first
+    logits[2, 300] = logits[2, 301] = 40.0  # a tie inside a tile
+    logits[3, :] = float("-inf")
+    logits[3, 650] = 0.0  # the last tile's ragged end
+    logits[4, :] = -3.0  # every token tied: token 0
+    rows = torch.tensor([[1, 2, 3], [4, 0, 11], [7, 7, 5]])
+    argmax, draws = rd.row_draws(logits, rows, torch.tensor([0, 1, 2]), torch.tensor([1.0, 1.0, 0.5]), 2)
+    assert torch.equal(argmax, logits.argmax(-1)[rows]), (argmax, logits.argmax(-1)[rows])
+    assert argmax[0].tolist() == [5, 300, 650] and int(argmax[1, 0]) == 0
+    assert torch.equal(draws[:2], argmax[:2])  # greedy trees: their argmax
+    assert ((draws[2] >= 0) & (draws[2] < 700)).all()
+
+
+def test_a_launch_with_no_sampled_tree_needs_no_temperature(triton_interpret, monkeypatch):
+    monkeypatch.setattr(rd, "BLOCK_V", 64)
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
+    rows = torch.tensor([[0, 1], [2, 3]])
+    argmax, draws = rd.row_draws(logits, rows, torch.tensor([0, 1]), None, 2)
+    assert torch.equal(argmax, logits.argmax(-1)[rows]) and torch.equal(draws, argmax)
+    with pytest.raises(ValueError, match="temperature"):
+        rd.row_draws(logits, rows, torch.tensor([0, 1]), None, 1)
+
+
+def test_sampled_rows_follow_the_tempered_softmax_each_on_its_own(triton_interpret, monkeypatch):
+    """Two sampled trees of 300 rows each over the same logits row, at temperatures 0.5 and 2 (their own, through
+    tree_rows), one launch: each tree's draws against softmax(x / T) by chi-square; the rows of one launch are
+    independent (counts would clump if rows shared numbers: the test uses one launch only)."""
+    monkeypatch.setattr(rd, "BLOCK_V", 16)  # 6 tokens: one tile
+    x = torch.tensor([[1.0, 0.2, -0.5, 0.9, 2.0, -1.0]])
+    n = 300
+    rows = torch.zeros(3, n, dtype=torch.long)
+    temperature = torch.tensor([0.0, 2.0, 9.0, 0.5])  # vLLM's per-request tensor: tree 1 reads row 3, tree 2 row 1
+    argmax, draws = rd.row_draws(x, rows, torch.tensor([0, 3, 1]), temperature, 1, seed=(1 << 32) + 12345)
+    assert (draws[0] == 4).all() and (argmax == 4).all()
+    for tree, t in ((1, 0.5), (2, 2.0)):
+        p = torch.softmax(x[0] / t, -1)
+        seen = torch.bincount(draws[tree], minlength=6)
+        assert chi2_pvalue(seen, p) > 1e-3, (t, seen, p * n)
+    # the temperature matters: the hot tree's draws are not the cold tree's law
+    assert chi2_pvalue(torch.bincount(draws[2], minlength=6), torch.softmax(x[0] / 0.5, -1)) < 1e-6
+    # the same key draws the same numbers; another key others
+    few = rows[:, :40]
+    once, again, other = (rd.row_draws(x, few, torch.tensor([0, 3, 1]), temperature, 1, seed=(1 << 32) + s)[1]
+                          for s in (12345, 12345, 777))
+    assert torch.equal(once, again) and not torch.equal(other[1:], once[1:])
+
+
+def test_seeds_pass_as_one_integer_type():
+    """Every launch's key is an int64 above 2 ** 32: Triton compiles one variant for it, never an int32 one."""
+    seeds = [rd.new_seed() for _ in range(200)]
+    assert all(2 ** 32 <= s < 2 ** 63 for s in seeds) and len(set(seeds)) == 200
