@@ -1,8 +1,9 @@
 """Tree KV compaction over every layer's paged cache in one launch: after verification, the K and V of each
 accepted node move to the slot of its depth, so the sequence's cache holds the accepted text in order.
 
-Node `path[r, i]` (the accepted node at depth i + 1 of tree r) moves from forward row `starts[r] + 1 + node` to
-row `starts[r] + 1 + i`; rows map to cache slots by vLLM's `slot_mapping`. One program per (tree, layer) walks its
+Node `path[j, i]` (the accepted node at depth i + 1 of the tree of step request `trees[j]`, default j) moves from
+forward row `starts[trees[j]] + 1 + node` to row `starts[trees[j]] + 1 + i`; rows map to cache slots by vLLM's
+`slot_mapping`. (`trees`: a verdict's paths in its own order, greedy trees first, need no scatter into the step's.) One program per (tree, layer) walks its
 path in depth order: a source row is never below its destination (node >= i) and every earlier destination is
 below every later source, so in-order moves read only what no earlier move wrote (each element is read and written
 by the same lane every iteration). Layers: vLLM allocates each layer's cache apart; the kernel takes the first
@@ -48,10 +49,10 @@ def compact_reference(kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                     t[dst // bs, dst % bs] = t[src // bs, src % bs]
 
 
-def layer_offsets(kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+def layer_offsets(kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[int, ...], torch.Tensor] | None:
     """(offsets [2 L] int64: each layer's K then V view as elements from the first layer's K, on the caches' device;
-    the shared shape + strides of the K views) — or None where the layers differ in dtype, shape or strides (the
-    runtime then moves layer by layer)."""
+    the shared shape + strides of the K views; the first layer's K view, the kernel's base pointer) — or None where
+    the layers differ in dtype, shape or strides (the runtime then moves layer by layer)."""
     views = [_kv(c) for c in kv_caches]
     k0 = views[0][0]
     size = k0.element_size()
@@ -65,22 +66,22 @@ def layer_offsets(kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[in
             if delta % size:
                 return None
             offs.append(delta // size)
-    return torch.tensor(offs, dtype=torch.int64).to(k0.device), shape
+    return torch.tensor(offs, dtype=torch.int64).to(k0.device), shape, k0
 
 
 if triton is not None:
 
     @triton.jit(do_not_specialize=["num_nodes"])
-    def _kv_compaction_kernel(k0, offsets, slots, starts, path, count, num_nodes, block_size, s_blk, s_off, s_head,
-                              s_d, HEAD_SIZE: tl.constexpr, ELEMS: tl.constexpr, BLOCK_E: tl.constexpr):
-        r = tl.program_id(0)
+    def _kv_compaction_kernel(k0, offsets, slots, starts, trees, path, count, num_nodes, block_size, s_blk, s_off,
+                              s_head, s_d, HEAD_SIZE: tl.constexpr, ELEMS: tl.constexpr, BLOCK_E: tl.constexpr):
+        r = tl.program_id(0)  # path row r: the tree of step request trees[r]
         layer = tl.program_id(1)
         k = k0 + tl.load(offsets + 2 * layer)
         v = k0 + tl.load(offsets + 2 * layer + 1)
         e = tl.arange(0, BLOCK_E)
         em = e < ELEMS
         inner = (e // HEAD_SIZE) * s_head + (e % HEAD_SIZE) * s_d
-        start = tl.load(starts + r)
+        start = tl.load(starts + tl.load(trees + r))
         for i in range(0, tl.load(count + r)):
             node = tl.load(path + r * num_nodes + i)
             src_slot = tl.load(slots + start + 1 + node)
@@ -92,16 +93,29 @@ if triton is not None:
             tl.store(v + dst, tl.load(v + src, mask=m), mask=m)
 
 
-def compact(kv_caches: list[torch.Tensor], offsets: tuple[torch.Tensor, tuple[int, ...]], slot_mapping: torch.Tensor,
-            starts: torch.Tensor, path: torch.Tensor, count: torch.Tensor) -> None:
+def compact(kv_caches: list[torch.Tensor], offsets: tuple, slot_mapping: torch.Tensor, starts: torch.Tensor,
+            path: torch.Tensor, count: torch.Tensor, trees: torch.Tensor | None = None) -> None:
     """One launch moving every accepted node's K and V in every layer (offsets: `layer_offsets(kv_caches)`).
-    starts [R], path [R, N], count [R] long on the device; nothing read on the host."""
+    starts [R] (each step request's root row), path [Rp, N], count [Rp], trees [Rp] (path row j is the tree of
+    request trees[j]; default: j) long on the device; nothing read on the host."""
     r, n = path.shape
     if r == 0:
         return
-    table, (_, block_size, heads, head_size, s_blk, s_off, s_head, s_d) = offsets
-    k0 = _kv(kv_caches[0])[0]
+    table, (_, block_size, heads, head_size, s_blk, s_off, s_head, s_d), k0 = offsets
+    if trees is None:
+        trees = _arange(r, path.device)
     elems = heads * head_size
-    _kv_compaction_kernel[(r, len(kv_caches))](k0, table, slot_mapping, starts, path.contiguous(), count, n,
+    _kv_compaction_kernel[(r, len(kv_caches))](k0, table, slot_mapping, starts, trees, path.contiguous(), count, n,
                                                block_size, s_blk, s_off, s_head, s_d, HEAD_SIZE=head_size,
                                                ELEMS=elems, BLOCK_E=triton.next_power_of_2(elems))
+
+
+_ARANGE: dict = {}
+
+
+def _arange(n: int, device) -> torch.Tensor:
+    """0 .. n - 1 on `device`, from one tensor kept and grown (no launch a step)."""
+    have = _ARANGE.get(device)
+    if have is None or len(have) < n:
+        have = _ARANGE[device] = torch.arange(max(n, 256), dtype=torch.long, device=device)
+    return have[:n]

@@ -149,7 +149,8 @@ def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, m
     rt.step.kv_caches = [cache]
     compacted = []
     compact = rt._compact
-    monkeypatch.setattr(rt, "_compact", lambda step, path, count: compacted.append(path) or compact(step, path, count))
+    monkeypatch.setattr(rt, "_compact", lambda step, path, count, trees=None: compacted.append(path)
+                        or compact(step, path, count, trees))
     rt.finish_step(rt.step, host, verdict)
     assert (compacted[0] is verdict.path) == all_batched  # all batched: no scatter into a new [R, N] tensor
     kb, vb = kv_views(before)

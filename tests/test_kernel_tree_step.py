@@ -37,13 +37,14 @@ def test_the_verification_kernel_equals_the_batched_torch_walk(triton_interpret)
 
 def test_the_compaction_kernel_moves_what_the_per_layer_moves_move(triton_interpret):
     """Layers allocated apart (as vLLM allocates them), in vLLM's GPU layout, paths from real verifications: the one
-    launch over every layer leaves each cache as the per-layer gathers and scatters (engine/gpu_kv.py) leave it."""
+    launch over every layer leaves each cache as the per-layer gathers and scatters (engine/gpu_kv.py) leave it,
+    also given the paths in another order than the step's trees (`trees`)."""
     kc = load_interpreted("kv_compaction")
     tv = load_interpreted("tree_verify")
     g = torch.Generator().manual_seed(1)
     moved = 0
     for dtype in (torch.float32, torch.bfloat16):
-        for _ in range(8):
+        for it in range(8):
             layers, blocks, heads, bs, d = 3, 16, 2, 4, 8
             caches = [torch.randn(blocks, bs, heads, 2 * d, generator=g).to(dtype).transpose(1, 2)
                       for _ in range(layers)]  # logical [blocks, H, block_size, 2 D], (block, slot) strides first
@@ -59,7 +60,11 @@ def test_the_compaction_kernel_moves_what_the_per_layer_moves_move(triton_interp
             slots = torch.randperm(blocks * bs, generator=g)[:int((sizes + 1).sum())]
             offsets = kc.layer_offsets(caches)
             assert offsets is not None
-            kc.compact(caches, offsets, slots, starts, path, count)
+            if it % 2:  # the paths in another order (a verdict's: greedy trees first), each row naming its tree
+                order = torch.randperm(3, generator=g)
+                kc.compact(caches, offsets, slots, starts, path[order], count[order], order)
+            else:
+                kc.compact(caches, offsets, slots, starts, path, count)
             src, dst = compaction_moves(starts, sizes, path, count)
             move_slots(want, slots[src], slots[dst])
             for c, w in zip(caches, want):

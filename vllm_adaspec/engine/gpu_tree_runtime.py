@@ -265,7 +265,7 @@ class GPUTreeRuntime(TreeRuntime):
         if offsets is not None:
             zero = torch.zeros(1, dtype=torch.long, device=dev)
             kv_compaction.compact(kv_caches, offsets, torch.zeros(2, dtype=torch.long, device=dev), zero,
-                                  torch.full_like(one, -1), zero)
+                                  torch.full_like(one, -1), zero, zero)
 
     def _warm_up_draws(self, dtypes) -> None:
         """The row-draw kernel compiled at start-up for each logits dtype, and checked: a greedy row's argmax is
@@ -566,10 +566,11 @@ class GPUTreeRuntime(TreeRuntime):
         dev = step.device
         r_count = len(step.requests)
         host = [k for k, r in enumerate(step.requests) if r.row in results]
-        if verdict is not None and not host and dev.batched == list(range(r_count)):
-            # every tree verified in the batch, in the step's order (all greedy or all sampled: the usual step):
-            # the verdict's own tensors, no scatter (four device ops fewer)
-            path, count = verdict.path, verdict.count
+        trees = None  # path row j: the tree of request j
+        if verdict is not None and not host and len(dev.batched) == r_count:
+            # every tree verified in the batch (the usual step): the verdict's own tensors in its order (greedy trees
+            # first), no scatter into the step's (four device ops fewer)
+            path, count, trees = verdict.path, verdict.count, dev.batched_index
         else:
             path = torch.full((r_count, dev.width), -1, dtype=torch.long, device=self.device)
             count = torch.zeros(r_count, dtype=torch.long, device=self.device)
@@ -584,25 +585,27 @@ class GPUTreeRuntime(TreeRuntime):
                 at, d_hp, d_count = self._long.upload([np.array(host, dtype=np.int64), hp, (hp >= 0).sum(1)])
                 path[at] = d_hp
                 count[at] = d_count
-        self._compact(step, path, count)
+        self._compact(step, path, count, trees)
         self.faults.point("compaction")
         self.results, self.kv_moves = dict(results), sum(_moves(p) for p, *_ in results.values())
         self.pending = (step, verdict) if verdict is not None else None
 
-    def _compact(self, step: TreeStep, path: torch.Tensor, count: torch.Tensor) -> None:
+    def _compact(self, step: TreeStep, path: torch.Tensor, count: torch.Tensor, trees=None) -> None:
         """Every layer's accepted K / V moved into place: one launch of the compaction kernel (kernels/kv_compaction.py)
-        where the layers share a layout, else (or where the launch fails) one gather and scatter per layer."""
+        where the layers share a layout, else (or where the launch fails) one gather and scatter per layer. trees:
+        each path row's request (default: row j is request j)."""
         dev = step.device
         offsets = self.layers_ready(step.kv_caches) if step.kv_caches else None
         if offsets is not None:
             try:
                 self.faults.point("compaction_kernel")
-                kv_compaction.compact(step.kv_caches, offsets, step.slot_mapping, dev.starts, path, count)
+                kv_compaction.compact(step.kv_caches, offsets, step.slot_mapping, dev.starts, path, count, trees)
                 return
             except Exception as e:
                 self.faults.record("launching the KV compaction kernel (the moves made layer by layer)", e)
                 self.kernel_fallbacks += 1
-        src, dst = compaction_moves(dev.starts, dev.sizes, path, count)
+        starts, sizes = (dev.starts, dev.sizes) if trees is None else (dev.starts[trees], dev.sizes[trees])
+        src, dst = compaction_moves(starts, sizes, path, count)
         move_slots(step.kv_caches, step.slot_mapping[src], step.slot_mapping[dst])
 
     def take_results(self) -> tuple[dict[int, tuple], int]:
