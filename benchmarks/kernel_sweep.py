@@ -168,6 +168,27 @@ def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
                     options[key]["eager_ms"] = eager_time(lambda: launch(p, q, k_cache, v_cache, table, scale, out))
             except Exception as e:  # e.g. out of shared memory: this option does not exist for the shape
                 options[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+    # half the tile (64 rows x heads where the plan's is 128): more programs of fewer registers and less shared
+    # memory each, so several share an SM (session 30: the 128 x 128 tile's 236 registers a thread at 8 warps and
+    # 131 KB leave one program an SM; 4 warps spill). Each key tile is then read by twice the programs.
+    m = ta.tile_m(plan.block_q, hq // hkv)
+    if m >= ta.MAX_TILE_M and plan.block_q > 1:
+        half = plan.block_q // 2
+        for block_n, warps, stages in ((64, 4, 3), (64, 8, 3), (32, 4, 3), (64, 4, 2)):
+            if time.perf_counter() > deadline:
+                break
+            key = f"q{half} n{block_n} w{warps} s{stages} e1 p1"
+            try:
+                p = plan_launch(*plan_args, **{**kw, "block_q": half}, block_n=block_n, num_warps=warps,
+                                num_stages=stages)
+                key += f" x{p.splits}{' f1' if p.done is not None else ''}"
+                out = torch.empty_like(q)
+                launch(p, q, k_cache, v_cache, table, scale, out)
+                err = float((out.float() - want.float()).abs().max())
+                options[key] = ({"gpu_ms": gpu_time(lambda: launch(p, q, k_cache, v_cache, table, scale, out))}
+                                if err <= 2e-2 else {"error": f"off by {err:.3g}"})
+            except Exception as e:
+                options[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
     row["options"] = options
     timed = {k: v["gpu_ms"] for k, v in options.items() if "gpu_ms" in v}
     if timed:
@@ -208,7 +229,8 @@ def main() -> int:
     start = time.perf_counter()
     deadline = start + ARGS.deadline
     dtype = torch.float32 if ARGS.cpu else torch.bfloat16
-    shapes = [((4, 2, 16), 2, 70, 4)] if ARGS.cpu else [parse_shape(t) for t in ARGS.shapes] if ARGS.shapes else SHAPES
+    shapes = ([parse_shape(t) for t in ARGS.shapes] if ARGS.shapes
+              else [((4, 2, 16), 2, 70, 4)] if ARGS.cpu else SHAPES)
     if ARGS.cpu:
         global OPTIONS
         OPTIONS = [(16, 4, 2, False, False, False), (64, 4, 3, True, True, False),  # (more splits: 2nd)

@@ -17,6 +17,8 @@ batch ops of trees/batch.py and the token write the GPU runtime did before).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vllm_adaspec.trees.batch import TreeBatch, verify_greedy_batch
@@ -32,6 +34,8 @@ __all__ = ["block_nodes", "verify_trees", "verify_trees_reference"]
 
 def verify_trees_reference(batch: TreeBatch, draws: torch.Tensor, out: torch.Tensor, out_rows: torch.Tensor):
     """The same results with torch ops: (path [R, N], count [R], bonus [R]); out[out_rows] written."""
+    if batch.valid.dtype != torch.bool:  # (a GPU step stages it as int64: no conversion launch a step)
+        batch = dataclasses.replace(batch, valid=batch.valid != 0)
     path, count, bonus = verify_greedy_batch(batch, draws)
     width = out.shape[1]
     cols = torch.arange(width, device=out.device)
@@ -113,7 +117,8 @@ def verify_trees(batch: TreeBatch, draws: torch.Tensor, out: torch.Tensor, out_r
     block_n = block_nodes(max(n, out.shape[1])) if block_n is None else block_n
     if max(n, out.shape[1]) > block_n:
         raise ValueError(f"trees of {n} nodes / {out.shape[1]} sampled tokens exceed the kernel's tile {block_n}")
-    _tree_verify_kernel[(r, )](batch.tokens, batch.parent_rows, batch.depths, batch.valid.view(torch.int8),
+    valid = batch.valid.view(torch.int8) if batch.valid.dtype == torch.bool else batch.valid
+    _tree_verify_kernel[(r, )](batch.tokens, batch.parent_rows, batch.depths, valid,
                                batch.order, batch.ancestors, draws.contiguous(), path, count, bonus, out, out_rows,
                                n, batch.ancestors.shape[-1], out.shape[1], out.stride(0), BLOCK_N=block_n)
     return path, count, bonus

@@ -254,7 +254,7 @@ class GPUTreeRuntime(TreeRuntime):
         verified into a scratch row, and a compaction that moves nothing (count 0) over every layer."""
         dev = self.device
         one = torch.zeros((1, 1), dtype=torch.long, device=dev)
-        batch = TreeBatch(one, one, one + 1, torch.ones((1, 1), dtype=torch.bool, device=dev),
+        batch = TreeBatch(one, one, one + 1, one + 1,  # valid as a step stages it: int64
                           torch.ones((1, 2, 1), dtype=torch.long, device=dev) * 3, one)
         out = torch.full((1, self.max_rows), -1, dtype=torch.int32, device=dev)
         tree_verify.verify_trees(batch, torch.zeros((1, 2), dtype=torch.long, device=dev), out,
@@ -403,7 +403,7 @@ class GPUTreeRuntime(TreeRuntime):
         if batched:
             tok, par, dep, val, anc_words, order = longs[12:]
             d_trees = TreeBatch(tok.view(rb, width), par.view(rb, width), dep.view(rb, width),
-                                val.view(rb, width).bool(), anc_words.view(rb, width + 1, words), order.view(rb, width))
+                                val.view(rb, width), anc_words.view(rb, width + 1, words), order.view(rb, width))
         hq, hkv, d = self.heads
         plan = kernels.plan_launch(d_roots, d_cu, d_bits.view(-1, words), d_q_rows, d_bt_rows, hq, hkv, d,
                                    max_rows=width + 1, longest=longest, tree_lens=d_seq, block_q=self.block_q)

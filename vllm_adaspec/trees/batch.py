@@ -24,9 +24,10 @@ class TreeBatch:
     """R trees, padded to N nodes (N + 1 verification rows: row 0 = the root, row 1 + j = node j).
 
     tokens [R, N] long; parent_rows [R, N] long: the row whose output node j must equal (its parent's, or the
-    first node equal to its parent); depths [R, N] long; valid [R, N] bool: verified nodes (not padding, not
-    read-only branch rows); ancestors [R, N + 1, W] int64: bit c of word c // 32 of row r's entry is set iff row c
-    is row r or an ancestor of it (32 bits per word, as the tree-attention kernel reads them)."""
+    first node equal to its parent); depths [R, N] long; valid [R, N] bool (a GPU step's: int64, nonzero):
+    verified nodes (not padding, not read-only branch rows); ancestors [R, N + 1, W] int64: bit c of word c // 32
+    of row r's entry is set iff row c is row r or an ancestor of it (32 bits per word, as the tree-attention kernel
+    reads them)."""
     tokens: torch.Tensor
     parent_rows: torch.Tensor
     depths: torch.Tensor
