@@ -200,6 +200,10 @@ def step_batch(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, hea
     md = SimpleNamespace(num_actual_tokens=t, slot_mapping=slot_mapping, block_table=table)
     run("attention, every layer", lambda: [rt.attend(None, d ** -0.5, q, None, None, kv, md, out)
                                             for kv in layers_kv])
+    if getattr(rt, "compare_draws", False):  # the same verification with the draws as torch ops (before the kernel)
+        rt.draw_kernel = False
+        run("verification, torch draws", lambda: rt.verify_batched(step, logits, tokens, sm))
+        rt.draw_kernel = True
     verdict = run("verification", lambda: rt.verify_batched(step, logits, tokens, sm))
     run("compaction, every layer", lambda: rt.finish_step(step, {}, verdict))
     rt.take_step()
@@ -332,6 +336,7 @@ def check_step() -> bool:
     # the step's pieces at the engine's shapes: first each under the sync debug mode (a wait for the device is found
     # and where it happened said), then timed (the timing itself waits)
     found: dict = {}
+    rt.compare_draws = True
     for nodes in ((4,) if ARGS.cpu else (16, 64)):
         step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=no_wait(found))
         runs = []

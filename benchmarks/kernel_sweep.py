@@ -56,6 +56,8 @@ def parse(argv):
     p.add_argument("--launch", action="store_true", help="only the launch's host cost, with and without FAST_LAUNCH")
     p.add_argument("--shapes", nargs="+", metavar="HQ,HKV,D:BATCH:PREFIX:NODES",
                    help="these shapes instead of the default eight (e.g. 32,8,128:8:32768:4)")
+    p.add_argument("--half-tiles", action="store_true",
+                   help="only the planned launch and half tiles (where the plan's are 128 rows x heads)")
     p.add_argument("--out", default="benchmarks/out/kernel_sweep.json")
     return p.parse_args(argv)
 
@@ -148,7 +150,7 @@ def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
     splits_around = sorted({max(1, plan.splits // 2), plan.splits, min(64, plan.splits * 2), once,
                             min(64, 2 * once), min(64, 4 * once)})
     row["splits_once"] = once
-    for block_n, warps, stages, even, prefetch, fused in OPTIONS:
+    for block_n, warps, stages, even, prefetch, fused in ([] if ARGS.half_tiles else OPTIONS):
         around = (block_n, stages, even, prefetch) == (64, 3, True, True)  # (other splits at one loop shape)
         for splits in (splits_around if around else (plan.splits,)):
             if time.perf_counter() > deadline:

@@ -535,11 +535,24 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     acc = torch.empty(splits, rows, num_heads, head_size, dtype=torch.float32, device=bits.device)
     m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
     done = None
-    if fused and splits > 1:  # zero once a step: each layer's reducing programs zero their counters again
-        done = torch.zeros(tiles, dtype=torch.int32, device=bits.device)
+    if fused and splits > 1:  # zeroed once: each launch's reducing programs zero their counters again
+        done = _zeroed_counters(tiles, bits.device)
     return TreeAttentionLaunch(prefix_lens, tree_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads,
                                head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m),
                                num_warps=num_warps, num_stages=num_stages, even=even, prefetch=prefetch, done=done)
+
+
+_COUNTERS: dict = {}
+
+
+def _zeroed_counters(n: int, device) -> torch.Tensor:
+    """n int32 zeros on `device`, from one buffer kept across steps (the fused reduction leaves its counters at 0:
+    no fill launch a step). A larger request replaces the buffer (launches on one stream: the old one is done with
+    by then, as the caching allocator assumes too)."""
+    have = _COUNTERS.get(device)
+    if have is None or len(have) < n:
+        have = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have[:n]
 
 
 # --- compiled variants ------------------------------------------------------------------------------------------
