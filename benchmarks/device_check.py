@@ -41,6 +41,7 @@ use_checkout()  # the device runs a bare copy of the checkout
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="CPU tensors, tiny shapes, Triton's interpreter")
+    p.add_argument("--draws-only", action="store_true", help="only the row-draw kernel's checks and timings")
     p.add_argument("--profile", type=int, default=12, metavar="N",
                    help="after the timings, each piece's N costliest functions of host time (cProfile; 0: none)")
     return p.parse_args(argv)
@@ -140,11 +141,17 @@ def check_draws() -> bool:
         rows = torch.arange(136, device=DEVICE).view(8, 17)
         temperature = torch.full((8,), 0.8, device=DEVICE)
         out = torch.empty(2, 8, 17, dtype=torch.long, device=DEVICE)
+        chunk_tiles = rd.CHUNK_TILES
         for first, what in ((8, "greedy"), (4, "half sampled")):
-            kern = graphed_time(lambda: rd.row_draws(logits, rows, rows[:, 0], temperature, first, seed=1 << 33,
-                                                     out=out))
-            say(f"row draws, 8 trees x 17 rows, {what}: GPU {kern * 1e3:.1f} us; torch's argmax over the rows "
-                f"{graphed_time(lambda: logits.argmax(-1)) * 1e3:.1f} us")
+            torch_ops = graphed_time(lambda: rd.row_draws_reference(logits, rows, rows[:, 0], temperature, first))
+            for tiles in sorted({chunk_tiles, 1000, 4, 2, 1}, reverse=True):  # 1 chunk .. 16 a row
+                rd.CHUNK_TILES = tiles
+                kern = graphed_time(lambda: rd.row_draws(logits, rows, rows[:, 0], temperature, first, seed=1 << 33,
+                                                         out=out))
+                say(f"row draws, 8 trees x 17 rows, {what}, {rd.num_chunks(vocab)} chunks a row"
+                    f"{' (the default)' if tiles == chunk_tiles else ''}: GPU {kern * 1e3:.1f} us; torch's ops "
+                    f"{torch_ops * 1e3:.1f} us")
+            rd.CHUNK_TILES = chunk_tiles
     return ok
 
 
@@ -375,9 +382,12 @@ def main() -> int:
     say(f"device: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu (interpreter)'}, torch "
         f"{torch.__version__}, triton {__import__('triton').__version__}; the step's plan: "
         + ("compiled (numba)" if step_plan.compiled() else "Python (numba not installed here)"))
-    ok = check_kernel()
-    ok &= check_draws()
-    ok &= check_step()
+    if ARGS.draws_only:
+        ok = check_draws()
+    else:
+        ok = check_kernel()
+        ok &= check_draws()
+        ok &= check_step()
     say(f"device check: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

@@ -2,12 +2,14 @@
 at the sampled trees' rows, one draw from vLLM's distribution there (softmax of logits / temperature), read from the
 logits in place.
 
-One program per verification row (R trees x P rows: tree i's rows at logit_rows[i]). The program streams its row's
-logits once, keeping the first maximum (torch.argmax's tie rule: greedy verification stays identical to vLLM's) and,
-for a sampled tree, the exponential race vLLM's sampler runs: argmax_v (x_v / T - log E_v), E_v ~ Exp(1) (the same
-law as trees/batch.draw_rows; -log E is a Gumbel variable, -log(-log U)). The uniforms come from Philox keyed by a
-seed drawn per launch and counted by (row, token), four per round (`randint4x`), so no two draws of a launch share
-a number. Sampled trees with top-k / top-p are not drawn here (the runtime keeps vLLM's op for them).
+Programs per verification row (R trees x P rows: tree i's rows at logit_rows[i]): one per chunk of the vocabulary
+(`num_chunks`: 8 over Llama-3's 128k tokens). Each streams its chunk once, keeping the first maximum (torch.argmax's
+tie rule: greedy verification stays identical to vLLM's) and, for a sampled tree, the exponential race vLLM's
+sampler runs: argmax_v (x_v / T - log E_v), E_v ~ Exp(1) (the same law as trees/batch.draw_rows; -log E is a
+Gumbel variable, -log(-log U)); the row's last chunk to finish combines the chunks' bests (an atomic count per row,
+as the tree-attention kernel's fused reduction). The uniforms come from Philox keyed by a seed drawn per launch and
+counted by (row, token / 4), four per round (`randint4x`): no two draws of a launch share a number, and the draws do
+not depend on the chunking. Sampled trees with top-k / top-p are not drawn here (the runtime keeps vLLM's op).
 
 The torch ops this replaces: an argmax over every logits row and its gather, then for the sampled trees a gather
 of their rows' logits, the division by temperature, an exponential draw, its log, negation and sum, an argmax and a
@@ -29,6 +31,8 @@ __all__ = ["BLOCK_V", "row_draws", "row_draws_reference", "new_seed"]
 
 BLOCK_V = 4096  # logits a program reads per iteration (four Philox streams of BLOCK_V / 4)
 NUM_WARPS = 8
+CHUNK_TILES = 4  # a row's vocabulary in chunks of at least this many tiles, each its own program
+MAX_CHUNKS = 16
 
 
 def new_seed(generator: torch.Generator | None = None) -> int:
@@ -65,10 +69,13 @@ if triton is not None:
         take = m > best
         return tl.where(take, m, best), tl.where(take, first_v + tl.argmax(score, 0), best_v)
 
-    @triton.jit(do_not_specialize=["stride_l", "vocab", "per_tree", "first_sampled", "seed"])
-    def _row_draws_kernel(logits, stride_l, logit_rows, tree_rows, temperature, argmax_out, draws_out, vocab, per_tree,
-                          first_sampled, seed, BLOCK_V: tl.constexpr):
+    @triton.jit(do_not_specialize=["stride_l", "vocab", "per_tree", "first_sampled", "seed", "chunk"])
+    def _row_draws_kernel(logits, stride_l, logit_rows, tree_rows, temperature, argmax_out, draws_out, partial,
+                          counters, vocab, per_tree, first_sampled, seed, chunk, BLOCK_V: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
         i = tl.program_id(0)  # verification row i of tree i // per_tree
+        c = tl.program_id(1)  # its chunk c of the vocabulary: tokens c * chunk ..
+        chunks = tl.num_programs(1)
         tree = i // per_tree
         row = tl.load(logit_rows + i).to(tl.int64)
         base = logits + row * stride_l
@@ -82,15 +89,17 @@ if triton is not None:
         best_v = 0
         race = float("-inf")
         race_v = 0
-        for start in range(0, vocab, BLOCK_V):
+        lo = c * chunk
+        hi = tl.minimum(lo + chunk, vocab)
+        for start in range(lo, hi, BLOCK_V):
             v0 = start + offs
             v1 = v0 + Q
             v2 = v1 + Q
             v3 = v2 + Q
-            x0 = tl.load(base + v0, mask=v0 < vocab, other=float("-inf")).to(tl.float32)
-            x1 = tl.load(base + v1, mask=v1 < vocab, other=float("-inf")).to(tl.float32)
-            x2 = tl.load(base + v2, mask=v2 < vocab, other=float("-inf")).to(tl.float32)
-            x3 = tl.load(base + v3, mask=v3 < vocab, other=float("-inf")).to(tl.float32)
+            x0 = tl.load(base + v0, mask=v0 < hi, other=float("-inf")).to(tl.float32)
+            x1 = tl.load(base + v1, mask=v1 < hi, other=float("-inf")).to(tl.float32)
+            x2 = tl.load(base + v2, mask=v2 < hi, other=float("-inf")).to(tl.float32)
+            x3 = tl.load(base + v3, mask=v3 < hi, other=float("-inf")).to(tl.float32)
             # the first maximum: a tile's first, kept only by a strictly larger later one
             m = tl.maximum(tl.maximum(tl.max(x0, 0), tl.max(x1, 0)), tl.maximum(tl.max(x2, 0), tl.max(x3, 0)))
             first = tl.minimum(tl.minimum(tl.min(tl.where(x0 == m, v0, vocab), 0),
@@ -101,14 +110,41 @@ if triton is not None:
             best_v = tl.where(take, first, best_v)
             best = tl.where(take, m, best)
             if sampled:
-                # counters (row, token / 4): unique over the launch; one Philox round gives the four quarters
+                # counters (row, token / 4): unique over the launch, the same however the vocabulary is chunked; one
+                # Philox round gives the four quarters
                 r0, r1, r2, r3 = tl.randint4x(seed, i.to(tl.int64) * vocab + start // 4 + offs)
-                race, race_v = _race(x0 * inv_t, tl.uint_to_uniform_float(r0), start + 0 * Q, race, race_v)
-                race, race_v = _race(x1 * inv_t, tl.uint_to_uniform_float(r1), start + 1 * Q, race, race_v)
+                race, race_v = _race(x0 * inv_t, tl.uint_to_uniform_float(r0), start, race, race_v)
+                race, race_v = _race(x1 * inv_t, tl.uint_to_uniform_float(r1), start + Q, race, race_v)
                 race, race_v = _race(x2 * inv_t, tl.uint_to_uniform_float(r2), start + 2 * Q, race, race_v)
                 race, race_v = _race(x3 * inv_t, tl.uint_to_uniform_float(r3), start + 3 * Q, race, race_v)
-        tl.store(argmax_out + i, best_v.to(tl.int64))
-        tl.store(draws_out + i, tl.where(sampled, race_v, best_v).to(tl.int64))
+        if chunks == 1:
+            tl.store(argmax_out + i, best_v.to(tl.int64))
+            tl.store(draws_out + i, tl.where(sampled, race_v, best_v).to(tl.int64))
+        else:
+            # the row's partials [4, rows, chunks] (tokens as float32: exact below 2 ** 24); the row's last chunk to
+            # finish combines them (an atomic count per row, left at 0 for the next launch)
+            rows = tl.num_programs(0)
+            at = partial + i * chunks + c
+            tl.store(at, best)
+            tl.store(at + rows * chunks, best_v.to(tl.float32))
+            tl.store(at + 2 * rows * chunks, race)
+            tl.store(at + 3 * rows * chunks, race_v.to(tl.float32))
+            tl.debug_barrier()  # the program's partial stores before its release
+            if tl.atomic_add(counters + i, 1, sem="acq_rel") == chunks - 1:
+                cs = tl.arange(0, BLOCK_C)
+                ok = cs < chunks
+                first = partial + i * chunks + cs  # L2 reads (.cg): other SMs wrote them
+                b = tl.load(first, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                bv = tl.load(first + rows * chunks, mask=ok, other=0.0, cache_modifier=".cg")
+                r = tl.load(first + 2 * rows * chunks, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                rv = tl.load(first + 3 * rows * chunks, mask=ok, other=0.0, cache_modifier=".cg")
+                top = tl.max(b, 0)  # the first maximum: the earliest chunk holding it (its tokens come first)
+                arg = tl.min(tl.where(ok & (b == top), bv, float(2 ** 24)), 0)
+                top_r = tl.max(r, 0)
+                draw = tl.min(tl.where(ok & (r == top_r), rv, float(2 ** 24)), 0)
+                tl.store(argmax_out + i, arg.to(tl.int64))
+                tl.store(draws_out + i, tl.where(sampled, draw, arg).to(tl.int64))
+                tl.store(counters + i, 0)  # zero again for the next launch
 
 
 _ONES: dict = {}
@@ -138,8 +174,38 @@ def row_draws(logits: torch.Tensor, logit_rows: torch.Tensor, tree_rows: torch.T
         if first_sampled < r:
             raise ValueError("sampled trees need the batch's temperature")
         temperature = _ones(logits.device)  # (read by no program; a float32 pointer as always: one variant)
-    _row_draws_kernel[(r * p, )](logits, logits.stride(0), logit_rows, tree_rows,
-                                 temperature, out[0], out[1], logits.shape[1],
-                                 p, first_sampled, new_seed() if seed is None else seed, BLOCK_V=BLOCK_V,
-                                 num_warps=NUM_WARPS)
+    rows = r * p
+    chunks = num_chunks(logits.shape[1])
+    chunk = _cdiv(_cdiv(logits.shape[1], chunks), BLOCK_V) * BLOCK_V
+    chunks = _cdiv(logits.shape[1], chunk)
+    # (one chunk: read by no program; the same dtypes either way, one compiled variant)
+    partial = _ones(logits.device) if chunks == 1 else torch.empty(4 * rows * chunks, dtype=torch.float32,
+                                                                   device=logits.device)
+    counters = _zeroed_counters(rows, logits.device)
+    _row_draws_kernel[(rows, chunks)](logits, logits.stride(0), logit_rows, tree_rows, temperature, out[0], out[1],
+                                      partial, counters, logits.shape[1], p, first_sampled,
+                                      new_seed() if seed is None else seed, chunk, BLOCK_V=BLOCK_V,
+                                      BLOCK_C=MAX_CHUNKS, num_warps=NUM_WARPS)
     return out[0], out[1]
+
+
+def num_chunks(vocab: int) -> int:
+    """Programs a row's vocabulary is cut into: chunks of at least CHUNK_TILES tiles, at most MAX_CHUNKS (one
+    program a row over Llama-3's 128k tokens left the H200 at 63 us where torch's argmax took 45, 150 us with half
+    the rows sampled: session 36)."""
+    return max(1, min(MAX_CHUNKS, vocab // (CHUNK_TILES * BLOCK_V)))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+_COUNTERS: dict = {}
+
+
+def _zeroed_counters(n: int, device) -> torch.Tensor:
+    """n int32 zeros on `device`, kept across launches (each row's combining program leaves its counter at 0)."""
+    have = _COUNTERS.get(device)
+    if have is None or len(have) < n:
+        have = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have[:n]

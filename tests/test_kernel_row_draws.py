@@ -12,9 +12,12 @@ from stats import chi2_pvalue
 rd = load_interpreted("row_draws")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_rows_argmax_is_torchs(triton_interpret, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,chunk_tiles", [(torch.float32, 4), (torch.bfloat16, 1), (torch.float16, 1)])
+def test_every_rows_argmax_is_torchs(triton_interpret, monkeypatch, dtype, chunk_tiles):
+    """chunk_tiles 4: one program a row over 700 tokens; 1: two chunks, the tie at 5 and 600 across them."""
     monkeypatch.setattr(rd, "BLOCK_V", 256)  # 3 tiles and a ragged end over 700 tokens (the interpreter is slow)
+    monkeypatch.setattr(rd, "CHUNK_TILES", chunk_tiles)
+    assert rd.num_chunks(700) == (1 if chunk_tiles == 4 else 2)
     g = torch.Generator().manual_seed(0)
     wide = torch.randn(12, 800, generator=g).to(dtype)
     logits = wide[:, :700]  # rows strided past the vocabulary, as a view of a wider buffer
@@ -26,6 +29,9 @@ def test_every_rows_argmax_is_torchs(triton_interpret, monkeypatch, dtype):
     rows = torch.tensor([[1, 2, 3], [4, 0, 11], [7, 7, 5]])
     argmax, draws = rd.row_draws(logits, rows, torch.tensor([0, 1, 2]), torch.tensor([1.0, 1.0, 0.5]), 2)
     assert torch.equal(argmax, logits.argmax(-1)[rows]), (argmax, logits.argmax(-1)[rows])
+    ref_argmax, ref_draws = rd.row_draws_reference(logits, rows, torch.tensor([0, 1, 2]),
+                                                   torch.tensor([1.0, 1.0, 0.5]), 2)
+    assert torch.equal(ref_argmax, argmax) and torch.equal(ref_draws[:2], argmax[:2])
     assert argmax[0].tolist() == [5, 300, 650] and int(argmax[1, 0]) == 0
     assert torch.equal(draws[:2], argmax[:2])  # greedy trees: their argmax
     assert ((draws[2] >= 0) & (draws[2] < 700)).all()
@@ -48,24 +54,41 @@ def test_sampled_rows_follow_the_tempered_softmax_each_on_its_own(triton_interpr
     monkeypatch.setattr(rd, "BLOCK_V", 16)  # 6 tokens: one tile
     x = torch.tensor([[1.0, 0.2, -0.5, 0.9, 2.0, -1.0]])
     n = 300
-    rows = torch.zeros(3, n, dtype=torch.long)
-    temperature = torch.tensor([0.0, 2.0, 9.0, 0.5])  # vLLM's per-request tensor: tree 1 reads row 3, tree 2 row 1
-    argmax, draws = rd.row_draws(x, rows, torch.tensor([0, 3, 1]), temperature, 1, seed=(1 << 32) + 12345)
-    assert (draws[0] == 4).all() and (argmax == 4).all()
-    for tree, t in ((1, 0.5), (2, 2.0)):
+    rows = torch.zeros(2, n, dtype=torch.long)
+    temperature = torch.tensor([0.0, 2.0, 9.0, 0.5])  # vLLM's per-request tensor: tree 0 reads row 3, tree 1 row 1
+    argmax, draws = rd.row_draws(x, rows, torch.tensor([3, 1]), temperature, 0, seed=(1 << 32) + 12345)
+    assert (argmax == 4).all()
+    for tree, t in ((0, 0.5), (1, 2.0)):
         p = torch.softmax(x[0] / t, -1)
         seen = torch.bincount(draws[tree], minlength=6)
         assert chi2_pvalue(seen, p) > 1e-3, (t, seen, p * n)
     # the temperature matters: the hot tree's draws are not the cold tree's law
-    assert chi2_pvalue(torch.bincount(draws[2], minlength=6), torch.softmax(x[0] / 0.5, -1)) < 1e-6
+    assert chi2_pvalue(torch.bincount(draws[1], minlength=6), torch.softmax(x[0] / 0.5, -1)) < 1e-6
     # the same key draws the same numbers; another key others
-    few = rows[:, :40]
-    once, again, other = (rd.row_draws(x, few, torch.tensor([0, 3, 1]), temperature, 1, seed=(1 << 32) + s)[1]
+    few = rows[:, :20]
+    once, again, other = (rd.row_draws(x, few, torch.tensor([3, 1]), temperature, 0, seed=(1 << 32) + s)[1]
                           for s in (12345, 12345, 777))
-    assert torch.equal(once, again) and not torch.equal(other[1:], once[1:])
+    assert torch.equal(once, again) and not torch.equal(other, once)
 
 
 def test_seeds_pass_as_one_integer_type():
     """Every launch's key is an int64 above 2 ** 32: Triton compiles one variant for it, never an int32 one."""
     seeds = [rd.new_seed() for _ in range(200)]
     assert all(2 ** 32 <= s < 2 ** 63 for s in seeds) and len(set(seeds)) == 200
+
+
+def test_the_draws_do_not_depend_on_how_the_vocabulary_is_chunked(triton_interpret, monkeypatch):
+    """Philox counts (row, token / 4): one program a row or nine chunks of it draw the same tokens under one key, and
+    the chunks' combination keeps the first maximum (the argmax) and the race's winner."""
+    monkeypatch.setattr(rd, "BLOCK_V", 16)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 300, generator=g)
+    logits[0, 3] = logits[0, 290] = 30.0
+    rows = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    got = {}
+    for tiles in (1000, 2):
+        monkeypatch.setattr(rd, "CHUNK_TILES", tiles)
+        got[tiles] = rd.row_draws(logits, rows, torch.tensor([0, 1]), torch.tensor([1.0, 1.5]), 1, seed=(1 << 32) + 9)
+    assert rd.num_chunks(300) == 9
+    assert torch.equal(got[1000][0], logits.argmax(-1)[rows]) and torch.equal(got[2][0], got[1000][0])
+    assert torch.equal(got[2][1], got[1000][1]) and int(got[2][0][0, 0]) == 3
