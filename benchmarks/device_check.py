@@ -141,12 +141,13 @@ def check_draws() -> bool:
         rows = torch.arange(136, device=DEVICE).view(8, 17)
         temperature = torch.full((8,), 0.8, device=DEVICE)
         out = torch.empty(2, 8, 17, dtype=torch.long, device=DEVICE)
+        tree_rows = torch.arange(8, device=DEVICE)
         chunk_tiles = rd.CHUNK_TILES
         for first, what in ((8, "greedy"), (4, "half sampled")):
-            torch_ops = graphed_time(lambda: rd.row_draws_reference(logits, rows, rows[:, 0], temperature, first))
+            torch_ops = graphed_time(lambda: rd.row_draws_reference(logits, rows, tree_rows, temperature, first))
             for tiles in sorted({chunk_tiles, 1000, 4, 2, 1}, reverse=True):  # 1 chunk .. 16 a row
                 rd.CHUNK_TILES = tiles
-                kern = graphed_time(lambda: rd.row_draws(logits, rows, rows[:, 0], temperature, first, seed=1 << 33,
+                kern = graphed_time(lambda: rd.row_draws(logits, rows, tree_rows, temperature, first, seed=1 << 33,
                                                          out=out))
                 say(f"row draws, 8 trees x 17 rows, {what}, {rd.num_chunks(vocab)} chunks a row"
                     f"{' (the default)' if tiles == chunk_tiles else ''}: GPU {kern * 1e3:.1f} us; torch's ops "
