@@ -42,6 +42,7 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="CPU tensors, tiny shapes, Triton's interpreter")
     p.add_argument("--draws-only", action="store_true", help="only the row-draw kernel's checks and timings")
+    p.add_argument("--step-only", action="store_true", help="only the step's compiles, waits and pieces (3.)")
     p.add_argument("--profile", type=int, default=12, metavar="N",
                    help="after the timings, each piece's N costliest functions of host time (cProfile; 0: none)")
     return p.parse_args(argv)
@@ -385,6 +386,8 @@ def main() -> int:
         + ("compiled (numba)" if step_plan.compiled() else "Python (numba not installed here)"))
     if ARGS.draws_only:
         ok = check_draws()
+    elif ARGS.step_only:
+        ok = check_step()
     else:
         ok = check_kernel()
         ok &= check_draws()
