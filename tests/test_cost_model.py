@@ -149,6 +149,27 @@ def test_a_cuda_engine_starts_from_the_measured_gpu_curve_for_its_size():
     assert gpu.predict(1, 64) / gpu.predict(1, 1) < 1.25 < 3.0 < cpu.predict(1, 64) / cpu.predict(1, 1)
 
 
+def test_a_cuda_engine_on_an_h200_starts_from_the_h200s_curve(monkeypatch):
+    """The card's measured curve where there is one (its CUDA device name), the H100's for any other card."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_adaspec.policies.cost_model import GPU_VERIFY_COST, GPU_VERIFY_COST_BY_CARD
+    from vllm_adaspec.proposers.driver import engine_prior
+
+    llama8b = SimpleNamespace(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                              head_dim=128, intermediate_size=14336, vocab_size=128256)
+    config = SimpleNamespace(device_config=SimpleNamespace(device_type="cuda"),
+                             model_config=SimpleNamespace(hf_text_config=llama8b))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, want in (("NVIDIA H200", GPU_VERIFY_COST_BY_CARD["H200"][8.0e9]), ("NVIDIA H100 80GB HBM3",
+                                                                               GPU_VERIFY_COST[8.0e9])):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
+        assert engine_prior(config).curve == pytest.approx(want), name
+    assert GPU_VERIFY_COST_BY_CARD["H200"][8.0e9][128] > GPU_VERIFY_COST[8.0e9][128] + 0.2
+
+
 def test_the_audit_records_predictions_against_outcomes():
     """observers.CostAudit (VLLM_ADASPEC_AUDIT=1, benchmarks/audit_cost_model.py): steps as (shape, predicted,
     measured), proposals as (expected tokens, committed, nodes, tree), nodes binned by calibrated probability per

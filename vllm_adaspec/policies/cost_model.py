@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["GPU_VERIFY_COST", "VERIFY_COST", "DraftCost", "Prior", "StepCostModel", "attention_load", "prior_curve",
+__all__ = ["GPU_VERIFY_COST", "GPU_VERIFY_COST_BY_CARD", "VERIFY_COST", "DraftCost", "Prior", "StepCostModel", "attention_load", "prior_curve",
            "prior_for"]
 
 # Relative time of a verification step by the rows it verifies in all (the batch's requests + their drafts; 1 = a
@@ -75,6 +75,17 @@ GPU_VERIFY_COST = {
     8.0e9: {1: 1.0, 2: 1.09, 4: 1.09, 8: 1.09, 16: 1.12, 32: 1.13, 64: 1.13, 128: 1.31, 256: 1.55, 512: 2.39,
             1024: 4.84, 2048: 8.99},  # Llama-3-8B (32 x 4096, GQA 32 / 8): 6.35 ms at 1 row
 }
+# The same forwards on other cards, by a name their CUDA device name contains (any other card: the H100's). An H200
+# (session 36's device run 1, benchmarks/device_runs/s36_h200/bench_tree_attention.txt, the same batches): its
+# one-row step is faster (8B: 4.92 ms) and its extra rows cost relatively more (8 x 16 rows 1.59x, not 1.31x).
+GPU_VERIFY_COST_BY_CARD = {
+    "H200": {
+        1.5e9: {1: 1.0, 2: 1.24, 4: 1.26, 8: 1.27, 16: 1.28, 32: 1.31, 64: 1.33, 128: 1.43, 256: 1.73, 512: 2.42,
+                1024: 4.52, 2048: 7.67},  # 1.89 ms at 1 row
+        8.0e9: {1: 1.0, 2: 1.11, 4: 1.11, 8: 1.13, 16: 1.14, 32: 1.17, 64: 1.19, 128: 1.59, 256: 1.88, 512: 3.17,
+                1024: 6.28, 2048: 11.71},  # 4.92 ms at 1 row
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -89,14 +100,16 @@ class Prior:
     tree_row: float = 0.01
 
 
-def prior_for(device: str, params: float | None = None) -> Prior:
+def prior_for(device: str, params: float | None = None, card: str | None = None) -> Prior:
     """The prior of an engine on `device` ("cpu", "cuda") for a model of `params` parameters. CPU: the curve
-    measured on this project's CPU. CUDA: GPU_VERIFY_COST between its two measured sizes by log(params) (clamped:
-    no extrapolation), with GPU-sized extras (a request's bookkeeping and a tree's kernel are small against a
-    graphed forward; attention per 1000 tokens of context as reading that KV costs an 8B model)."""
+    measured on this project's CPU. CUDA: the card's curves (GPU_VERIFY_COST_BY_CARD by `card`, its device name;
+    else GPU_VERIFY_COST, an H100's) between their two measured sizes by log(params) (clamped: no extrapolation),
+    with GPU-sized extras (a request's bookkeeping and a tree's kernel are small against a graphed forward;
+    attention per 1000 tokens of context as reading that KV costs an 8B model)."""
     if device != "cuda":
         return Prior(VERIFY_COST, PER_REQUEST_PRIOR, ATTENTION_PRIOR, TREE_REQUEST_PRIOR, TREE_ROW_PRIOR)
-    (small, lo), (big, hi) = sorted(GPU_VERIFY_COST.items())
+    curves = next((c for name, c in GPU_VERIFY_COST_BY_CARD.items() if card and name in card), GPU_VERIFY_COST)
+    (small, lo), (big, hi) = sorted(curves.items())
     w = 0.5 if not params else min(1.0, max(0.0, math.log(params / small) / math.log(big / small)))
     curve = {r: (1 - w) * lo[r] + w * hi[r] for r in lo}
     return Prior(curve, per_request=0.003, attention=0.005, tree_request=0.02, tree_row=0.002)

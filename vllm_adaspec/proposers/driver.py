@@ -41,10 +41,22 @@ def request_seed(req_id: str, base_seed: int) -> int:
 
 
 def engine_prior(vllm_config) -> Prior:
-    """The step cost model's prior for this engine: its device's curve, for its model's size."""
+    """The step cost model's prior for this engine: its device's curve (on CUDA its card's), for its model's size."""
     device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu")
     hf = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
-    return prior_for(device, model_parameters(hf) if hf is not None else None)
+    return prior_for(device, model_parameters(hf) if hf is not None else None, _card_name(device))
+
+
+def _card_name(device: str) -> str | None:
+    """The CUDA device's name ("NVIDIA H200", ...), None elsewhere or where torch cannot say."""
+    if device != "cuda":
+        return None
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception:
+        return None
 
 
 class Driver:
