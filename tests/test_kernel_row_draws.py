@@ -48,12 +48,12 @@ def test_a_launch_with_no_sampled_tree_needs_no_temperature(triton_interpret, mo
 
 
 def test_sampled_rows_follow_the_tempered_softmax_each_on_its_own(triton_interpret, monkeypatch):
-    """Two sampled trees of 300 rows each over the same logits row, at temperatures 0.5 and 2 (their own, through
+    """Two sampled trees of 200 rows each over the same logits row, at temperatures 0.5 and 2 (their own, through
     tree_rows), one launch: each tree's draws against softmax(x / T) by chi-square; the rows of one launch are
     independent (counts would clump if rows shared numbers: the test uses one launch only)."""
     monkeypatch.setattr(rd, "BLOCK_V", 16)  # 6 tokens: one tile
     x = torch.tensor([[1.0, 0.2, -0.5, 0.9, 2.0, -1.0]])
-    n = 300
+    n = 200
     rows = torch.zeros(2, n, dtype=torch.long)
     temperature = torch.tensor([0.0, 2.0, 9.0, 0.5])  # vLLM's per-request tensor: tree 0 reads row 3, tree 1 row 1
     argmax, draws = rd.row_draws(x, rows, torch.tensor([3, 1]), temperature, 0, seed=(1 << 32) + 12345)
