@@ -143,12 +143,13 @@ def check_draws() -> bool:
         temperature = torch.full((8,), 0.8, device=DEVICE)
         out = torch.empty(2, 8, 17, dtype=torch.long, device=DEVICE)
         tree_rows = torch.arange(8, device=DEVICE)
+        key = torch.tensor([1 << 33], device=DEVICE)  # (made before the capture: no copy inside a CUDA graph)
         chunk_tiles = rd.CHUNK_TILES
         for first, what in ((8, "greedy"), (4, "half sampled")):
             torch_ops = graphed_time(lambda: rd.row_draws_reference(logits, rows, tree_rows, temperature, first))
             for tiles in sorted({chunk_tiles, 1000, 4, 2, 1}, reverse=True):  # 1 chunk .. 16 a row
                 rd.CHUNK_TILES = tiles
-                kern = graphed_time(lambda: rd.row_draws(logits, rows, tree_rows, temperature, first, seed=1 << 33,
+                kern = graphed_time(lambda: rd.row_draws(logits, rows, tree_rows, temperature, first, seed=key,
                                                          out=out))
                 say(f"row draws, 8 trees x 17 rows, {what}, {rd.num_chunks(vocab)} chunks a row"
                     f"{' (the default)' if tiles == chunk_tiles else ''}: GPU {kern * 1e3:.1f} us; torch's ops "

@@ -7,8 +7,9 @@ Programs per verification row (R trees x P rows: tree i's rows at logit_rows[i])
 tie rule: greedy verification stays identical to vLLM's) and, for a sampled tree, the exponential race vLLM's
 sampler runs: argmax_v (x_v / T - log E_v), E_v ~ Exp(1) (the same law as trees/batch.draw_rows; -log E is a
 Gumbel variable, -log(-log U)); the row's last chunk to finish combines the chunks' bests (an atomic count per row,
-as the tree-attention kernel's fused reduction). The uniforms come from Philox keyed by a seed drawn per launch and
-counted by (row, token / 4), four per round (`randint4x`): no two draws of a launch share a number, and the draws do
+as the tree-attention kernel's fused reduction). The uniforms come from Philox keyed by a seed drawn per launch from
+torch's default generator on the device (`new_seed`: in step on every tensor-parallel rank) and counted by
+(row, token / 4), four per round (`randint4x`): no two draws of a launch share a number, and the draws do
 not depend on the chunking. Sampled trees with top-k / top-p are not drawn here (the runtime keeps vLLM's op).
 
 The torch ops this replaces: an argmax over every logits row and its gather, then for the sampled trees a gather
@@ -19,8 +20,6 @@ tokens: the verification's host time 0.62 -> 0.25 ms; GPU time 36 us against tor
 """
 
 from __future__ import annotations
-
-import random
 
 import torch
 
@@ -41,11 +40,12 @@ CHUNK_TILES = 2
 MAX_CHUNKS = 16
 
 
-def new_seed() -> int:
-    """A launch's Philox key: Python's generator (vLLM's `seed` seeds it), always in [2 ** 32, 2 ** 63) so Triton
-    passes it as int64 every launch (one compiled variant). (Two draws from torch's CPU generator: 25 us a step in
-    session 36's profile of an H200 host.)"""
-    return (1 << 32) | random.getrandbits(62)
+def new_seed(device) -> torch.Tensor:
+    """A launch's Philox key, [1] int64 on `device`, drawn there from torch's default generator: the generator
+    vLLM's own sampling draws from, seeded alike on every tensor-parallel rank and advanced alike by the same ops, so
+    every rank draws the same tokens and compacts its KV alike (a key from a host generator would not be in step with
+    it); the kernel reads it, so nothing waits for the device."""
+    return torch.randint(1 << 62, (1,), dtype=torch.int64, device=device)
 
 
 def row_draws_reference(logits: torch.Tensor, logit_rows: torch.Tensor, tree_rows: torch.Tensor,
@@ -75,9 +75,9 @@ if triton is not None:
         take = m > best
         return tl.where(take, m, best), tl.where(take, first_v + tl.argmax(score, 0), best_v)
 
-    @triton.jit(do_not_specialize=["stride_l", "vocab", "per_tree", "first_sampled", "seed", "chunk"])
+    @triton.jit(do_not_specialize=["stride_l", "vocab", "per_tree", "first_sampled", "chunk"])
     def _row_draws_kernel(logits, stride_l, logit_rows, tree_rows, temperature, argmax_out, draws_out, partial,
-                          counters, vocab, per_tree, first_sampled, seed, chunk, BLOCK_V: tl.constexpr,
+                          counters, vocab, per_tree, first_sampled, seed_ptr, chunk, BLOCK_V: tl.constexpr,
                           BLOCK_C: tl.constexpr):
         i = tl.program_id(0)  # verification row i of tree i // per_tree
         c = tl.program_id(1)  # its chunk c of the vocabulary: tokens c * chunk ..
@@ -87,6 +87,7 @@ if triton is not None:
         base = logits + row * stride_l
         sampled = tree >= first_sampled
         inv_t = 1.0
+        seed = tl.load(seed_ptr)  # (int64, on the device: drawn there, nothing waited for)
         if sampled:
             inv_t = 1.0 / tl.load(temperature + tl.load(tree_rows + tree)).to(tl.float32)
         Q: tl.constexpr = BLOCK_V // 4
@@ -153,22 +154,33 @@ if triton is not None:
                 tl.store(counters + i, 0)  # zero again for the next launch
 
 
+def _seed(seed, sampled: bool, device) -> torch.Tensor:
+    """The key the kernel reads: `seed` as [1] int64 on `device`, a new one where a tree is sampled, else any int64."""
+    if seed is None:
+        return new_seed(device) if sampled else _ones(device, torch.int64)
+    return seed if isinstance(seed, torch.Tensor) else torch.tensor([seed], dtype=torch.int64, device=device)
+
+
 _ONES: dict = {}
 
 
-def _ones(device) -> torch.Tensor:
-    if device not in _ONES:
-        _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
-    return _ONES[device]
+def _ones(device, dtype=torch.float32) -> torch.Tensor:
+    """A [1] tensor of ones kept per device and dtype: a pointer no program reads, of the dtype a launch always
+    passes there (one compiled variant)."""
+    key = (device, dtype)
+    if key not in _ONES:
+        _ONES[key] = torch.ones(1, dtype=dtype, device=device)
+    return _ONES[key]
 
 
 def row_draws(logits: torch.Tensor, logit_rows: torch.Tensor, tree_rows: torch.Tensor,
-              temperature: torch.Tensor | None, first_sampled: int, seed: int | None = None,
+              temperature: torch.Tensor | None, first_sampled: int, seed: int | torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, V] (rows strided, any float dtype), logit_rows [R, P] long: tree i's verification rows;
     tree_rows [R]: each tree's row in vLLM's per-request tensors (temperature [B], read for trees first_sampled..).
     One launch -> (argmax [R, P], draws [R, P]) long: a greedy tree's draws are its argmax. `out`: [2, R, P] long
-    to write them into (else new). seed: the launch's Philox key (default `new_seed()`)."""
+    to write them into (else new). seed: the launch's Philox key, an int or [1] int64 on the device (default
+    `new_seed`, drawn only where a tree is sampled)."""
     r, p = logit_rows.shape
     if out is None:
         out = torch.empty((2, r, p), dtype=torch.long, device=logits.device)
@@ -190,7 +202,7 @@ def row_draws(logits: torch.Tensor, logit_rows: torch.Tensor, tree_rows: torch.T
     counters = _zeroed_counters(rows, logits.device)
     _row_draws_kernel[(rows, chunks)](logits, logits.stride(0), logit_rows, tree_rows, temperature, out[0], out[1],
                                       partial, counters, logits.shape[1], p, first_sampled,
-                                      new_seed() if seed is None else seed, chunk, BLOCK_V=BLOCK_V,
+                                      _seed(seed, first_sampled < r, logits.device), chunk, BLOCK_V=BLOCK_V,
                                       BLOCK_C=MAX_CHUNKS, num_warps=NUM_WARPS)
     return out[0], out[1]
 

@@ -71,10 +71,15 @@ def test_sampled_rows_follow_the_tempered_softmax_each_on_its_own(triton_interpr
     assert torch.equal(once, again) and not torch.equal(other, once)
 
 
-def test_seeds_pass_as_one_integer_type():
-    """Every launch's key is an int64 above 2 ** 32: Triton compiles one variant for it, never an int32 one."""
-    seeds = [rd.new_seed() for _ in range(200)]
-    assert all(2 ** 32 <= s < 2 ** 63 for s in seeds) and len(set(seeds)) == 200
+def test_each_launch_draws_its_key_from_torchs_generator_on_the_device():
+    """[1] int64 on the logits' device (the kernel reads it: one compiled variant, no wait), from torch's default
+    generator: seeded alike, two engines (or two tensor-parallel ranks) draw the same keys; keys differ launch to
+    launch."""
+    torch.manual_seed(3)
+    a = [int(rd.new_seed("cpu")) for _ in range(50)]
+    torch.manual_seed(3)
+    b = rd.new_seed("cpu")
+    assert b.dtype == torch.int64 and b.shape == (1,) and int(b) == a[0] and len(set(a)) == 50
 
 
 def test_the_draws_do_not_depend_on_how_the_vocabulary_is_chunked(triton_interpret, monkeypatch):
