@@ -328,6 +328,9 @@ def check_step() -> bool:
     after_start = compiled_entries()
     say(f"compiles at start-up: {after_start if after_start is None else after_start - (before or 0)} kernel "
         f"entries; plugin's warm variants: {len(ta.VARIANTS.warm)}")
+    # the row-draw kernel passed its start-up check (else the runtime turned it off with a warning: torch's ops draw)
+    say(f"row-draw kernel after start-up: {'on (ok)' if rt.draw_kernel else 'OFF: its start-up check failed (FAILED)'}")
+    drawing = rt.draw_kernel
     # every tree width, short and long prefixes (one split and the reduction), and draft steps
     for n in range(1, k + 1):
         for p in (9, prefix):
@@ -375,7 +378,7 @@ def check_step() -> bool:
     contained = (rt.faults.count, rt.kernel_fallbacks)
     say(f"faults, kernel fallbacks over every step: {contained} ({'ok' if contained == (0, 0) else 'FAILED'})"
         + (f": {dict(rt.faults.by_place)}" if rt.faults.count else ""))
-    return ok and contained == (0, 0)
+    return ok and contained == (0, 0) and drawing
 
 
 def main() -> int:

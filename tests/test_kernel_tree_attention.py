@@ -278,6 +278,7 @@ def test_the_device_script_runs_here_on_cpu_tensors(tmp_path):
     proc, tail = bare("device_check.py")
     assert proc.returncode == 0 and "device check: PASS" in proc.stdout, tail
     assert "0 cold launches (ok)" in proc.stdout and "no device wait" in proc.stdout
+    assert "row-draw kernel after start-up: on (ok)" in proc.stdout and "argmax equal to torch's" in proc.stdout
     assert "the step's plan: compiled (numba)" in proc.stdout and "plan's arrays, Python" in proc.stdout, tail
     proc, tail = bare("kernel_sweep.py", "--launch", "--out", str(tmp_path / "launch.json"))
     assert proc.returncode == 0 and "outputs equal" in proc.stdout and "launch check: PASS" in proc.stdout, tail
