@@ -179,7 +179,8 @@ def random_plan(n: int, g) -> DraftPlan:
     return DraftPlan(tuple(int(t) for t in torch.randint(1000, (n,), generator=g)), tuple(parents), tree_path=True)
 
 
-def step_batch(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, heads, vocab, dtype, run=None):
+def step_batch(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, heads, vocab, dtype, run=None,
+               torch_draws: bool = False):
     """One verification step of `trees` trees of `nodes` nodes: plan, attention in every layer, batched
     verification (half greedy, half sampled), compaction, each piece through `run(name, fn)` (timed(), no_wait(),
     or called as is). The batched verdict's read-back (take_results: after vLLM's own wait for the sampled tokens)
@@ -210,7 +211,7 @@ def step_batch(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, hea
     md = SimpleNamespace(num_actual_tokens=t, slot_mapping=slot_mapping, block_table=table)
     run("attention, every layer", lambda: [rt.attend(None, d ** -0.5, q, None, None, kv, md, out)
                                             for kv in layers_kv])
-    if getattr(rt, "compare_draws", False):  # the same verification with the draws as torch ops (before the kernel)
+    if torch_draws:  # the same verification with the draws as torch ops first (what ran before the kernel)
         rt.draw_kernel = False
         run("verification, torch draws", lambda: rt.verify_batched(step, logits, tokens, sm))
         rt.draw_kernel = True
@@ -349,13 +350,14 @@ def check_step() -> bool:
     # the step's pieces at the engine's shapes: first each under the sync debug mode (a wait for the device is found
     # and where it happened said), then timed (the timing itself waits)
     found: dict = {}
-    rt.compare_draws = True
     for nodes in ((4,) if ARGS.cpu else (16, 64)):
-        step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=no_wait(found))
+        step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=no_wait(found),
+                   torch_draws=True)
         runs = []
         for _ in range(1 if ARGS.cpu else 7):
             runs.append({})
-            step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=timed(runs[-1]))
+            step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=timed(runs[-1]),
+                       torch_draws=True)
         for piece in runs[0]:
             dev = statistics.median(r[piece][0] for r in runs) * 1e3
             host = statistics.median(r[piece][1] for r in runs) * 1e3
@@ -364,7 +366,8 @@ def check_step() -> bool:
         if ARGS.profile and nodes == 16 or ARGS.cpu and ARGS.profile:
             profiles: dict = {}
             for _ in range(1 if ARGS.cpu else 5):
-                step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=profiled(profiles))
+                step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=profiled(profiles),
+                           torch_draws=True)
             for piece, prof in profiles.items():
                 say(f"host profile, {trees} trees x {nodes} nodes, {piece} (cProfile, {1 if ARGS.cpu else 5} steps; "
                     f"tottime / cumtime ms a step, calls a step):")

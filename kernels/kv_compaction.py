@@ -3,13 +3,13 @@ accepted node move to the slot of its depth, so the sequence's cache holds the a
 
 Node `path[j, i]` (the accepted node at depth i + 1 of the tree of step request `trees[j]`, default j) moves from
 forward row `starts[trees[j]] + 1 + node` to row `starts[trees[j]] + 1 + i`; rows map to cache slots by vLLM's
-`slot_mapping`. (`trees`: a verdict's paths in its own order, greedy trees first, need no scatter into the step's.) One program per (tree, layer) walks its
-path in depth order: a source row is never below its destination (node >= i) and every earlier destination is
-below every later source, so in-order moves read only what no earlier move wrote (each element is read and written
-by the same lane every iteration). Layers: vLLM allocates each layer's cache apart; the kernel takes the first
-layer's K view as its pointer and each layer's K and V as element offsets from it (`layer_offsets`, built once per
-engine), with the strides every layer shares. A cache is logically [num_blocks, H, block_size, 2 * D]
-(engine/gpu_kv.kv_views: K and V the halves of the last dimension).
+`slot_mapping` (`trees`: a verdict's paths in its own order, greedy trees first, need no scatter into the step's).
+One program per (tree, layer) walks its path in depth order: a source row is never below its destination (node >= i)
+and every earlier destination is below every later source, so in-order moves read only what no earlier move wrote
+(each element is read and written by the same lane every iteration). Layers: vLLM allocates each layer's cache
+apart; the kernel takes the first layer's K view as its pointer and each layer's K and V as element offsets from it
+(`layer_offsets`, built once per engine), with the strides every layer shares. A cache is logically [num_blocks, H,
+block_size, 2 * D] (engine/gpu_kv.kv_views: K and V the halves of the last dimension).
 
 The torch path this replaces is one gather and one scatter per layer (64 launches at 32 layers; 0.3-0.55 ms per 4
 layers eager on an H100). Contents: `_kv_compaction_kernel`, `layer_offsets` + `compact` (launcher),
@@ -19,6 +19,8 @@ layers eager on an H100). Contents: `_kv_compaction_kernel`, `layer_offsets` + `
 from __future__ import annotations
 
 import torch
+
+from vllm_adaspec.kernels import kept
 
 try:
     import triton
@@ -103,19 +105,8 @@ def compact(kv_caches: list[torch.Tensor], offsets: tuple, slot_mapping: torch.T
         return
     table, (_, block_size, heads, head_size, s_blk, s_off, s_head, s_d), k0 = offsets
     if trees is None:
-        trees = _arange(r, path.device)
+        trees = kept.arange(r, path.device)
     elems = heads * head_size
     _kv_compaction_kernel[(r, len(kv_caches))](k0, table, slot_mapping, starts, trees, path.contiguous(), count, n,
                                                block_size, s_blk, s_off, s_head, s_d, HEAD_SIZE=head_size,
                                                ELEMS=elems, BLOCK_E=triton.next_power_of_2(elems))
-
-
-_ARANGE: dict = {}
-
-
-def _arange(n: int, device) -> torch.Tensor:
-    """0 .. n - 1 on `device`, from one tensor kept and grown (no launch a step)."""
-    have = _ARANGE.get(device)
-    if have is None or len(have) < n:
-        have = _ARANGE[device] = torch.arange(max(n, 256), dtype=torch.long, device=device)
-    return have[:n]

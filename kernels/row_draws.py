@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_adaspec.kernels import kept
+
 try:
     import triton
     import triton.language as tl
@@ -157,20 +159,8 @@ if triton is not None:
 def _seed(seed, sampled: bool, device) -> torch.Tensor:
     """The key the kernel reads: `seed` as [1] int64 on `device`, a new one where a tree is sampled, else any int64."""
     if seed is None:
-        return new_seed(device) if sampled else _ones(device, torch.int64)
+        return new_seed(device) if sampled else kept.ones(device, torch.int64)
     return seed if isinstance(seed, torch.Tensor) else torch.tensor([seed], dtype=torch.int64, device=device)
-
-
-_ONES: dict = {}
-
-
-def _ones(device, dtype=torch.float32) -> torch.Tensor:
-    """A [1] tensor of ones kept per device and dtype: a pointer no program reads, of the dtype a launch always
-    passes there (one compiled variant)."""
-    key = (device, dtype)
-    if key not in _ONES:
-        _ONES[key] = torch.ones(1, dtype=dtype, device=device)
-    return _ONES[key]
 
 
 def row_draws(logits: torch.Tensor, logit_rows: torch.Tensor, tree_rows: torch.Tensor,
@@ -191,15 +181,15 @@ def row_draws(logits: torch.Tensor, logit_rows: torch.Tensor, tree_rows: torch.T
     if temperature is None:
         if first_sampled < r:
             raise ValueError("sampled trees need the batch's temperature")
-        temperature = _ones(logits.device)  # (read by no program; a float32 pointer as always: one variant)
+        temperature = kept.ones(logits.device)  # (read by no program; a float32 pointer as always: one variant)
     rows = r * p
     chunks = num_chunks(logits.shape[1])
     chunk = _cdiv(_cdiv(logits.shape[1], chunks), BLOCK_V) * BLOCK_V
     chunks = _cdiv(logits.shape[1], chunk)
     # (one chunk: read by no program; the same dtypes either way, one compiled variant)
-    partial = _ones(logits.device) if chunks == 1 else torch.empty(4 * rows * chunks, dtype=torch.float32,
+    partial = kept.ones(logits.device) if chunks == 1 else torch.empty(4 * rows * chunks, dtype=torch.float32,
                                                                    device=logits.device)
-    counters = _zeroed_counters(rows, logits.device)
+    counters = kept.zeros("row draws", rows, logits.device)
     _row_draws_kernel[(rows, chunks)](logits, logits.stride(0), logit_rows, tree_rows, temperature, out[0], out[1],
                                       partial, counters, logits.shape[1], p, first_sampled,
                                       _seed(seed, first_sampled < r, logits.device), chunk, BLOCK_V=BLOCK_V,
@@ -214,14 +204,3 @@ def num_chunks(vocab: int) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-_COUNTERS: dict = {}
-
-
-def _zeroed_counters(n: int, device) -> torch.Tensor:
-    """n int32 zeros on `device`, kept across launches (each row's combining program leaves its counter at 0)."""
-    have = _COUNTERS.get(device)
-    if have is None or len(have) < n:
-        have = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return have[:n]

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_adaspec.kernels import kept
 from vllm_adaspec.trees.tree import DraftTree, ancestor_mask
 
 try:
@@ -536,23 +537,10 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
     done = None
     if fused and splits > 1:  # zeroed once: each launch's reducing programs zero their counters again
-        done = _zeroed_counters(tiles, bits.device)
+        done = kept.zeros("tree attention", tiles, bits.device)
     return TreeAttentionLaunch(prefix_lens, tree_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads,
                                head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m),
                                num_warps=num_warps, num_stages=num_stages, even=even, prefetch=prefetch, done=done)
-
-
-_COUNTERS: dict = {}
-
-
-def _zeroed_counters(n: int, device) -> torch.Tensor:
-    """n int32 zeros on `device`, from one buffer kept across steps (the fused reduction leaves its counters at 0:
-    no fill launch a step). A larger request replaces the buffer (launches on one stream: the old one is done with
-    by then, as the caching allocator assumes too)."""
-    have = _COUNTERS.get(device)
-    if have is None or len(have) < n:
-        have = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return have[:n]
 
 
 # --- compiled variants ------------------------------------------------------------------------------------------
