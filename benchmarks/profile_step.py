@@ -51,7 +51,9 @@ PARTS = [
     ("            corpus pool", "vllm_adaspec.pools.corpus:CorpusPool", "propose"),
     ("            medusa pool", "vllm_adaspec.pools.medusa:MedusaPool", "propose"),
     (HEADS, "vllm_adaspec.pools.medusa:ranked_tokens", None),
-    ("          trie merge", "vllm_adaspec.proposers.multi_branch:merge", None),
+    ("          the node choice (merge, rank, price, lay out; compiled)", "vllm_adaspec.proposers.multi_branch:choose_compiled",
+     None),
+    ("          trie merge (the Python choice)", "vllm_adaspec.proposers.multi_branch:merge", None),
     ("          cost model: the step's price list", "vllm_adaspec.proposers.driver:Driver", "step_seconds"),
     ("        cost model: learning the last step", "vllm_adaspec.proposers.driver:Driver", "_observe_step"),
     ("  adaspec on_schedule", "vllm_adaspec.proposers.driver:Driver", "on_schedule"),
@@ -95,7 +97,8 @@ def install(acc, parts=PARTS) -> None:
         mod, cls = where.split(":")
         module = importlib.import_module(mod)
         if name is None:  # a module-level function, timed where it is looked up
-            setattr(module, cls, _timed(getattr(module, cls), label, acc))
+            if hasattr(module, cls):  # (an older tree, `host_replay.py --against`, may not have it: 0 there)
+                setattr(module, cls, _timed(getattr(module, cls), label, acc))
             continue
         if cls == "Drafter":  # the interface: time every drafter's own method
             for klass in _drafter_classes():

@@ -94,16 +94,16 @@ def medusa_tops(model: str, folder: str, records: list[dict], width: int = 10) -
 NODE_POOLS = ("context", "suffix", "recycled", "corpus", "medusa")
 
 
-def node_features(trie, i: int) -> list[float]:
+def node_features(trie, i: int, calib) -> list[float]:
     """What a pool-node classifier reads (C2T for candidate trees, issue #18 part 5): the calibrated conditional
     and path probabilities, depth, the raw score's bucket, competing siblings, match length / rank evidence,
     the request's streak state, which pools proposed it and how many."""
-    pools, bucket, siblings, evidence, *state = trie.keys[i][0]
+    pools, bucket, siblings, evidence, *state = calib.key(trie.codes[i])
     return [trie.cond[i], trie.path[i], trie.depth[i], bucket / 10, siblings, evidence, state[0] if state else 0,
             *[float(p in pools) for p in NODE_POOLS], len(pools)]
 
 
-def classifier_order(trie, params) -> list[int]:
+def classifier_order(trie, params, calib) -> list[int]:
     """Nodes ranked by the classifier's confidence, a child capped at its parent's (closed under parents)."""
     import torch
 
@@ -111,7 +111,7 @@ def classifier_order(trie, params) -> list[int]:
 
     if not len(trie):
         return []
-    conf = confidence(params, torch.tensor([node_features(trie, i) for i in range(len(trie))])).tolist()
+    conf = confidence(params, torch.tensor([node_features(trie, i, calib) for i in range(len(trie))])).tolist()
     score = []
     for i, parent in enumerate(trie.parents):  # parents come first
         score.append(min(conf[i], score[parent]) if parent >= 0 else conf[i])
@@ -162,7 +162,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
                 cands = [Candidates(list(d.token_ids), list(range(-1, len(d.token_ids) - 1)),
                                     [1.0] * len(d.token_ids), [0] * len(d.token_ids), "v")]
             trie = merge(cands, calib, streak_state(last_acc) if streak else ())
-            order = (ranked(trie) if classifier is None else classifier_order(trie, classifier))[:budget]
+            order = (ranked(trie) if classifier is None else classifier_order(trie, classifier, calib))[:budget]
             if vllm_suffix:
                 k = len(order)
             elif cost is None:
@@ -184,7 +184,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
                 for i in range(len(trie)):
                     q, d = trie.parents[i], trie.depth[i]
                     on[i] = (q < 0 or on[q]) and g + d - 1 < len(out) - 1 and trie.tokens[i] == out[g + d - 1]
-                record.append((np.array([node_features(trie, i) for i in range(len(trie))], dtype=np.float32),
+                record.append((np.array([node_features(trie, i, calib) for i in range(len(trie))], dtype=np.float32),
                                np.array(on)))
             last_acc = len(path)
             predicted += sum(trie.path[i] for i in chosen)

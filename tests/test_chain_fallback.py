@@ -17,7 +17,7 @@ def trie(nodes):
         t.path.append(p)
         t.cond.append(p / (t.path[parent] if parent >= 0 else 1.0))
         t.depth.append(t.depth[parent] + 1 if parent >= 0 else 1)
-        t.keys.append([("x",)])
+        t.codes.append(0)
     return t
 
 

@@ -22,12 +22,13 @@ def cands(*paths, key="a"):
 def test_shared_prefixes_merge_and_probabilities_combine():
     a = cands(((5,), 0.5), ((5, 6), 0.8), ((7,), 0.2), key="a")
     b = cands(((5,), 0.5), ((5, 9), 0.4), key="b")
-    t = merge([a, b], Calibration(strength=1e9), state=(1,))  # a huge prior strength: calibrated = the prior
+    cal = Calibration(strength=1e9)  # a huge prior strength: calibrated = the prior
+    t = merge([a, b], cal, state=(1,))
     nodes = {tuple(t.tokens[j] for j in path(t, i)): i for i in range(len(t))}
     assert set(nodes) == {(5,), (5, 6), (7,), (5, 9)}  # one node for "5"
     five = nodes[(5,)]
     # one key per node: which pools proposed it, their best probability's tenth, competing siblings, evidence, state
-    assert t.keys[five] == [(("a", "b"), 5, 2, 0, 1)]
+    assert cal.key(t.codes[five]) == (("a", "b"), 5, 2, 0, 1)
     assert t.cond[five] == pytest.approx(PRIOR_SCALE * 0.5)
     assert t.path[nodes[(5, 6)]] == pytest.approx(PRIOR_SCALE * 0.5 * PRIOR_SCALE * 0.8)
     assert t.depth[nodes[(5, 9)]] == 2
@@ -65,7 +66,7 @@ def test_pruning_drops_a_node_with_its_subtree_and_keeps_the_rest_as_they_were()
     assert sorted(tuple(p.tokens[j] for j in path(p, i)) for i in range(len(p))) == [(5,), (7,), (7, 3)]
     for i in range(len(p)):
         old = next(j for j in range(len(t)) if t.tokens[j] == p.tokens[i] and t.depth[j] == p.depth[i])
-        assert (p.path[i], p.cond[i], p.keys[i]) == (t.path[old], t.cond[old], t.keys[old])
+        assert (p.path[i], p.cond[i], p.codes[i]) == (t.path[old], t.cond[old], t.codes[old])
 
 
 def test_calibration_moves_a_pool_from_its_own_estimate_to_measured_acceptance():
@@ -74,7 +75,7 @@ def test_calibration_moves_a_pool_from_its_own_estimate_to_measured_acceptance()
     t = merge([one], cal)
     assert t.cond == pytest.approx([PRIOR_SCALE * 0.9])  # no evidence yet: the pool's number (scaled)
     for i in range(100):
-        cal.observe(t.keys[0][0], accepted=i % 5 == 0)  # really accepted 20% of the time
+        cal.observe(t.codes[0], accepted=i % 5 == 0)  # really accepted 20% of the time
     assert merge([one], cal).cond == pytest.approx([(20 + 4 * PRIOR_SCALE * 0.9) / 104])
 
 
@@ -86,7 +87,7 @@ def test_feedback_counts_only_nodes_whose_parent_was_accepted():
     n = {tuple(t.tokens[j] for j in path(t, i)): i for i in range(len(t))}
     feedback(t, chosen, [n[(1,)], n[(1, 2)]], cal)  # accepted 1, 2; rejected 3 (tested), 4 and 5 (tested)
     assert [sum(c[0] for c in cal.counts.values()), sum(c[1] for c in cal.counts.values())] == [2, 5]
-    assert cal.counts[t.keys[n[(1, 2, 3)]][0]] == [0, 1]  # (1 and 1-2 share a key: [2, 2])
+    assert cal.counts[cal.key(t.codes[n[(1, 2, 3)]])] == [0, 1]  # (1 and 1-2 share a key: [2, 2])
 
 
 def test_best_prefix_buys_nodes_only_while_they_pay_for_their_rows():

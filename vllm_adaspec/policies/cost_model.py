@@ -162,6 +162,16 @@ def hat(rows: float, anchors) -> tuple[int, float]:
     return i, (rows - anchors[i]) / (anchors[i + 1] - anchors[i])
 
 
+@dataclass(frozen=True)
+class TreeExtra:
+    """Seconds tree verification adds over chains of the same rows: per tree request and per tree row."""
+    per_request: float
+    per_row: float
+
+    def __call__(self, tree_requests: int, tree_rows: int) -> float:
+        return self.per_request * tree_requests + self.per_row * tree_rows
+
+
 @dataclass
 class _Bucket:
     xtx: np.ndarray  # [F, F] forgotten sum of x x^T
@@ -315,6 +325,7 @@ class StepCostModel:
             i, t = hat(rows, anchors)
             return float(vals[i] * (1.0 - t) + vals[i + 1] * t) + base + plus
 
+        cost.table, cost.plus = table, plus  # what the compiled node choice reads (trees/step_choice.py)
         return cost
 
     def attention_seconds(self, batch: int) -> float:
@@ -323,8 +334,12 @@ class StepCostModel:
 
     def tree_extra(self, batch: int, tree_requests: int, tree_rows: int) -> float:
         """Seconds tree verification adds over chains of the same rows."""
+        return self.tree_prices(batch)(tree_requests, tree_rows)
+
+    def tree_prices(self, batch: int) -> TreeExtra:
+        """tree_extra of this batch size as a function of (tree requests, tree rows)."""
         w = self._weights(self.bucket(batch))
-        return w[-2] * tree_requests + w[-1] * tree_rows
+        return TreeExtra(w[-2], w[-1])
 
     def observe(self, batch: int, rows: int, seconds: float, tree_requests: int = 0, tree_rows: int = 0,
                 attention: float = 0.0) -> None:

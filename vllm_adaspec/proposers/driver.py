@@ -377,7 +377,7 @@ class Driver:
         request's context (attention); and what tree verification adds, (tree requests, tree rows) -> seconds."""
         own = self.draft_costs.predict(decoding, 0) if self.costs.unit else 0.0
         return (self.costs.curve(decoding, own), self.costs.attention_seconds(decoding),
-                (lambda reqs, n: self.costs.tree_extra(decoding, reqs, n)))
+                self.costs.tree_prices(decoding))
 
     # --- for drafters ---
     def tree_rows(self, view: BatchView, rows: list[int], extra_rows: int = 0) -> list[bool]:

@@ -30,8 +30,10 @@ from vllm_adaspec.pools.branches import append_branches
 from vllm_adaspec.proposers.drafter import Drafter, Stats
 from vllm_adaspec.proposers.driver import request_seed
 from vllm_adaspec.step import BatchView, DraftPlan, Needs, Outcome, Taps
-from vllm_adaspec.trees.trie import (Calibration, Trie, YieldCalibration, best_prefix, feedback, merge, prune,
-                                     ranked, streak_state, subtree)
+from vllm_adaspec.trees.step_choice import Prices, choose_compiled, choose_reference
+from vllm_adaspec.trees.step_choice import compiled as choice_compiled
+from vllm_adaspec.trees.trie import (Calibration, Trie, YieldCalibration, best_path, chains_where_cheaper,  # noqa: F401
+                                     feedback, fold_sum, is_tree, merge, prune, streak_state)
 
 logger = logging.getLogger("vllm_adaspec")
 
@@ -42,8 +44,7 @@ class RequestPools:
     """One request's pool state and its last proposal (for calibration once it is verified)."""
     req_id: str
     last_token: int = -1  # the root of the last proposal
-    trie: Trie | None = None
-    chosen: list[int] = field(default_factory=list)  # trie nodes proposed, in proposal order
+    trie: Trie | None = None  # the nodes of its last proposal, in proposal order (step_choice.chosen_trie)
     accepted_last: int = 0  # drafts its last verified proposal got accepted (calibration state)
     nodes_sent: int = 0  # verified nodes of its last proposal (draft-branch rows follow them)
     branches_sent: list[list[int]] = field(default_factory=list)  # the Self-Draft branches its last proposal carried
@@ -60,6 +61,7 @@ class MultiBranchStats(Stats):
     branch_grams: int = 0
     grammar_checked: int = 0  # candidate nodes of structured-output requests checked against their grammar
     grammar_pruned: int = 0  # of which the grammar forbade (never verified)
+    choice_faults: int = 0  # faults of the compiled node choice (then the Python one chose)
 
 
 class MultiBranchDrafter(Drafter):
@@ -87,6 +89,8 @@ class MultiBranchDrafter(Drafter):
         # never accepted (the grammar masks their parents' rows).
         self.prune_grammar = os.environ.get("VLLM_ADASPEC_GRAMMAR_PRUNING", "1") != "0"
         self.requests: dict[str, RequestPools] = {}
+        self.compiled_choice = choice_compiled() and choice_ready()  # trees/step_choice.py (off without numba or
+        # after a fault in it: the Python choice, the same nodes)
         # Self-Draft: N branches of L tokens per tree-verified request (0: off; tree mode only: a chain forward
         # cannot mask them apart)
         self.num_branches = self.cfg.branches if self.tree_mode else 0
@@ -155,25 +159,27 @@ class MultiBranchDrafter(Drafter):
                 self.stats.branch_rows_read += len(outcome.branch_argmax)
             self.poolset.extend(req_id, view.token_ids[i, self.poolset.fed[req_id]:n])
             st.last_token = int(view.token_ids[i, n - 1])
-            st.trie, st.chosen, st.nodes_sent, st.branches_sent = None, [], 0, []
+            st.trie, st.nodes_sent, st.branches_sent = None, 0, []
 
     def _calibrate(self, st: RequestPools, outcome: Outcome) -> None:
-        """The last proposal of this request was verified: which of its nodes were tested, which passed."""
-        verified = st.chosen[:outcome.drafted]  # the scheduler may have trimmed it (breadth-first: still a tree)
+        """The last proposal of this request was verified: which of its nodes were tested, which passed (st.trie:
+        the proposal's nodes, in proposal order)."""
+        verified = range(min(outcome.drafted, len(st.trie)))  # the scheduler may have trimmed it (still a tree)
         if not verified:
             return
-        path = [verified[j] for j in outcome.accepted]
+        path = list(outcome.accepted)
+        trie, pools_of = st.trie, self.calibration.pool_names
         if self.yields.enabled:
-            self.yields.observe(outcome.tree, sum(st.trie.path[n] for n in verified), len(path))
+            self.yields.observe(outcome.tree, fold_sum(trie.path[n] for n in verified), len(path))
         accepted = set(path) if self.driver.observers else ()
         for obs in self.driver.observers:  # the audit: what calibration expected of these nodes, what came of them
-            obs.proposal_outcome(st.req_id, 1.0 + sum(st.trie.path[n] for n in verified), 1 + len(path),
-                                 [(st.trie.path[n], tuple(st.trie.keys[n][0][0]), n in accepted) for n in verified],
+            obs.proposal_outcome(st.req_id, 1.0 + fold_sum(trie.path[n] for n in verified), 1 + len(path),
+                                 [(trie.path[n], pools_of(trie.codes[n]), n in accepted) for n in verified],
                                  outcome.tree)
-        feedback(st.trie, verified, path, self.calibration)
+        feedback(trie, verified, path, self.calibration)
         st.accepted_last = len(path)
         for node in path:
-            for pool in st.trie.keys[node][0][0]:  # the pools that proposed it
+            for pool in pools_of(trie.codes[node]):  # the pools that proposed it
                 self.stats.pool_accepted[pool] += 1
 
     def score(self, req_id: str, candidates: list, state: tuple) -> Trie:
@@ -188,70 +194,72 @@ class MultiBranchDrafter(Drafter):
             return 0.0
         req_ids, num_tokens_no_spec = view.req_ids, view.num_tokens
         treeish = self.driver.tree_rows(view, rows, self._extra_rows) if self.tree_mode else [False] * len(rows)
-        tries, cands = [], []  # per drafting row: its trie, and its candidate nodes (best first, within budget)
         candidates = self.poolset.propose([req_ids[i] for i in rows], budgets, self._pool_taps(view, rows))
         medusa = self.poolset.get("medusa")
         for obs in self.driver.observers if medusa is not None else ():
             obs.medusa_top([req_ids[i] for i in rows], [int(view.num_tokens[i]) for i in rows], medusa.last_top_ids)
-        for e, (i, budget) in enumerate(zip(rows, budgets)):
-            st = self.requests[req_ids[i]]
+        states = [streak_state(self.requests[req_ids[i]].accepted_last) for i in rows]
+        grammar = [treeish[e] and self.prune_grammar and self.driver.traits_of(req_ids[i]).grammar
+                   for e, i in enumerate(rows)]
+        # compiled (trees/step_choice.py) unless this step needs what only the Python choice does
+        compiled = self.compiled_choice and not any(grammar) and "score" not in self.__dict__
+        tries = []
+        for e, i in enumerate(rows):
             self.driver.faults.point("trie")
-            trie = self.score(req_ids[i], candidates[e], streak_state(st.accepted_last))
-            if treeish[e] and self.prune_grammar and self.driver.traits_of(req_ids[i]).grammar:
+            if compiled:
+                continue
+            trie = self.score(req_ids[i], candidates[e], states[e])
+            if grammar[e]:
                 trie, treeish[e] = self._grammar_pruned(view, i, trie)
-            order = ranked(trie)[:budget] if treeish[e] else best_path(trie, budget)
             tries.append(trie)
-            cands.append(order)
-            self.stats.trie_nodes += len(trie)
-        # Across the batch: the nodes with the highest path probability first, as many as the step cost pays for
-        # (expected tokens per second of the whole batch; cost_model "off": every candidate).
-        # (each node's gain: its path probability, scaled by what proposals of its kind have yielded per promise)
         scale = [self.yields.ratio(treeish[e]) for e in range(len(rows))]
-        flat = sorted(((tries[e].path[node] * scale[e], e, j) for e, order in enumerate(cands)
-                       for j, node in enumerate(order)), key=lambda x: -x[0])
         decoding = view.decoding()
         branch_pool = self.poolset.get("branches")
         branches = [branch_pool.branches_of(req_ids[i]) if branch_pool is not None else [] for i in rows]
         branching = [bool(self.num_branches and treeish[e] and branches[e]) for e in range(len(rows))]
-        base_rows = decoding + self._extra_rows * sum(branching)  # branch rows run whatever the trees hold
-        count = [0] * len(rows)
-        if self.driver.costs is None:
-            keep = len(flat)
-        else:
+        # Across the batch: the nodes with the highest path probability first, as many as the step cost pays for
+        # (expected tokens per second of the whole batch; cost_model "off": every candidate), trees that do not
+        # pay for their extra cost as chains
+        prices = None
+        if self.driver.costs is not None:
             step_cost, attention, tree_extra = self.driver.step_seconds(decoding)
             # a node's row also costs attention over its request's context (seconds per row of each request)
             per_row = [attention * attention_load(1, int(num_tokens_no_spec[i])) for i in rows]
-            extra = [attention * attention_load(1, sum(int(n) for n, s in zip(num_tokens_no_spec, view.sampled)
-                                                       if s))]
-            for _, e, _ in flat:
-                extra.append(extra[-1] + per_row[e])
-            keep = best_prefix([p for p, _, _ in flat], float(decoding), step_cost, base_rows, extra)
-        for _, e, j in flat[:keep]:
-            count[e] = max(count[e], j + 1)  # a prefix of a request's ranked nodes is closed under parents
-        chosen_of = [cands[e][:count[e]] for e in range(len(rows))]
-        if self.driver.costs is not None:  # trees cost more than chains of their rows: keep each only where it pays
             may_switch = [treeish[e] and not branching[e]
                           and self.driver.traits_of(req_ids[i]).controls.speculation != "tree"
                           for e, i in enumerate(rows)]
-            chains_where_cheaper(tries, chosen_of, may_switch,
-                                 decoding + sum(p for p, _, _ in flat[:keep]), base_rows + keep, extra[keep],
-                                 per_row, sum(branching), self._extra_rows * sum(branching), step_cost, tree_extra,
-                                 budgets, yields=(self.yields.ratio(True), self.yields.ratio(False)))
+            prices = Prices(float(decoding), decoding + self._extra_rows * sum(branching), step_cost, tree_extra,
+                            per_row, attention * attention_load(1, sum(int(n) for n, s in
+                                                                       zip(num_tokens_no_spec, view.sampled) if s)),
+                            may_switch, sum(branching), self._extra_rows * sum(branching),
+                            (self.yields.ratio(True), self.yields.ratio(False)))
+        chosen = None
+        if compiled:
+            try:
+                chosen, sizes = choose_compiled(candidates, self.calibration, [s[0] for s in states], treeish,
+                                                budgets, scale, prices)
+            except Exception:  # a fault of the compiled choice: the Python one from now on
+                logger.exception("vllm_adaspec: the compiled node choice failed; the Python one chooses from now on")
+                self.stats.choice_faults += 1
+                self.compiled_choice = False
+                tries = [self.score(req_ids[i], candidates[e], states[e]) for e, i in enumerate(rows)]
+        if chosen is None:
+            chosen, sizes = choose_reference(tries, treeish, budgets, scale, prices), [len(t) for t in tries]
+        self.stats.trie_nodes += sum(sizes)
         for e, i in enumerate(rows):
-            st = self.requests[req_ids[i]]
-            chosen = chosen_of[e]
-            if not chosen and not branching[e]:
+            ch = chosen[e]
+            if not len(ch) and not branching[e]:
                 continue
-            tokens, parents, order = subtree(tries[e], chosen)
-            st.trie, st.chosen, st.nodes_sent = tries[e], order, len(tokens)
-            rows_out = tokens
+            st = self.requests[req_ids[i]]
+            st.trie, st.nodes_sent = ch, len(ch)
+            rows_out, parents = ch.tokens, ch.parents
             if branching[e]:
                 st.branches_sent = branches[e]
-                rows_out, parents = append_branches(tokens, parents, branches[e])
-                self.stats.branch_rows += len(rows_out) - len(tokens)
+                rows_out, parents = append_branches(ch.tokens, ch.parents, branches[e])
+                self.stats.branch_rows += len(rows_out) - len(ch)
             plans[i] = DraftPlan(tuple(rows_out), tuple(parents) if treeish[e] else None,
-                                 len(tokens) if len(rows_out) > len(tokens) else None)
-            self.stats.chosen_nodes += len(tokens)
+                                 len(ch) if len(rows_out) > len(ch) else None)
+            self.stats.chosen_nodes += len(ch)
         return 0.0
 
     def _grammar_pruned(self, view: BatchView, i: int, trie: Trie) -> tuple[Trie, bool]:
@@ -297,60 +305,14 @@ class MultiBranchDrafter(Drafter):
                 "kv_copies": self.driver.port.held_copy_tokens() if self.driver.port is not None else 0}
 
 
-def is_tree(trie: Trie, nodes: list[int]) -> bool:
-    """Whether some chosen node has a chosen sibling (else the nodes form a chain)."""
-    parents = [trie.parents[i] for i in nodes]
-    return len(set(parents)) < len(parents)
+def choice_ready() -> bool:
+    """The compiled node choice compiled now, at start-up (not in the first step); False where it cannot."""
+    from vllm_adaspec.trees import step_choice
 
-
-def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch: list[bool], tokens: float,
-                         rows: int, attention: float, per_row: list[float], tree_requests: int, tree_rows: int, cost,
-                         tree_extra, budgets: list[int], yields: tuple[float, float] = (1.0, 1.0)) -> None:
-    """Tree verification costs more than a chain of as many rows (its own attention: tree_extra(requests, rows)).
-    For each request whose chosen nodes branch (and `may_switch`), keep the tree only if the batch's expected
-    tokens per second beat those with the request's best chain instead: its trie's best path (up to its budget),
-    as deep as pays (a tree spreads its rows over branches; the chain that replaces it takes them along one path:
-    cut to the tree's own nodes, batch 1 on this CPU ran 1.3-2.6% slower a round, RESULTS session 33).
-    chosen[e] is replaced in place. tokens / rows / attention: the batch's expected tokens, rows and attention
-    seconds with every choice as it stands (per_row[e]: what a row of request e adds to attention); tree_requests /
-    tree_rows: tree rows that cannot switch (draft branches). yields: what a promised draft yields in a tree and in a
-    chain (`tokens` counts the trees' at y_tree)."""
-    y_tree, y_chain = yields  # what a promised draft yields as part of a tree, of a chain (YieldCalibration)
-    branching = [e for e, nodes in enumerate(chosen) if may_switch[e] and is_tree(tries[e], nodes)]
-    tree_requests += len(branching)
-    tree_rows += sum(len(chosen[e]) for e in branching)
-    for e in branching:
-        nodes, trie = chosen[e], tries[e]
-        tree_rate = tokens / (cost(rows) + attention + tree_extra(tree_requests, tree_rows))
-        # the batch without this request's nodes, then its best chain at the depth that pays most
-        t0 = tokens - y_tree * sum(trie.path[i] for i in nodes)
-        r0, a0 = rows - len(nodes), attention - per_row[e] * len(nodes)
-        others = tree_extra(tree_requests - 1, tree_rows - len(nodes))
-        path = best_path(trie, budgets[e])
-        chain, chain_rate, t = [], t0 / (cost(r0) + a0 + others), t0
-        t_chain = t0
-        for depth, node in enumerate(path, start=1):
-            t += y_chain * trie.path[node]
-            rate = t / (cost(r0 + depth) + a0 + per_row[e] * depth + others)
-            if rate > chain_rate:
-                chain, chain_rate, t_chain = path[:depth], rate, t
-        if chain_rate >= tree_rate:
-            chosen[e] = chain
-            tokens, rows, attention = t_chain, r0 + len(chain), a0 + per_row[e] * len(chain)
-            tree_requests, tree_rows = tree_requests - 1, tree_rows - len(nodes)
-
-
-def best_path(trie: Trie, budget: int) -> list[int]:
-    """Chain fallback: from the root, always the child with the highest path probability, up to `budget` nodes
-    (ties: the first in node order). One pass for every node's best child: it runs for each branching request."""
-    best: dict[int, int] = {}  # parent -> its best child so far
-    path = trie.path
-    for i, parent in enumerate(trie.parents):
-        b = best.get(parent)
-        if b is None or path[i] > path[b]:
-            best[parent] = i
-    out, node = [], best.get(-1)
-    while node is not None and len(out) < budget:
-        out.append(node)
-        node = best.get(node)
-    return out
+    try:
+        step_choice.warm_up()
+        return True
+    except Exception:
+        logger.warning("vllm_adaspec: the compiled node choice did not compile; the Python one chooses (the same "
+                       "nodes, more host time a step)", exc_info=True)
+        return False

@@ -15,23 +15,76 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from vllm_adaspec.pools import Candidates
 
 
+# A calibration key as one integer (`key_code`): which pools proposed the node (a bit mask over the pools in the order
+# `Calibration.bit` first saw them), their best probability's tenth, competing siblings (at most 3), evidence (0-4)
+# and the request's streak state (0-2). Counts live in a dense table, so the compiled choice (trees/step_choice.py)
+# reads them as the Python one does.
+MAX_POOLS, BUCKETS, SIBLINGS, EVIDENCE, STATES = 6, 10, 4, 5, 3
+KEY_CODES = (1 << MAX_POOLS) * BUCKETS * SIBLINGS * EVIDENCE * STATES
+
+
+def key_code(mask: int, bucket: int, siblings: int, evidence: int, state: int) -> int:
+    return (((mask * BUCKETS + bucket) * SIBLINGS + siblings) * EVIDENCE + evidence) * STATES + state
+
+
 class Calibration:
-    """key -> [accepted, tested] over verified nodes whose parent was accepted; a Beta prior centred on the pool's
-    own probability with `strength` pseudo-observations until evidence accumulates: a node's calibrated chance is
-    (accepted + strength * PRIOR_SCALE * p) / (tested + strength), p the pools' best probability for it (`merge`
+    """key code -> [accepted, tested] over verified nodes whose parent was accepted; a Beta prior centred on the
+    pool's own probability with `strength` pseudo-observations until evidence accumulates: a node's calibrated chance
+    is (accepted + strength * PRIOR_SCALE * p) / (tested + strength), p the pools' best probability for it (`merge`
     computes it in its loop)."""
 
     def __init__(self, strength: float = 4.0):
         self.strength = strength
-        self.counts: dict[tuple, list[float]] = {}
+        self.table = np.zeros((KEY_CODES, 2))  # [KEY_CODES, 2]: accepted, tested
+        self.pools: list[str] = []  # bit b of a key's pool mask -> the pool's name
+        self._names: dict[int, tuple[str, ...]] = {}  # pool mask -> its pools' names (pool_names)
 
-    def observe(self, key: tuple, accepted: bool) -> None:
-        c = self.counts.setdefault(key, [0.0, 0.0])
-        c[0] += accepted
-        c[1] += 1
+    def bit(self, pool: str) -> int:
+        """The mask bit of a pool (assigned on first sight; at most MAX_POOLS pools)."""
+        try:
+            return 1 << self.pools.index(pool)
+        except ValueError:
+            if len(self.pools) >= MAX_POOLS:
+                raise ValueError(f"calibration keys hold at most {MAX_POOLS} pools: {self.pools + [pool]}") from None
+            self.pools.append(pool)
+            return 1 << (len(self.pools) - 1)
+
+    def observe(self, code: int, accepted: bool) -> None:
+        row = self.table[code]
+        row[0] += accepted
+        row[1] += 1
+
+    def pool_names(self, code: int) -> tuple[str, ...]:
+        """The pools that proposed a node of this key, sorted."""
+        mask = code // (BUCKETS * SIBLINGS * EVIDENCE * STATES)
+        names = self._names.get(mask)
+        if names is None:
+            names = self._names[mask] = tuple(sorted(name for b, name in enumerate(self.pools) if mask >> b & 1))
+        return names
+
+    def key(self, code: int) -> tuple:
+        """The key as a tuple: (pools, bucket, siblings, evidence, state) (the audit, replays, tests)."""
+        rest, state = divmod(code, STATES)
+        rest, evidence = divmod(rest, EVIDENCE)
+        rest, siblings = divmod(rest, SIBLINGS)
+        return self.pool_names(code), rest % BUCKETS, siblings, evidence, state
+
+    @property
+    def counts(self) -> dict[tuple, list[float]]:
+        """Every key tested so far: {key tuple: [accepted, tested]} (a copy)."""
+        return {self.key(int(c)): self.table[c].tolist() for c in np.flatnonzero(self.table[:, 1])}
+
+    @counts.setter
+    def counts(self, counts: dict[tuple, list[float]]) -> None:
+        self.table[:] = 0.0
+        for (pools, bucket, siblings, evidence, state), c in counts.items():
+            mask = sum(self.bit(p) for p in pools)
+            self.table[key_code(mask, bucket, siblings, evidence, state)] = c
 
 
 @dataclass
@@ -65,7 +118,7 @@ class Trie:
     parents: list[int] = field(default_factory=list)  # -1 = child of the root
     cond: list[float] = field(default_factory=list)  # calibrated P(accepted | parent accepted), pools combined
     path: list[float] = field(default_factory=list)  # P(accepted): product of cond along the path
-    keys: list[list[tuple]] = field(default_factory=list)  # per node: [its calibration key] (merge)
+    codes: list[int] = field(default_factory=list)  # per node: its calibration key (key_code; merge)
     depth: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -76,20 +129,21 @@ def merge(pools: Sequence[Candidates], calibrate: Calibration, state: tuple = ()
     """Insert every pool's candidates into one trie rooted at the last committed token, then score each node as
     one event: its calibration key is which pools proposed it, their best probability (bucketed), how many
     siblings compete with it, the strongest evidence behind it (a pool's match length / rank) and `state` (what
-    the request's recent steps say: a request that is copying tends to go on copying).
+    the request's recent steps say: a request that is copying tends to go on copying; `streak_state`, () = (0,)).
 
     Scoring per node, not per pool, matters: pools agree on copies (counting each pool's calibrated chance as
     independent evidence doubled the predicted acceptance in replays) and siblings exclude each other (each
-    pool's chance, calibrated where it was alone, overstates it where several pools disagree)."""
+    pool's chance, calibrated where it was alone, overstates it where several pools disagree). The definition of
+    what trees/step_choice.py computes compiled for a whole step."""
     t = Trie()
     tokens, parents, depth = t.tokens, t.parents, t.depth
     index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     raw: list[float] = []
-    pools_of: list = []  # per node: the one pool's (name,), or a set of names once a second pool proposes it
+    pools_of: list[int] = []  # per node: the mask of the pools that proposed it (Calibration.bit)
     evidence: list[int] = []  # per node: the strongest evidence behind it, at most 4
-    # (the hot loop of a step's drafting, ~30 nodes per request: local names, no per-node set unless pools overlap)
+    # (the hot loop of a step's drafting, ~30 nodes per request: local names)
     for cand in pools:
-        name = (cand.pool, )
+        bit = calibrate.bit(cand.pool)
         where: list[int] = []  # candidate node -> trie node (a candidate's parent comes before it)
         for tok, parent, prob, ev in zip(cand.tokens, cand.parents, cand.probs, cand.evidence):
             tp = where[parent] if parent >= 0 else -1
@@ -101,16 +155,12 @@ def merge(pools: Sequence[Candidates], calibrate: Calibration, state: tuple = ()
                 parents.append(tp)
                 depth.append(depth[tp] + 1 if tp >= 0 else 1)
                 raw.append(prob if prob > 0.0 else 0.0)
-                pools_of.append(name)
+                pools_of.append(bit)
                 evidence.append(ev if ev < 4 else 4)
             else:
                 if prob > raw[node]:
                     raw[node] = prob
-                names = pools_of[node]
-                if names.__class__ is set:
-                    names.add(name[0])
-                elif names != name:
-                    pools_of[node] = {names[0], name[0]}
+                pools_of[node] |= bit
                 if ev > evidence[node]:
                     evidence[node] = ev if ev < 4 else 4
             where.append(node)
@@ -120,21 +170,21 @@ def merge(pools: Sequence[Candidates], calibrate: Calibration, state: tuple = ()
     for parent, n in siblings.items():
         if n > 3:
             siblings[parent] = 3
-    cond, path, keys = t.cond, t.path, t.keys
-    counts, strength = calibrate.counts, calibrate.strength  # (Calibration.__call__, inlined)
-    prior, get = strength * PRIOR_SCALE, counts.get
-    for parent, names, r, ev in zip(parents, pools_of, raw, evidence):  # parents come before their children
-        key = (tuple(sorted(names)) if names.__class__ is set else names, int(r * 10) if r < 0.9 else 9,
-               siblings[parent], ev if ev > 0 else 0) + state  # (r >= 0: its tenth of [0, 1], 9 at most)
-        keys.append([key])
-        acc, tested = get(key, _UNSEEN)
+    cond, path, codes = t.cond, t.path, t.codes
+    table, strength = calibrate.table, calibrate.strength  # (Calibration's counts, read inline)
+    prior, st = strength * PRIOR_SCALE, (state[0] if state else 0)
+    for parent, mask, r, ev in zip(parents, pools_of, raw, evidence):  # parents come before their children
+        # key_code(mask, bucket, siblings, evidence, state), inlined; r >= 0: its tenth of [0, 1], 9 at most
+        code = (((mask * BUCKETS + (int(r * 10) if r < 0.9 else 9)) * SIBLINGS + siblings[parent]) * EVIDENCE
+                + (ev if ev > 0 else 0)) * STATES + st
+        codes.append(code)
+        acc, tested = table[code].tolist()
         c = (acc + prior * r) / (tested + strength)
         cond.append(c)
         path.append(c * path[parent] if parent >= 0 else c)
     return t
 
 
-_UNSEEN = (0.0, 0.0)
 PRIOR_SCALE = 0.5  # until evidence accumulates a node is trusted half its pools' own probability (they overstate)
 
 
@@ -150,7 +200,7 @@ def prune(t: Trie, keep: Sequence[bool]) -> Trie:
             out.parents.append(new[parent] if parent >= 0 else -1)
             out.cond.append(t.cond[i])
             out.path.append(t.path[i])
-            out.keys.append(t.keys[i])
+            out.codes.append(t.codes[i])
             out.depth.append(t.depth[i])
     return out
 
@@ -213,10 +263,76 @@ def feedback(t: Trie, chosen: Sequence[int], path_nodes: Sequence[int], calibrat
     accepted_parents = {-1} | on_path
     for i in chosen:
         if t.parents[i] in accepted_parents:
-            for key in t.keys[i]:
-                calibrate.observe(key, i in on_path)
+            calibrate.observe(t.codes[i], i in on_path)
 
 
 def streak_state(accepted_last: int) -> tuple:
     """Calibration state from the request's last verification: none, some or many drafts accepted."""
     return (0 if accepted_last <= 0 else 1 if accepted_last < 3 else 2,)
+
+
+def fold_sum(values) -> float:
+    """Left to right from 0.0, as the compiled choice adds (Python 3.12's `sum` of floats compensates)."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
+def is_tree(trie: Trie, nodes: list[int]) -> bool:
+    """Whether some chosen node has a chosen sibling (else the nodes form a chain)."""
+    parents = [trie.parents[i] for i in nodes]
+    return len(set(parents)) < len(parents)
+
+
+def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch: list[bool], tokens: float,
+                         rows: int, attention: float, per_row: list[float], tree_requests: int, tree_rows: int, cost,
+                         tree_extra, budgets: list[int], yields: tuple[float, float] = (1.0, 1.0)) -> None:
+    """Tree verification costs more than a chain of as many rows (its own attention: tree_extra(requests, rows)).
+    For each request whose chosen nodes branch (and `may_switch`), keep the tree only if the batch's expected
+    tokens per second beat those with the request's best chain instead: its trie's best path (up to its budget),
+    as deep as pays (a tree spreads its rows over branches; the chain that replaces it takes them along one path:
+    cut to the tree's own nodes, batch 1 on this CPU ran 1.3-2.6% slower a round, RESULTS session 33).
+    chosen[e] is replaced in place. tokens / rows / attention: the batch's expected tokens, rows and attention
+    seconds with every choice as it stands (per_row[e]: what a row of request e adds to attention); tree_requests /
+    tree_rows: tree rows that cannot switch (draft branches). yields: what a promised draft yields in a tree and in a
+    chain (`tokens` counts the trees' at y_tree)."""
+    y_tree, y_chain = yields  # what a promised draft yields as part of a tree, of a chain (YieldCalibration)
+    branching = [e for e, nodes in enumerate(chosen) if may_switch[e] and is_tree(tries[e], nodes)]
+    tree_requests += len(branching)
+    tree_rows += sum(len(chosen[e]) for e in branching)
+    for e in branching:
+        nodes, trie = chosen[e], tries[e]
+        tree_rate = tokens / (cost(rows) + attention + tree_extra(tree_requests, tree_rows))
+        # the batch without this request's nodes, then its best chain at the depth that pays most
+        t0 = tokens - y_tree * fold_sum(trie.path[i] for i in nodes)
+        r0, a0 = rows - len(nodes), attention - per_row[e] * len(nodes)
+        others = tree_extra(tree_requests - 1, tree_rows - len(nodes))
+        path = best_path(trie, budgets[e])
+        chain, chain_rate, t = [], t0 / (cost(r0) + a0 + others), t0
+        t_chain = t0
+        for depth, node in enumerate(path, start=1):
+            t += y_chain * trie.path[node]
+            rate = t / (cost(r0 + depth) + a0 + per_row[e] * depth + others)
+            if rate > chain_rate:
+                chain, chain_rate, t_chain = path[:depth], rate, t
+        if chain_rate >= tree_rate:
+            chosen[e] = chain
+            tokens, rows, attention = t_chain, r0 + len(chain), a0 + per_row[e] * len(chain)
+            tree_requests, tree_rows = tree_requests - 1, tree_rows - len(nodes)
+
+
+def best_path(trie: Trie, budget: int) -> list[int]:
+    """Chain fallback: from the root, always the child with the highest path probability, up to `budget` nodes
+    (ties: the first in node order). One pass for every node's best child: it runs for each branching request."""
+    best: dict[int, int] = {}  # parent -> its best child so far
+    path = trie.path
+    for i, parent in enumerate(trie.parents):
+        b = best.get(parent)
+        if b is None or path[i] > path[b]:
+            best[parent] = i
+    out, node = [], best.get(-1)
+    while node is not None and len(out) < budget:
+        out.append(node)
+        node = best.get(node)
+    return out
