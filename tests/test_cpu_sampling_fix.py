@@ -145,3 +145,20 @@ def test_a_step_without_draft_rows_survives_a_top_k_request(monkeypatch):
     x = torch.arange(16, dtype=torch.float32).view(2, 8)
     cut = rejection_sampler.apply_top_k_top_p(x.clone(), torch.tensor([2, 2], dtype=torch.int32), None)
     assert torch.isinf(cut).sum() == 12 and cut[0, 6:].tolist() == [6.0, 7.0]
+
+
+def test_vllms_kernel_registration_runs_after_numba_was_imported():
+    """vLLM registers its CPU kernel overrides at every engine's start by scanning every module; llvmlite's library
+    wrapper (numba: our compiled plan and choice) broke that scan, so a second engine in one process could not start.
+    Our wrapper hides it for the scan and puts it back."""
+    from numba import njit  # loads llvmlite's library
+    from vllm.platforms import current_platform
+
+    import llvmlite.binding.ffi as ffi
+
+    njit(lambda x: x + 1)(1)
+    lib = ffi.lib
+    cpu_sampling_fix.install()
+    current_platform.register_triton_kernel_overrides()  # (AttributeError: '_lib_fn_wrapper' ... 'get' without it)
+    assert ffi.lib is lib
+    cpu_sampling_fix.register_fix()

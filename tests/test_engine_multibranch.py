@@ -67,6 +67,8 @@ def test_greedy_identical_and_every_pool_is_accepted(mb_runs, plain_greedy):
     for pool in EVERY_POOL:
         assert first["adaspec"]["pool_accepted"][pool] + st["pool_accepted"][pool] > 0, (pool, st["pool_accepted"])
     assert_branches_ran_and_never_leaked(first["adaspec"])
+    # the nodes chosen compiled (trees/step_choice.py), none by the Python choice after a fault of it
+    assert first["adaspec"]["compiled_choices"] > 20 and first["adaspec"]["choice_faults"] == 0, first["adaspec"]
     # branch rows are not verified drafts: adaspec's own acceptance counts only tree nodes
     assert first["adaspec"]["verified_drafts"] <= first["adaspec"]["chosen_nodes"]
     m1, m2 = first["metrics"], again["metrics"]

@@ -157,3 +157,18 @@ def test_the_drafter_decodes_the_same_compiled_python_or_after_a_fault(monkeypat
     assert cal_c == cal_p == cal_f and len(cal_c) > 5
     for key in ("output", "forwards", "drafted", "accepted"):
         assert f[key] == c[key], key
+
+
+def test_where_the_compiled_choice_cannot_compile_python_chooses(monkeypatch, caplog):
+    """A start-up that cannot compile the choice (no LLVM, an unwritable cache is fine) says so once and drafts with
+    the Python choice: the same nodes, more host time."""
+    import vllm_adaspec.proposers.multi_branch as mb
+
+    def broken():
+        raise RuntimeError("no LLVM here")
+
+    monkeypatch.setattr(step_choice, "warm_up", broken)
+    assert mb.choice_ready() is False
+    assert [r.message for r in caplog.records] == [
+        "vllm_adaspec: the compiled node choice did not compile; the Python one chooses (the same nodes, more host "
+        "time a step)"]

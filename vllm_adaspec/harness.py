@@ -16,6 +16,7 @@ fails instead of raising: start-up error tests).
 from __future__ import annotations
 
 import json
+import traceback
 import os
 import shutil
 import subprocess
@@ -280,6 +281,7 @@ def _host_loop() -> None:
             result = _child(job)
         except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
             result = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()  # (to the child's log: the parent's error shows its tail)
         finally:
             for k, v in saved.items():
                 if v is None:

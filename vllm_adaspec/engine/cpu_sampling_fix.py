@@ -12,7 +12,9 @@ It only replaces the op when a self-check shows the installed one is broken, so 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 
 import torch
 
@@ -50,7 +52,8 @@ def register_fix() -> bool:
 
     if installed_expand_is_correct():
         return False
-    register_kernels({KERNEL: expand_reference})
+    with hidden_from_kernel_scan():
+        register_kernels({KERNEL: expand_reference})
     if not installed_expand_is_correct():
         raise RuntimeError("vllm_adaspec: could not correct vLLM's CPU expand op used by rejection sampling")
     logger.info("vllm_adaspec: replaced vLLM-CPU's expand op (it dropped float temperatures) with a torch version")
@@ -77,6 +80,22 @@ def guard_empty_top_k() -> None:
     rejection_sampler.apply_top_k_top_p = apply_top_k_top_p
 
 
+@contextlib.contextmanager
+def hidden_from_kernel_scan():
+    """vLLM's kernel override registration (triton_utils/dispatcher.py `_rebind_kernels`) walks every imported
+    module's namespace and reads `vars(value)` of each value. llvmlite's `ffi.lib` (loaded with numba, which the
+    compiled step plan and node choice use) answers every attribute, `__dict__` too, with a function wrapper, and
+    the scan fails (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'): a second engine in one
+    process, or one started after numba was imported, could not start on CPU. Hidden for the scan."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    lib = ffi.__dict__.pop("lib", None) if ffi is not None else None
+    try:
+        yield
+    finally:
+        if lib is not None:
+            ffi.lib = lib
+
+
 def install() -> None:
     """Make the CPU platform register our fix after its own overrides (idempotent, CPU only)."""
     from vllm.platforms import current_platform
@@ -89,7 +108,8 @@ def install() -> None:
         return
 
     def register_triton_kernel_overrides(cls) -> None:
-        original.__func__(cls)
+        with hidden_from_kernel_scan():
+            original.__func__(cls)
         register_fix()
         guard_empty_top_k()
 

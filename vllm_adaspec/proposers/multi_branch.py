@@ -61,6 +61,7 @@ class MultiBranchStats(Stats):
     branch_grams: int = 0
     grammar_checked: int = 0  # candidate nodes of structured-output requests checked against their grammar
     grammar_pruned: int = 0  # of which the grammar forbade (never verified)
+    compiled_choices: int = 0  # steps whose nodes the compiled choice chose (trees/step_choice.py)
     choice_faults: int = 0  # faults of the compiled node choice (then the Python one chose)
 
 
@@ -238,6 +239,7 @@ class MultiBranchDrafter(Drafter):
             try:
                 chosen, sizes = choose_compiled(candidates, self.calibration, [s[0] for s in states], treeish,
                                                 budgets, scale, prices)
+                self.stats.compiled_choices += 1
             except Exception:  # a fault of the compiled choice: the Python one from now on
                 logger.exception("vllm_adaspec: the compiled node choice failed; the Python one chooses from now on")
                 self.stats.choice_faults += 1
