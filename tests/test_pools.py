@@ -101,6 +101,44 @@ def test_corpus_table_counts_successors_and_prefers_two_token_contexts(tmp_path)
     assert as_paths(c) == {(3,): pytest.approx(1.0), (3, 4): pytest.approx(0.4, abs=1e-3)}  # 4, 6 tie at 2/5 (float16)
 
 
+def test_the_context_match_compiled_is_the_python_one():
+    """The context pool's matching and trie in one compiled pass (propose_context_compiled): the same nodes,
+    probabilities and match length as propose_context, over random token streams (few and > 32 matches)."""
+    from vllm_adaspec.pools.context import ContextIndex, propose_context, propose_context_compiled
+
+    rng = np.random.default_rng(1)
+    matched = 0
+    for trial in range(300):
+        index = ContextIndex(max_n=int(rng.integers(1, 5)))
+        alphabet = int(rng.choice([2, 3, 8, 50]))
+        index.extend(rng.integers(0, alphabet, size=int(rng.integers(1, 300))))
+        for _ in range(3):
+            depth, matches, nodes = int(rng.integers(1, 20)), int(rng.integers(1, 10)), int(rng.integers(1, 17))
+            got = propose_context_compiled(index, depth, matches, nodes)
+            assert got == propose_context(index, depth, matches, nodes), trial
+            matched += len(got) > 0
+            index.extend(rng.integers(0, alphabet, size=int(rng.integers(1, 4))).tolist())
+    assert matched > 500
+
+
+def test_the_corpus_walk_compiled_is_the_python_one():
+    """The corpus pool walks a step's requests in one compiled pass (propose_corpus_batch): the same nodes,
+    probabilities and evidence as propose_corpus, request by request, over random tables and contexts."""
+    from vllm_adaspec.pools.corpus import propose_corpus_batch
+
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        seqs = [rng.integers(0, 12, size=rng.integers(2, 40)).tolist() for _ in range(rng.integers(1, 30))]
+        t = build_table(seqs, vocab_size=12, k=int(rng.integers(1, 5)), min_count=int(rng.integers(1, 3)))
+        contexts = [rng.integers(0, 14, size=rng.integers(1, 3)).tolist() for _ in range(8)]
+        depths = rng.integers(1, 17, size=8).tolist()
+        for width, max_nodes, min_prob in ((2, 8, 0.1), (3, 5, 0.0), (1, 16, 0.3)):
+            got = propose_corpus_batch(t, contexts, depths, width, max_nodes, min_prob)
+            want = [propose_corpus(t, c, d, width, max_nodes, min_prob) for c, d in zip(contexts, depths)]
+            assert got == want, trial
+    assert sum(len(c) for c in got) > 0
+
+
 def test_suffix_pool_returns_a_tree_with_conditional_probabilities():
     from vllm_adaspec.pools.suffix import SuffixPool
 

@@ -7,9 +7,13 @@ Matches are found by one vectorised scan of the request's tokens per drafting st
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from vllm_adaspec.pools import Candidates, Pool, Taps, continuation_trie
+
+logger = logging.getLogger("vllm_adaspec")
 
 
 class ContextIndex:
@@ -79,6 +83,78 @@ def propose_context(index: ContextIndex, depth: int, max_matches: int = 8, max_n
     return continuation_trie(((toks[p:p + depth], 1) for p in ends[-max_matches:]), depth, max_nodes, "context", n)
 
 
+def _context_trie(buf, size, max_n, depth, max_matches, max_nodes, out_tok, out_par, out_prob):
+    """ContextIndex.matches + propose_context's trie in one compiled pass (numba) over a request's tokens buf[:size]:
+    (nodes written to out_*, the match length n; 0 nodes when nothing matched). The same nodes and probabilities."""
+    if size < 2:
+        return 0, 0
+    last = buf[size - 1]
+    ends = np.empty(size, np.int64)  # after each earlier occurrence of the last token, increasing
+    m = 0
+    for i in range(size - 1):
+        if buf[i] == last:
+            ends[m] = i + 1
+            m += 1
+    if m == 0:
+        return 0, 0
+    n = 1
+    for k in range(2, max_n + 1):  # longer matches are among the shorter ones' positions
+        if k > size:
+            break
+        want, kept = buf[size - k], 0
+        for j in range(m):
+            if ends[j] >= k and buf[ends[j] - k] == want:
+                ends[kept] = ends[j]
+                kept += 1
+        if kept == 0:
+            break
+        m, n = kept, k
+    count = np.zeros(max_nodes, np.int64)
+    total, nodes = 0, 0
+    for j in range(max(0, m - max_matches), m):  # continuation_trie, each match weighing 1
+        total += 1
+        parent = -1
+        for q in range(ends[j], min(ends[j] + depth, size)):
+            t = buf[q]
+            node = -1
+            for c in range(nodes):
+                if out_par[c] == parent and out_tok[c] == t:
+                    node = c
+                    break
+            if node < 0:
+                if nodes >= max_nodes:
+                    break
+                node = nodes
+                out_tok[node], out_par[node] = t, parent
+                nodes += 1
+            count[node] += 1
+            parent = node
+    for c in range(nodes):
+        out_prob[c] = count[c] / (count[out_par[c]] if out_par[c] >= 0 else total)
+    return nodes, n
+
+
+try:
+    from numba import njit
+    try:
+        _context_trie = njit(cache=True, boundscheck=True)(_context_trie)
+    except Exception:  # numba: "cannot cache function ...: no locator available"
+        _context_trie = njit(boundscheck=True)(_context_trie)
+except ImportError:  # numba comes with vLLM; without it propose_context (the same nodes)
+    njit = None
+
+
+def propose_context_compiled(index: ContextIndex, depth: int, max_matches: int = 8, max_nodes: int = 16,
+                             out: tuple | None = None) -> Candidates:
+    """propose_context in one compiled pass (out: three scratch arrays of max_nodes, reused)."""
+    tok, par, prob = out if out is not None else (np.empty(max_nodes, np.int64), np.empty(max_nodes, np.int64),
+                                                  np.empty(max_nodes, np.float64))
+    nodes, n = _context_trie(index._buf, index._size, index.max_n, depth, max_matches, max_nodes, tok, par, prob)
+    if not nodes:
+        return Candidates(pool="context")
+    return Candidates(tok[:nodes].tolist(), par[:nodes].tolist(), prob[:nodes].tolist(), [n] * nodes, "context")
+
+
 class ContextPool(Pool):
     """Per request: its ContextIndex (every token, prompt included, and its n-gram ends)."""
     name = "context"
@@ -86,6 +162,17 @@ class ContextPool(Pool):
     def __init__(self, max_n: int = 4):
         self.max_n = max_n
         self.index: dict[str, ContextIndex] = {}
+        self._out = (np.empty(16, np.int64), np.empty(16, np.int64), np.empty(16, np.float64))
+        self.compiled = njit is not None  # matches and trie compiled (numba), else in Python
+        if self.compiled:
+            try:
+                warm = ContextIndex(max_n)
+                warm.extend([1, 2, 1, 2])
+                propose_context_compiled(warm, 2, out=self._out)  # compiled now, at start-up
+            except Exception:
+                logger.warning("vllm_adaspec: the context pool's compiled matching did not compile; it matches in "
+                               "Python", exc_info=True)
+                self.compiled = False
 
     def start(self, req_id, prompt) -> None:
         self.index[req_id] = ContextIndex(self.max_n)
@@ -101,4 +188,6 @@ class ContextPool(Pool):
         return len(self.index)
 
     def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
+        if self.compiled:
+            return [propose_context_compiled(self.index[r], b, out=self._out) for r, b in zip(requests, budgets)]
         return [propose_context(self.index[r], depth=b) for r, b in zip(requests, budgets)]

@@ -10,13 +10,16 @@ evaluation sets."""
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import logging
+import os
+
 import numpy as np
 
 from vllm_adaspec.pools import Candidates, Taps, TailPool
 
 FORMAT = "vllm-adaspec/corpus/1"
+logger = logging.getLogger("vllm_adaspec")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -150,6 +153,81 @@ def propose_corpus(table: CorpusTable, context: list[int], depth: int, width: in
 
 
 
+def _walk(keys1, ids1, probs1, keys2, ids2, probs2, vocab_size, prev2, prev1, depth, width, max_nodes, min_prob,
+          out_tok, out_par, out_prob, out_ev, counts):
+    """propose_corpus for a step's requests in one pass (numba): request e's nodes at out_*[e * max_nodes:],
+    counts[e] of them. prev2 / prev1 / depth [R]. The same nodes, probabilities (float32 read as double) and
+    evidence as the Python walk."""
+    k = ids1.shape[1]
+    f_par = np.empty(max_nodes + 1, np.int64)  # the frontier: (parent node, its context's two tokens)
+    f_a = np.empty(max_nodes + 1, np.int64)
+    f_b = np.empty(max_nodes + 1, np.int64)
+    g_par = np.empty(max_nodes + 1, np.int64)
+    g_a = np.empty(max_nodes + 1, np.int64)
+    g_b = np.empty(max_nodes + 1, np.int64)
+    for e in range(prev1.shape[0]):
+        at, n, m = e * max_nodes, 0, 1
+        f_par[0], f_a[0], f_b[0] = -1, prev2[e], prev1[e]
+        for _ in range(depth[e]):
+            g = 0
+            for f in range(m):
+                a, b = f_a[f], f_b[f]
+                row, level = -1, 0
+                if a >= 0:  # successors(): the two-token context, else the one-token one
+                    key = a * vocab_size + b
+                    i = np.searchsorted(keys2, key)
+                    if i < keys2.shape[0] and keys2[i] == key:
+                        row, level = i, 2
+                if level == 0:
+                    i = np.searchsorted(keys1, b)
+                    if i < keys1.shape[0] and keys1[i] == b:
+                        row, level = i, 1
+                if level == 0:
+                    continue
+                for j in range(min(width, k)):
+                    t = ids2[row, j] if level == 2 else ids1[row, j]
+                    p = np.float64(probs2[row, j] if level == 2 else probs1[row, j])
+                    if t < 0 or p < min_prob or n >= max_nodes:
+                        break
+                    g_par[g], g_a[g], g_b[g] = n, b, t
+                    g += 1
+                    out_tok[at + n], out_par[at + n], out_prob[at + n], out_ev[at + n] = t, f_par[f], p, level
+                    n += 1
+            if g == 0:
+                break
+            m = g
+            f_par[:g], f_a[:g], f_b[:g] = g_par[:g], g_a[:g], g_b[:g]
+        counts[e] = n
+
+
+try:
+    from numba import njit
+    try:
+        _walk = njit(cache=True, boundscheck=True)(_walk)
+    except Exception:  # numba: "cannot cache function ...: no locator available"
+        _walk = njit(boundscheck=True)(_walk)
+except ImportError:  # numba comes with vLLM; without it the Python walk (the same nodes)
+    njit = None
+
+
+def propose_corpus_batch(table: CorpusTable, contexts: list[list[int]], depths: list[int], width: int = 2,
+                         max_nodes: int = 8, min_prob: float = 0.1) -> list[Candidates]:
+    """propose_corpus for every request of a step, in one compiled pass (contexts: each one's last tokens)."""
+    r = len(contexts)
+    prev2 = np.array([c[-2] if len(c) >= 2 else -1 for c in contexts], np.int64)
+    prev1 = np.array([c[-1] for c in contexts], np.int64)
+    tok, par, ev = (np.empty(r * max_nodes, np.int64) for _ in range(3))
+    prob, counts = np.empty(r * max_nodes, np.float64), np.zeros(r, np.int64)
+    _walk(table.keys1, table.ids1, table.probs1, table.keys2, table.ids2, table.probs2, table.vocab_size, prev2,
+          prev1, np.asarray(depths, np.int64), width, max_nodes, min_prob, tok, par, prob, ev, counts)
+    t, q, w, v = tok.tolist(), par.tolist(), prob.tolist(), ev.tolist()
+    out = []
+    for e, n in enumerate(counts.tolist()):
+        a, b = e * max_nodes, e * max_nodes + n
+        out.append(Candidates(t[a:b], q[a:b], w[a:b], v[a:b], "corpus"))
+    return out
+
+
 class CorpusPool(TailPool):
     """The static table (loaded once, shared); per request: its last two tokens (the walk's context)."""
     name = "corpus"
@@ -158,8 +236,18 @@ class CorpusPool(TailPool):
     def __init__(self, table: CorpusTable | str):
         super().__init__()
         self.table = CorpusTable.load(table) if isinstance(table, (str, os.PathLike)) else table
+        self.compiled = njit is not None  # the walk compiled (numba), else in Python
+        if self.compiled:
+            try:
+                propose_corpus_batch(self.table, [[0, 0]], [1])  # compiled now, at start-up
+            except Exception:
+                logger.warning("vllm_adaspec: the corpus pool's compiled walk did not compile; it walks in Python",
+                               exc_info=True)
+                self.compiled = False
 
     def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
+        if self.compiled:
+            return propose_corpus_batch(self.table, [self.tails[r] for r in requests], budgets)
         return [propose_corpus(self.table, self.tails[r], depth=b) for r, b in zip(requests, budgets)]
 
 
