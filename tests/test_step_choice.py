@@ -92,7 +92,7 @@ def test_cost_table_is_the_curve_exactly_past_its_own_table_too():
     model = StepCostModel(prior_for("cuda", 8e9))
     for plus in (0.0, 0.013):
         cost = model.curve(8, plus)
-        top = len(cost.table) + 40
+        top = len(cost.array) + 40
         table = cost_table(cost, top)
         assert table.tolist() == [cost(r) for r in range(top + 1)]
     assert cost_table(lambda r: 0.5 * r, 3).tolist() == [0.0, 0.5, 1.0, 1.5]

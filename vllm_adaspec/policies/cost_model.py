@@ -179,7 +179,7 @@ class _Bucket:
     n: float = 0.0  # forgotten count of observations
     solved: tuple | None = None  # cached (weights, optimistic weights)
     since: int = 0  # observations since the decision fit was solved
-    curve: tuple | None = None  # cached (batch, curve table without `plus`, its base) of the solve in `solved`
+    curve: dict | None = None  # batch -> (curve table without `plus`, its base, the table as an array), of `solved`
     weights: list | None = None  # solved[0] as Python floats (observe reads it every step)
     pending: list = field(default_factory=list)  # observations not yet in xtx / xty: (i, t, extras, y), folded at a solve
     latest: tuple | None = None  # (observations, fit) of the last fresh solve (statistics), apart from decisions
@@ -307,16 +307,19 @@ class StepCostModel:
         anchors = self.anchors
         vals = w[:len(anchors)]
         bk = self.buckets.get(b)
-        cached = bk.curve if bk is not None and bk.curve is not None and bk.curve[0] == batch else None
+        cached = bk.curve.get(batch) if bk is not None and bk.curve is not None else None
         if cached is None:
             base = float(w[-4] * (batch - 1))
             r = np.arange(17 * batch + 33, dtype=np.float64)
             i = np.clip(np.searchsorted(anchors, r, side="right") - 1, 0, len(anchors) - 2)
             t = (r - anchors[i]) / (anchors[i + 1] - anchors[i])
-            cached = (batch, (vals[i] * (1.0 - t) + vals[i + 1] * t + base).tolist(), base)  # the formula below
-            if bk is not None:
-                bk.curve = cached
-        _, table, base = cached
+            array = vals[i] * (1.0 - t) + vals[i + 1] * t + base  # the formula below
+            cached = (array.tolist(), base, array)
+            if bk is not None:  # (a queue's batch size moves between a few values: each kept until the next solve)
+                if bk.curve is None:
+                    bk.curve = {}
+                bk.curve[batch] = cached
+        table, base, array = cached
         top = len(table) - 1
 
         def cost(rows: float) -> float:
@@ -325,7 +328,7 @@ class StepCostModel:
             i, t = hat(rows, anchors)
             return float(vals[i] * (1.0 - t) + vals[i + 1] * t) + base + plus
 
-        cost.table, cost.plus = table, plus  # what the compiled node choice reads (trees/step_choice.py)
+        cost.array, cost.plus = array, plus  # what the compiled node choice reads (trees/step_choice.py)
         return cost
 
     def attention_seconds(self, batch: int) -> float:

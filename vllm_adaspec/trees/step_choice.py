@@ -325,21 +325,14 @@ def compiled() -> bool:
 
 def cost_table(cost: Callable[[int], float], rows: int) -> np.ndarray:
     """cost(r) for r in 0..rows as an array, each exactly what cost(r) returns (from the curve's own table where it
-    carries one, StepCostModel.curve: the same table and `plus` every step until the model refits, so the array is
-    kept)."""
-    table, plus = getattr(cost, "table", None), getattr(cost, "plus", None)
-    if table is None or plus is None:
+    carries one: StepCostModel.curve's `array` + `plus`, the same float additions)."""
+    array, plus = getattr(cost, "array", None), getattr(cost, "plus", None)
+    if array is None or plus is None:
         return np.array([cost(r) for r in range(rows + 1)], np.float64)
-    held = _held_table
-    if held[0] is not table or held[1] != plus or len(held[2]) <= rows:
-        out = np.array(table, np.float64) + plus
-        if len(out) <= rows:
-            out = np.concatenate([out, np.array([cost(r) for r in range(len(out), rows + 1)], np.float64)])
-        held[:] = [table, plus, out]
-    return held[2]
-
-
-_held_table: list = [None, None, np.zeros(0)]  # cost_table's last (curve table, plus, array)
+    out = array[:rows + 1] + plus
+    if len(out) <= rows:
+        out = np.concatenate([out, np.array([cost(r) for r in range(len(out), rows + 1)], np.float64)])
+    return out
 
 
 def choose_compiled(candidates: list[list], calibration: Calibration, states: Sequence[int],

@@ -40,7 +40,9 @@ class Calibration:
 
     def __init__(self, strength: float = 4.0):
         self.strength = strength
-        self.table = np.zeros((KEY_CODES, 2))  # [KEY_CODES, 2]: accepted, tested
+        self._table = np.zeros((KEY_CODES, 2))  # [KEY_CODES, 2]: accepted, tested
+        self._codes: list[int] = []  # observations not yet in the table (added in one go when it is next read)
+        self._hits: list[bool] = []
         self.pools: list[str] = []  # bit b of a key's pool mask -> the pool's name
         self._names: dict[int, tuple[str, ...]] = {}  # pool mask -> its pools' names (pool_names)
 
@@ -54,10 +56,19 @@ class Calibration:
             self.pools.append(pool)
             return 1 << (len(self.pools) - 1)
 
+    @property
+    def table(self) -> np.ndarray:
+        """[KEY_CODES, 2] accepted, tested: every observation so far."""
+        if self._codes:
+            codes = np.array(self._codes, np.int64)
+            np.add.at(self._table, (codes, 0), np.array(self._hits, np.float64))
+            np.add.at(self._table, (codes, 1), 1.0)
+            self._codes, self._hits = [], []
+        return self._table
+
     def observe(self, code: int, accepted: bool) -> None:
-        row = self.table[code]
-        row[0] += accepted
-        row[1] += 1
+        self._codes.append(code)
+        self._hits.append(accepted)
 
     def pool_names(self, code: int) -> tuple[str, ...]:
         """The pools that proposed a node of this key, sorted."""
@@ -81,7 +92,7 @@ class Calibration:
 
     @counts.setter
     def counts(self, counts: dict[tuple, list[float]]) -> None:
-        self.table[:] = 0.0
+        self.table[:] = 0.0  # (pending observations dropped with the rest)
         for (pools, bucket, siblings, evidence, state), c in counts.items():
             mask = sum(self.bit(p) for p in pools)
             self.table[key_code(mask, bucket, siblings, evidence, state)] = c
