@@ -20,6 +20,7 @@ A step of R drafting requests, P pools, N candidate nodes in all:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Sequence
 
 import numpy as np
@@ -49,10 +50,10 @@ class Prices:
 
 
 def chosen_trie(t: Trie, nodes: Sequence[int]) -> Trie:
-    """The chosen nodes of t (closed under parents) as a trie of their own, breadth first (`subtree`'s order)."""
+    """The chosen nodes of t (closed under parents) as a trie of their own, breadth first (`subtree`'s order): what
+    verification's feedback reads (tokens, parents, path probabilities, keys; not cond or depth)."""
     tokens, parents, order = subtree(t, nodes)
-    return Trie(tokens, parents, [t.cond[i] for i in order], [t.path[i] for i in order],
-                [t.codes[i] for i in order], [t.depth[i] for i in order])
+    return Trie(tokens, parents, [], [t.path[i] for i in order], [t.codes[i] for i in order])
 
 
 def choose_reference(tries: list[Trie], treeish: Sequence[bool], budgets: Sequence[int], scale: Sequence[float],
@@ -101,17 +102,16 @@ def _best_path(t_par, t_path, base, n, budget, best, out, at):
 
 def _choose(tok, par, prob, ev, seg, seg_bit, n_pools, table, strength, prior, state, treeish, budget, scale,
             use_costs, decoding, cost, base_rows, per_row, attention0, may_switch, fixed_requests, fixed_rows, w_request,
-            w_row, y_tree, y_chain, out_off, o_tok, o_par, o_cond, o_path, o_code, o_depth, o_n, sizes):
+            w_row, y_tree, y_chain, out_off, o_int, o_path, o_n, sizes):
     """Plain loops over plain arrays, for numba; every float operation in the reference's order (same decisions).
-    out_off [R + 1]: where each request's chosen nodes go (room: its budget); o_n [R]: how many; sizes [R]: its
-    trie's nodes. Scratch arrays are allocated once a step (tries of ~30 nodes: allocation would dominate)."""
+    out_off [R + 1]: where each request's chosen nodes go (room: its budget), o_int [3, room] their tokens, parents
+    and keys, o_path [room] their path probabilities; o_n [R]: how many; sizes [R]: its trie's nodes. Scratch arrays are allocated once a step (tries of ~30 nodes: allocation would dominate)."""
     r_all = treeish.shape[0]
     n_all = tok.shape[0]
     # every request's trie at [seg[e * P], ...) of these (a trie has at most its candidates' nodes)
     t_tok = np.empty(n_all, np.int64)
     t_par = np.empty(n_all, np.int64)
     t_depth = np.empty(n_all, np.int64)
-    t_cond = np.empty(n_all, np.float64)
     t_path = np.empty(n_all, np.float64)
     t_code = np.empty(n_all, np.int64)
     raw = np.empty(n_all, np.float64)
@@ -170,7 +170,6 @@ def _choose(tok, par, prob, ev, seg, seg_bit, n_pools, table, strength, prior, s
             code = (((mask[q] * 10 + (int(r * 10) if r < 0.9 else 9)) * 4 + sib) * 5 + v) * 3 + state[e]
             t_code[q] = code
             c = (table[code, 0] + prior * r) / (table[code, 1] + strength)
-            t_cond[q] = c
             t_path[q] = c * t_path[base + pp] if pp >= 0 else c
         at = out_off[e]
         if treeish[e]:  # ranked: path probability, best first; ties shallower first, then node order
@@ -295,12 +294,10 @@ def _choose(tok, par, prob, ev, seg, seg_bit, n_pools, table, strength, prior, s
             scratch[c_node[at + a]] = a
         for a in range(n_e):
             q = base + c_node[at + a]
-            o_tok[at + a] = t_tok[q]
-            o_par[at + a] = scratch[t_par[q]] if t_par[q] >= 0 else -1
-            o_cond[at + a] = t_cond[q]
+            o_int[0, at + a] = t_tok[q]
+            o_int[1, at + a] = scratch[t_par[q]] if t_par[q] >= 0 else -1
+            o_int[2, at + a] = t_code[q]
             o_path[at + a] = t_path[q]
-            o_code[at + a] = t_code[q]
-            o_depth[at + a] = t_depth[q]
         o_n[e] = n_e
 
 
@@ -355,34 +352,29 @@ def choose_compiled(candidates: list[list], calibration: Calibration, states: Se
             seg.append(len(tok))
     bits = [calibration.bit(c.pool) for c in candidates[0]] if r_all else []
     seg_bit = np.array(bits * r_all, np.int64)
-    out_off = np.zeros(r_all + 1, np.int64)
-    np.cumsum(np.asarray(budgets, np.int64), out=out_off[1:])
+    out_off = np.array([0, *accumulate(budgets)], np.int64)
     room = int(out_off[-1])
     if prices is not None:
         top = prices.base_rows + room + int(max(budgets, default=0)) + 1  # the most rows any price asks
         cost = cost_table(prices.cost, top)
-        per_row = np.asarray(prices.per_row, np.float64)
-        may_switch = np.asarray(prices.may_switch, np.bool_)
         w = prices.tree_extra
-        args = (True, float(prices.decoding), cost, int(prices.base_rows), per_row, float(prices.attention),
-                may_switch, int(prices.tree_requests), int(prices.tree_rows), float(w.per_request), float(w.per_row),
-                float(prices.yields[0]), float(prices.yields[1]))
+        args = (True, float(prices.decoding), cost, int(prices.base_rows), np.array(prices.per_row, np.float64),
+                float(prices.attention), np.array(prices.may_switch, np.bool_), int(prices.tree_requests),
+                int(prices.tree_rows), float(w.per_request), float(w.per_row), float(prices.yields[0]),
+                float(prices.yields[1]))
     else:
         z = np.zeros(max(r_all, 1))
         args = (False, 0.0, np.zeros(1), 0, z, 0.0, np.zeros(max(r_all, 1), np.bool_), 0, 0, 0.0, 0.0, 1.0, 1.0)
-    o_tok, o_par, o_code, o_depth = (np.empty(room, np.int64) for _ in range(4))
-    o_cond, o_path = np.empty(room, np.float64), np.empty(room, np.float64)
+    o_int, o_path = np.empty((3, room), np.int64), np.empty(room, np.float64)
     o_n, sizes = np.zeros(r_all, np.int64), np.zeros(r_all, np.int64)
     _choose(np.array(tok, np.int64), np.array(par, np.int64), np.array(prob, np.float64), np.array(ev, np.int64),
             np.array(seg, np.int64), seg_bit, n_pools, calibration.table, float(calibration.strength),
-            calibration.strength * PRIOR_SCALE, np.asarray(states, np.int64), np.asarray(treeish, np.bool_),
-            np.asarray(budgets, np.int64), np.asarray(scale, np.float64), *args, out_off, o_tok, o_par, o_cond,
-            o_path, o_code, o_depth, o_n, sizes)
-    t, q, c, w, k, d = (a.tolist() for a in (o_tok, o_par, o_cond, o_path, o_code, o_depth))
+            calibration.strength * PRIOR_SCALE, np.array(states, np.int64), np.array(treeish, np.bool_),
+            np.array(budgets, np.int64), np.array(scale, np.float64), *args, out_off, o_int, o_path, o_n, sizes)
+    (t, q, k), w = o_int.tolist(), o_path.tolist()
     out = []
-    for a, n in zip(out_off.tolist(), o_n.tolist()):
-        b = a + n
-        out.append(Trie(t[a:b], q[a:b], c[a:b], w[a:b], k[a:b], d[a:b]))
+    for a, b in zip(out_off.tolist(), (out_off[:-1] + o_n).tolist()):
+        out.append(Trie(t[a:b], q[a:b], [], w[a:b], k[a:b]))
     return out, sizes.tolist()
 
 
