@@ -43,11 +43,14 @@ class DraftPlan:
     def num_verified(self) -> int:
         return len(self.tokens) if self.verified is None else self.verified
 
+    def __post_init__(self):  # (is_tree is read several times a step per plan: worked out once)
+        object.__setattr__(self, "_is_tree", self.parents is not None and (
+            self.tree_path or self.num_verified < len(self.tokens) or not is_chain(self.parents)))
+
     @property
     def is_tree(self) -> bool:
         """Verified in the tree path: the nodes branch, read-only rows ride along, or the request asks for it."""
-        return self.parents is not None and (self.tree_path or self.num_verified < len(self.tokens)
-                                             or not is_chain(self.parents))
+        return self._is_tree
 
     def scheduled(self, n: int) -> "DraftPlan":
         """The plan as verified when the scheduler kept only its first n drafts: breadth-first order keeps a
