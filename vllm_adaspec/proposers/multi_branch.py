@@ -289,7 +289,7 @@ class MultiBranchDrafter(Drafter):
         if at == list(range(at[0], at[0] + len(at))):  # consecutive rows (every chain step, batch 1): a view
             h = hidden[at[0]:at[0] + len(at)]  # [R, H]
         else:
-            h = hidden[torch.tensor(at, device=hidden.device)]  # [R, H]
+            h = hidden.index_select(0, torch.tensor(at, device=hidden.device))  # [R, H] (not advanced indexing: slower)
         for obs in self.driver.observers:
             obs.target_rows(last, h)
         return PoolTaps(h, last)
