@@ -24,8 +24,9 @@ def vllm_cpu_ops():
     from vllm.triton_utils.dispatcher import register_kernels
     from vllm.utils import cpu_triton_utils
 
-    current_platform.register_triton_kernel_overrides()
-    register_kernels({cpu_sampling_fix.KERNEL: cpu_triton_utils._expand_kernel_impl})
+    with cpu_sampling_fix.hidden_from_kernel_scan():  # (the suite has loaded numba: vLLM's scan needs it hidden)
+        current_platform.register_triton_kernel_overrides()
+        register_kernels({cpu_sampling_fix.KERNEL: cpu_triton_utils._expand_kernel_impl})
     yield
     cpu_sampling_fix.register_fix()
 
@@ -66,7 +67,8 @@ def broken_expand(out, values, cu, replace_from, replace_to, *args, **kwargs):
 def broken_ops(vllm_cpu_ops):
     from vllm.triton_utils.dispatcher import register_kernels
 
-    register_kernels({cpu_sampling_fix.KERNEL: broken_expand})
+    with cpu_sampling_fix.hidden_from_kernel_scan():
+        register_kernels({cpu_sampling_fix.KERNEL: broken_expand})
     yield
 
 
