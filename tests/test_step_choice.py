@@ -172,3 +172,13 @@ def test_where_the_compiled_choice_cannot_compile_python_chooses(monkeypatch, ca
     assert [r.message for r in caplog.records] == [
         "vllm_adaspec: the compiled node choice did not compile; the Python one chooses (the same nodes, more host "
         "time a step)"]
+
+
+def test_a_candidate_before_its_parent_is_refused_not_read():
+    """A pool that lists a child before its parent: the compiled choice raises (the driver contains it: the step
+    drafts nothing for it), as Python's merge does, instead of reading a node not yet made."""
+    bad = Candidates([5, 6], [1, -1], [0.5, 0.5], [0, 0], "context")
+    with pytest.raises(IndexError):
+        merge([bad], Calibration())
+    with pytest.raises(IndexError, match="parent does not come before it"):
+        choose_compiled([[bad]], Calibration(), [0], [True], [4], [1.0], None)

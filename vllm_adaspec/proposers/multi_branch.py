@@ -240,11 +240,14 @@ class MultiBranchDrafter(Drafter):
                 chosen, sizes = choose_compiled(candidates, self.calibration, [s[0] for s in states], treeish,
                                                 budgets, scale, prices)
                 self.stats.compiled_choices += 1
-            except Exception:  # a fault of the compiled choice: the Python one from now on
-                logger.exception("vllm_adaspec: the compiled node choice failed; the Python one chooses from now on")
+            except Exception as exc:
+                # candidates Python refuses as well are the pools' fault (raised here, contained by the driver); else
+                # the compiled choice's: the Python one from now on
+                tries = [self.score(req_ids[i], candidates[e], states[e]) for e, i in enumerate(rows)]
+                logger.error("vllm_adaspec: the compiled node choice failed; the Python one chooses from now on",
+                             exc_info=exc)
                 self.stats.choice_faults += 1
                 self.compiled_choice = False
-                tries = [self.score(req_ids[i], candidates[e], states[e]) for e, i in enumerate(rows)]
         if chosen is None:
             chosen, sizes = choose_reference(tries, treeish, budgets, scale, prices), [len(t) for t in tries]
         self.stats.trie_nodes += sum(sizes)

@@ -132,6 +132,8 @@ def _choose(tok, par, prob, ev, seg, seg_bit, n_pools, table, strength, prior, s
             s = e * n_pools + p
             bit = seg_bit[s]
             for c in range(seg[s], seg[s + 1]):
+                if par[c] >= c - seg[s]:  # (a parent after its child: Python's merge fails on it as well)
+                    raise IndexError("a candidate's parent does not come before it")
                 tp = where[seg[s] + par[c]] if par[c] >= 0 else -1
                 t = tok[c]
                 node = head[hb + tp + 1]
