@@ -10,8 +10,8 @@ PKG = ROOT / "vllm_adaspec"
 # Where each installed package's source lives in the checkout (setup.py: kernels/ installs as vllm_adaspec.kernels).
 SOURCES = {"vllm_adaspec": PKG, "vllm_adaspec.kernels": ROOT / "kernels"}
 # No vLLM, no glue: the algorithms, the step contract, settings and instrumentation.
-PURE = ["step.py", "requests.py", "metrics.py", "observers.py", "config.py", "errors.py", "trees", "pools", "policies",
-        "kernels", "heads/__init__.py", "heads/medusa.py", "heads/c2t.py"]
+PURE = ["step.py", "compiled.py", "requests.py", "metrics.py", "observers.py", "config.py", "errors.py", "trees",
+        "pools", "policies", "kernels", "heads/__init__.py", "heads/medusa.py", "heads/c2t.py"]
 DRAFTERS = ["proposers"]
 TREE_PATH = ["engine/tree_runtime.py", "engine/tree_sampler.py", "engine/tree_backend.py", "engine/cpu_kv.py",
              "engine/cpu_tree_backend.py", "engine/gpu_tree_backend.py", "engine/gpu_tree_runtime.py", "engine/gpu_kv.py",

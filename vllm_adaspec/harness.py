@@ -16,13 +16,13 @@ fails instead of raising: start-up error tests).
 from __future__ import annotations
 
 import json
-import traceback
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 MARK = "@@ADASPEC_RESULT@@"
 COUNTERS = (

@@ -32,8 +32,8 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["GPU_VERIFY_COST", "GPU_VERIFY_COST_BY_CARD", "VERIFY_COST", "DraftCost", "Prior", "StepCostModel", "attention_load", "prior_curve",
-           "prior_for"]
+__all__ = ["GPU_VERIFY_COST", "GPU_VERIFY_COST_BY_CARD", "VERIFY_COST", "DraftCost", "Prior", "StepCostModel",
+           "TreeExtra", "attention_load", "prior_curve", "prior_for"]
 
 # Relative time of a verification step by the rows it verifies in all (the batch's requests + their drafts; 1 = a
 # plain decoding step of one request), SmolLM2-135M float32 on the 2-core CPU of benchmarks/RESULTS.md

@@ -11,6 +11,7 @@ import logging
 
 import numpy as np
 
+from vllm_adaspec.compiled import AVAILABLE, compiled
 from vllm_adaspec.pools import Candidates, Pool, Taps, continuation_trie
 
 logger = logging.getLogger("vllm_adaspec")
@@ -134,14 +135,8 @@ def _context_trie(buf, size, max_n, depth, max_matches, max_nodes, out_tok, out_
     return nodes, n
 
 
-try:
-    from numba import njit
-    try:
-        _context_trie = njit(cache=True, boundscheck=True)(_context_trie)
-    except Exception:  # numba: "cannot cache function ...: no locator available"
-        _context_trie = njit(boundscheck=True)(_context_trie)
-except ImportError:  # numba comes with vLLM; without it propose_context (the same nodes)
-    njit = None
+if AVAILABLE:  # (else propose_context: the same nodes)
+    _context_trie = compiled(_context_trie)
 
 
 def propose_context_compiled(index: ContextIndex, depth: int, max_matches: int = 8, max_nodes: int = 16,
@@ -163,7 +158,7 @@ class ContextPool(Pool):
         self.max_n = max_n
         self.index: dict[str, ContextIndex] = {}
         self._out = (np.empty(16, np.int64), np.empty(16, np.int64), np.empty(16, np.float64))
-        self.compiled = njit is not None  # matches and trie compiled (numba), else in Python
+        self.compiled = AVAILABLE  # matches and trie compiled (numba), else in Python
         if self.compiled:
             try:
                 warm = ContextIndex(max_n)

@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from vllm_adaspec.compiled import AVAILABLE, compiled
 from vllm_adaspec.pools import Candidates, Taps, TailPool
 
 FORMAT = "vllm-adaspec/corpus/1"
@@ -200,14 +201,8 @@ def _walk(keys1, ids1, probs1, keys2, ids2, probs2, vocab_size, prev2, prev1, de
         counts[e] = n
 
 
-try:
-    from numba import njit
-    try:
-        _walk = njit(cache=True, boundscheck=True)(_walk)
-    except Exception:  # numba: "cannot cache function ...: no locator available"
-        _walk = njit(boundscheck=True)(_walk)
-except ImportError:  # numba comes with vLLM; without it the Python walk (the same nodes)
-    njit = None
+if AVAILABLE:  # (else the Python walk: the same nodes)
+    _walk = compiled(_walk)
 
 
 def propose_corpus_batch(table: CorpusTable, contexts: list[list[int]], depths: list[int], width: int = 2,
@@ -236,7 +231,7 @@ class CorpusPool(TailPool):
     def __init__(self, table: CorpusTable | str):
         super().__init__()
         self.table = CorpusTable.load(table) if isinstance(table, (str, os.PathLike)) else table
-        self.compiled = njit is not None  # the walk compiled (numba), else in Python
+        self.compiled = AVAILABLE  # the walk compiled (numba), else in Python
         if self.compiled:
             try:
                 propose_corpus_batch(self.table, [[0, 0]], [1])  # compiled now, at start-up

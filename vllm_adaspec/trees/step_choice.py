@@ -14,7 +14,8 @@ A step of R drafting requests, P pools, N candidate nodes in all:
     candidates  tok, par, prob, ev [N]: every pool's Candidates concatenated, request-major, pool-minor;
                 seg [R * P + 1]: where each (request, pool) starts; seg_bit [R * P]: its pool's calibration bit
     out         one Trie per request: the chosen nodes breadth first (a parent before its children), parents
-                renumbered among them, with their calibrated chances and keys (what verification's feedback needs)
+                renumbered among them, with their path probabilities and keys (what verification's feedback
+                needs)
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from vllm_adaspec.trees.trie import (PRIOR_SCALE, Calibration, Trie, best_path, best_prefix, chains_where_cheaper,
-                                     fold_sum, ranked, subtree)
+from vllm_adaspec.trees.trie import (BUCKETS, EVIDENCE, PRIOR_SCALE, SIBLINGS, STATES, Calibration, Trie, best_path,
+                                     best_prefix, chains_where_cheaper, fold_sum, ranked, subtree)
 
-try:
-    from numba import njit
-except ImportError:  # numba comes with vLLM; without it the Python reference chooses (slower, the same nodes)
-    njit = None
+from vllm_adaspec.compiled import compiled as _compiled
+from vllm_adaspec.compiled import njit  # (None without numba: Python chooses, slower, the same nodes)
 
 
 @dataclass
@@ -101,11 +100,12 @@ def _best_path(t_par, t_path, base, n, budget, best, out, at):
 
 
 def _choose(tok, par, prob, ev, seg, seg_bit, n_pools, table, strength, prior, state, treeish, budget, scale,
-            use_costs, decoding, cost, base_rows, per_row, attention0, may_switch, fixed_requests, fixed_rows, w_request,
-            w_row, y_tree, y_chain, out_off, o_int, o_path, o_n, sizes):
+            use_costs, decoding, cost, base_rows, per_row, attention0, may_switch, fixed_requests, fixed_rows,
+            w_request, w_row, y_tree, y_chain, out_off, o_int, o_path, o_n, sizes):
     """Plain loops over plain arrays, for numba; every float operation in the reference's order (same decisions).
     out_off [R + 1]: where each request's chosen nodes go (room: its budget), o_int [3, room] their tokens, parents
-    and keys, o_path [room] their path probabilities; o_n [R]: how many; sizes [R]: its trie's nodes. Scratch arrays are allocated once a step (tries of ~30 nodes: allocation would dominate)."""
+    and keys, o_path [room] their path probabilities; o_n [R]: how many; sizes [R]: its trie's nodes. Scratch arrays
+    are allocated once a step (tries of ~30 nodes: allocation would dominate)."""
     r_all = treeish.shape[0]
     n_all = tok.shape[0]
     # every request's trie at [seg[e * P], ...) of these (a trie has at most its candidates' nodes)
@@ -169,7 +169,8 @@ def _choose(tok, par, prob, ev, seg, seg_bit, n_pools, table, strength, prior, s
             r = raw[q]
             sib = min(siblings[hb + pp + 1], 3)
             v = evid[q] if evid[q] > 0 else 0
-            code = (((mask[q] * 10 + (int(r * 10) if r < 0.9 else 9)) * 4 + sib) * 5 + v) * 3 + state[e]
+            code = (((mask[q] * BUCKETS + (int(r * 10) if r < 0.9 else 9)) * SIBLINGS + sib) * EVIDENCE + v) * STATES \
+                + state[e]
             t_code[q] = code
             c = (table[code, 0] + prior * r) / (table[code, 1] + strength)
             t_path[q] = c * t_path[base + pp] if pp >= 0 else c
@@ -301,15 +302,6 @@ def _choose(tok, par, prob, ev, seg, seg_bit, n_pools, table, strength, prior, s
             o_int[2, at + a] = t_code[q]
             o_path[at + a] = t_path[q]
         o_n[e] = n_e
-
-
-def _compiled(fn):
-    """As trees/step_plan.py: compiled on first call, cached on disk where it can be, bounds checked (an index out
-    of range raises IndexError, a drafting fault the driver contains, instead of reading past an array)."""
-    try:
-        return njit(cache=True, boundscheck=True)(fn)
-    except Exception:  # numba: "cannot cache function ...: no locator available"
-        return njit(boundscheck=True)(fn)
 
 
 if njit is not None:

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-try:
-    from numba import njit
-except ImportError:  # numba comes with vLLM; without it the Python reference plans (slower, the same arrays)
-    njit = None
+from vllm_adaspec.compiled import compiled as _compiled
+from vllm_adaspec.compiled import njit  # (None without numba: the Python plan, slower, the same arrays)
 
 ALIGN_BYTES = 16  # where each array starts
 LONG_PARTS, INT_PARTS = 18, 6
@@ -275,17 +273,6 @@ def _close(spans, part, o, length, align):
     spans[2 * part] = length
     spans[2 * part + 1] = pad
     return o + pad, part + 1
-
-
-def _compiled(fn):
-    """fn compiled by numba on its first call, its machine code cached on disk (beside this file, else in the user's
-    cache folder); where neither is writable, compiled anew at every start. Bounds checked: an index out of range
-    raises IndexError (a planning fault, contained: the step verifies chains) instead of writing past a buffer; it
-    costs 2-8% of the plan (`benchmarks/plan_cost.py`)."""
-    try:
-        return njit(cache=True, boundscheck=True)(fn)
-    except Exception:  # numba: "cannot cache function ...: no locator available"
-        return njit(boundscheck=True)(fn)
 
 
 if njit is not None:  # (GPUTreeRuntime compiles it at start-up: `warm_up`)

@@ -88,14 +88,15 @@ class Calibration:
     @property
     def counts(self) -> dict[tuple, list[float]]:
         """Every key tested so far: {key tuple: [accepted, tested]} (a copy)."""
-        return {self.key(int(c)): self.table[c].tolist() for c in np.flatnonzero(self.table[:, 1])}
+        table = self.table
+        return {self.key(int(c)): table[c].tolist() for c in np.flatnonzero(table[:, 1])}
 
     @counts.setter
     def counts(self, counts: dict[tuple, list[float]]) -> None:
-        self.table[:] = 0.0  # (pending observations dropped with the rest)
+        table = self.table
+        table[:] = 0.0  # (pending observations dropped with the rest)
         for (pools, bucket, siblings, evidence, state), c in counts.items():
-            mask = sum(self.bit(p) for p in pools)
-            self.table[key_code(mask, bucket, siblings, evidence, state)] = c
+            table[key_code(sum(self.bit(p) for p in pools), bucket, siblings, evidence, state)] = c
 
 
 @dataclass
