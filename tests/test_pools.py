@@ -153,6 +153,37 @@ def test_suffix_pool_returns_a_tree_with_conditional_probabilities():
     assert "a" not in pool.cache.active_requests
 
 
+def test_suffix_pool_reading_arctics_trees_in_place_equals_its_public_methods():
+    # SuffixPool calls the cache's trees directly (arctic-inference 0.1.1's layout); the cache's own methods are the
+    # definition: the same candidates over random requests, outputs and evictions from the global tree
+    from vllm_adaspec.pools.suffix import SuffixPool
+
+    rng = np.random.default_rng(5)
+    fast, public = SuffixPool(max_cached_requests=3), SuffixPool(max_cached_requests=3)
+    public._trees = None
+    assert fast._trees is not None  # (the pinned arctic-inference: the fast path is what runs)
+    live = []
+    for step in range(400):
+        if len(live) < 4 or rng.random() < 0.03:  # a new request (the oldest cached outputs evicted past 3)
+            r = f"r{step}"
+            prompt = rng.integers(0, 12, int(rng.integers(1, 60)))
+            for pool in (fast, public):
+                pool.start(r, prompt)
+            live.append(r)
+        if len(live) > 6:
+            gone = live.pop(int(rng.integers(len(live))))
+            for pool in (fast, public):
+                pool.stop(gone)
+        r = live[int(rng.integers(len(live)))]
+        new = rng.integers(0, 12, int(rng.integers(1, 4))).tolist()
+        for pool in (fast, public):
+            pool.extend(r, new)
+        budget = int(rng.integers(1, 17))
+        got, want = fast.speculate(r, fast.tails[r], budget), public.speculate(r, public.tails[r], budget)
+        assert (got.tokens, got.parents, got.probs, got.evidence) == (want.tokens, want.parents, want.probs,
+                                                                      want.evidence)
+
+
 def test_logits_tap_covers_plain_steps_requests_without_drafts_and_every_verified_row():
     # The recycled table must fill from steps without drafts too: otherwise "pools": ["recycled"] never drafts.
     from types import SimpleNamespace
