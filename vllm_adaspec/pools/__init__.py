@@ -105,7 +105,8 @@ class Pool(ABC):
         """The request's first decode step; prompt [P] its prompt tokens."""
 
     def extend(self, req_id: str, tokens: Sequence[int] | np.ndarray) -> None:
-        """tokens [T] committed since the last call (or since the prompt), in order."""
+        """tokens [T] committed since the last call (or since the prompt), in order: an array, or a list of Python
+        ints (PoolSet.extend converts once for every pool: a list is taken as that)."""
 
     def stop(self, req_id: str) -> None:
         """Drop the request's state (a request never started is fine)."""
@@ -140,7 +141,7 @@ class TailPool(Pool):
 
     def extend(self, req_id, tokens) -> None:
         tail = self.tails[req_id]
-        tail += as_ints(tokens[-self.keep:])
+        tail += tokens[-self.keep:] if type(tokens) is list else as_ints(tokens[-self.keep:])
         del tail[:-self.keep]
 
     def stop(self, req_id) -> None:

@@ -46,7 +46,8 @@ class SuffixPool(TailPool):
 
     def extend(self, req_id, tokens) -> None:
         if len(tokens):
-            tokens = as_ints(tokens)  # (a short list goes to the cache as is: cheaper than an array and its checks)
+            if type(tokens) is not list:  # (a short list goes to the cache as is: cheaper than an array and its checks)
+                tokens = as_ints(tokens)
             if self._trees is None:
                 self.cache.add_active_response(req_id, tokens)
             else:  # add_active_response's two extends without its Python around them (~2 us a request a step)
