@@ -179,7 +179,9 @@ class _Bucket:
     n: float = 0.0  # forgotten count of observations
     solved: tuple | None = None  # cached (weights, optimistic weights)
     since: int = 0  # observations since the decision fit was solved
-    curve: dict | None = None  # batch -> (curve table without `plus`, its base, the table as an array), of `solved`
+    curve: dict | None = None  # batch -> [curve table without `plus` (a list, made when first read), its base, the
+    # table as an array], of `solved`
+    interp: np.ndarray | None = None  # the anchors' interpolation at integer rows 0, 1, ... under `solved` (no base)
     weights: list | None = None  # solved[0] as Python floats (observe reads it every step)
     pending: list = field(default_factory=list)  # observations not yet in xtx / xty: (i, t, extras, y), folded at a solve
     latest: tuple | None = None  # (observations, fit) of the last fresh solve (statistics), apart from decisions
@@ -216,6 +218,7 @@ class StepCostModel:
         self._precision = self.strength * np.eye(a + EXTRA) + self.smooth * d.T @ d  # [F, F] prior precision
         self._precision[a:, a:] += self.strength * np.eye(EXTRA) * 4  # few data on these: keep them near the prior
         self._anchor_list, self._prior_list = self.anchors.tolist(), self._prior_rel.tolist()
+        self._grid = None  # (i, t, i + 1, 1 - t) of `hat` at integer rows 0 .. n - 1, grown when a longer one is asked
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -246,7 +249,7 @@ class StepCostModel:
             return prior, prior
         if bk.solved is None or bk.since >= REFIT_STEPS:
             self._fold(bk)
-            bk.solved, bk.since, bk.curve = self._solve(bk.xtx, bk.xty), 0, None
+            bk.solved, bk.since, bk.curve, bk.interp = self._solve(bk.xtx, bk.xty), 0, None, None
             bk.weights = bk.solved[0].tolist()
         if not fresh or not bk.since:
             return bk.solved
@@ -310,26 +313,43 @@ class StepCostModel:
         cached = bk.curve.get(batch) if bk is not None and bk.curve is not None else None
         if cached is None:
             base = float(w[-4] * (batch - 1))
-            r = np.arange(17 * batch + 33, dtype=np.float64)
-            i = np.clip(np.searchsorted(anchors, r, side="right") - 1, 0, len(anchors) - 2)
-            t = (r - anchors[i]) / (anchors[i + 1] - anchors[i])
-            array = vals[i] * (1.0 - t) + vals[i + 1] * t + base  # the formula below
-            cached = (array.tolist(), base, array)
+            n = 17 * batch + 33
+            interp = bk.interp if bk is not None else None
+            if interp is None or len(interp) < n:  # once per solve for the bucket's batch sizes (it changes often)
+                i, t, i1, one_t = self._hat_grid(n)
+                interp = vals[i] * one_t + vals[i1] * t
+                if bk is not None:
+                    bk.interp = interp
+            cached = [None, base, interp[:n] + base]  # the formula below, in its order
             if bk is not None:  # (a queue's batch size moves between a few values: each kept until the next solve)
                 if bk.curve is None:
                     bk.curve = {}
                 bk.curve[batch] = cached
-        table, base, array = cached
-        top = len(table) - 1
+        _, base, array = cached
+        top = len(array) - 1
 
         def cost(rows: float) -> float:
             if type(rows) is int and 0 <= rows <= top:
+                table = cached[0]
+                if table is None:  # (the compiled choice reads the array: the list only where Python asks)
+                    table = cached[0] = array.tolist()
                 return table[rows] + plus
             i, t = hat(rows, anchors)
             return float(vals[i] * (1.0 - t) + vals[i + 1] * t) + base + plus
 
         cost.array, cost.plus = array, plus  # what the compiled node choice reads (trees/step_choice.py)
         return cost
+
+    def _hat_grid(self, n: int) -> tuple:
+        """`hat` at the integer rows 0 .. n - 1 (at least), vectorised: (i, t, i + 1, 1 - t), each [>= n]."""
+        grid = self._grid
+        if grid is None or len(grid[0]) < n:
+            anchors = self.anchors
+            r = np.arange(max(n, 2 * len(grid[0]) if grid is not None else 256), dtype=np.float64)
+            i = np.clip(np.searchsorted(anchors, r, side="right") - 1, 0, len(anchors) - 2)
+            t = (r - anchors[i]) / (anchors[i + 1] - anchors[i])
+            grid = self._grid = (i, t, i + 1, 1.0 - t)
+        return grid
 
     def attention_seconds(self, batch: int) -> float:
         """Seconds a row adds per 1000 tokens of its request's context (attention), for decisions."""
