@@ -65,6 +65,10 @@ FINE = [
     ("fine: route (driver)", "vllm_adaspec.proposers.driver:Driver", "_route"),
     ("fine: account (driver)", "vllm_adaspec.proposers.driver:Driver", "_account"),
     ("fine: plan_step (GPU plan)", "vllm_adaspec.engine.tree_runtime:plan_step", None),
+    # arctic-inference's suffix trees besides the suffix pool's speculation (propose, above)
+    ("fine: suffix pool extend (observe)", "vllm_adaspec.pools.suffix:SuffixPool", "extend"),
+    ("fine: suffix pool start (observe)", "vllm_adaspec.pools.suffix:SuffixPool", "start"),
+    ("fine: suffix pool stop (on_schedule, a finished request)", "vllm_adaspec.pools.suffix:SuffixPool", "stop"),
 ]
 
 
@@ -355,7 +359,8 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
         warm_up_plan = lambda: None  # noqa: E731
     from vllm_adaspec.step import Taps
 
-    from profile_step import SHADOW
+    from profile_step import HEADS, SHADOW
+    from vllm_adaspec.policies.cost_model import UNIT_STEPS
 
     clock = SimClock(simulated=digest is not None)
     real_time = driver_mod.time
@@ -368,6 +373,8 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     sink = np.zeros(max(1, evict_mb) << 18, dtype=np.float32) if evict_mb else None  # evict_mb MB
     steps = tokens = forwards = tree_steps = nodes = 0
     host_ms, ref_ms = [], []
+    steady = []  # host ms less the heads' of each step once the cost model's scale is set (its first UNIT_STEPS
+    # observed steps re-solve every fit each step, once in an engine's life) and the first batch has started
     names = [f"r{k}" for k in range(len(data))]
     plen = [len(d["prompt"]) for d in data]
     limit = [min(max_tokens, len(d["cont"])) for d in data]
@@ -401,6 +408,7 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
             if sink is not None:
                 sink.sum()  # what a CPU forward does to the caches
             # vLLM proposes right after sampling, for the step's whole batch (requests that just finished too)
+            heads0 = acc[HEADS][0]
             t0 = time.perf_counter()
             drafts = driver.propose(sampled, num_tokens, rows_now)
             if digest is not None:
@@ -434,6 +442,8 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
             clock.offset += forward_ms(max(1, len(batch)), max(1, rows)) / 1e3
             ref_ms.append(STEP_8B_MS[1 if len(batch) + len(new) < 3 else 8])
             host_ms.append(1e3 * (t_propose + t_sched + t_plan))
+            if driver.costs is not None and driver.costs.observations >= UNIT_STEPS:
+                steady.append(host_ms[-1] - 1e3 * (acc[HEADS][0] - heads0))
             steps += 1
             forwards += len(batch) + len(new)
             tree_steps += step is not None
@@ -456,7 +466,7 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     finally:
         driver_mod.time = real_time
     return {"steps": steps, "tokens": tokens, "forwards": forwards, "tree_steps": tree_steps, "nodes": nodes,
-            "host_ms": host_ms, "ref_ms": ref_ms}
+            "host_ms": host_ms, "ref_ms": ref_ms, "steady": [sum(steady) / max(1, len(steady)), len(steady)]}
 
 
 def main() -> None:
@@ -563,6 +573,8 @@ def main() -> None:
                     got = sorted(runs[name], key=lambda r: r["host"][1])
                     med = got[len(got) // 2]
                     med.update(batch=b, evict_mb=mb, tree=name, spread=[got[0]["host"][1], got[-1]["host"][1]])
+                    if all("steady" in r for r in got):  # (its own median: an older tree's replay has none)
+                        med["steady"] = sorted((r["steady"] for r in got), key=lambda v: v[0])[len(got) // 2]
                     columns.append(med)
                     print(f"[replay] batch {b}, evict {mb} MB{', ' + name if name else ''}: host less heads "
                           f"{med['host'][1]:.2f} ms ({[round(r['host'][1], 2) for r in got]})", file=sys.stderr,
@@ -583,6 +595,10 @@ def main() -> None:
             ("host side less the Medusa heads' tensor work", lambda c: f"**{c['host'][1]:.3f}**"),
             ("... spread over repeats", lambda c: f"{c['spread'][0]:.2f}-{c['spread'][1]:.2f}"),
             ("... of the H100 Llama-3-8B step (issue 41)", lambda c: f"{100 * c['host'][1] / c['ref']:.1f}%"),
+            ("the same, steady state: steps after the cost model's first 31 (ms)",
+             lambda c: f"{c['steady'][0]:.3f} ({c['steady'][1]} steps)" if "steady" in c else "-"),
+            ("... of the H100 Llama-3-8B step",
+             lambda c: f"{100 * c['steady'][0] / c['ref']:.1f}%" if "steady" in c else "-"),
             ("tokens per target forward (tau)", lambda c: f"{c['tokens'] / c['forwards']:.2f}"),
             ("tokens per step", lambda c: f"{c['tokens'] / c['steps']:.2f}"),
             ("requests per step", lambda c: f"{c['forwards'] / c['steps']:.2f}"),
