@@ -106,7 +106,8 @@ def install(acc, parts=PARTS) -> None:
                     setattr(klass, name, _timed(vars(klass)[name], label, acc))
             continue
         klass = getattr(module, cls)
-        setattr(klass, name, _timed(getattr(klass, name), label, acc))
+        if hasattr(klass, name):  # (as above: an older tree may not have it)
+            setattr(klass, name, _timed(getattr(klass, name), label, acc))
 
 
 def _drafter_classes():
