@@ -4,6 +4,9 @@ each caller keeps its Python (the same results, more host time)."""
 
 from __future__ import annotations
 
+import logging
+from typing import Callable
+
 try:
     from numba import njit
 except ImportError:
@@ -20,3 +23,17 @@ def compiled(fn):
         return njit(cache=True, boundscheck=True)(fn)
     except Exception:  # numba: "cannot cache function ...: no locator available"
         return njit(boundscheck=True)(fn)
+
+
+def warmed(warm_up: Callable[[], object], failure: str) -> bool:
+    """warm_up() run now, at start-up (numba compiles, or loads its disk cache), so that nothing compiles in a step.
+    False where numba is missing, or with one warning ("vllm_adaspec: " + failure) where warm_up fails: the caller
+    keeps its Python (the same results, more host time)."""
+    if not AVAILABLE:
+        return False
+    try:
+        warm_up()
+        return True
+    except Exception:
+        logging.getLogger("vllm_adaspec").warning("vllm_adaspec: %s", failure, exc_info=True)
+        return False

@@ -7,14 +7,10 @@ Matches are found by one vectorised scan of the request's tokens per drafting st
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
-from vllm_adaspec.compiled import AVAILABLE, compiled
+from vllm_adaspec.compiled import AVAILABLE, compiled, warmed
 from vllm_adaspec.pools import Candidates, Pool, Taps, continuation_trie
-
-logger = logging.getLogger("vllm_adaspec")
 
 
 class ContextIndex:
@@ -158,16 +154,10 @@ class ContextPool(Pool):
         self.max_n = max_n
         self.index: dict[str, ContextIndex] = {}
         self._out = (np.empty(16, np.int64), np.empty(16, np.int64), np.empty(16, np.float64))
-        self.compiled = AVAILABLE  # matches and trie compiled (numba), else in Python
-        if self.compiled:
-            try:
-                warm = ContextIndex(max_n)
-                warm.extend([1, 2, 1, 2])
-                propose_context_compiled(warm, 2, out=self._out)  # compiled now, at start-up
-            except Exception:
-                logger.warning("vllm_adaspec: the context pool's compiled matching did not compile; it matches in "
-                               "Python", exc_info=True)
-                self.compiled = False
+        warm = ContextIndex(max_n)
+        warm.extend([1, 2, 1, 2])
+        self.compiled = warmed(lambda: propose_context_compiled(warm, 2, out=self._out),  # matches and trie compiled
+                               "the context pool's compiled matching did not compile; it matches in Python")
 
     def start(self, req_id, prompt) -> None:
         self.index[req_id] = ContextIndex(self.max_n)

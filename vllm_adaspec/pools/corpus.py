@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 
 import numpy as np
 
-from vllm_adaspec.compiled import AVAILABLE, compiled
+from vllm_adaspec.compiled import AVAILABLE, compiled, warmed
 from vllm_adaspec.pools import Candidates, Taps, TailPool
 
 FORMAT = "vllm-adaspec/corpus/1"
-logger = logging.getLogger("vllm_adaspec")
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -231,14 +229,8 @@ class CorpusPool(TailPool):
     def __init__(self, table: CorpusTable | str):
         super().__init__()
         self.table = CorpusTable.load(table) if isinstance(table, (str, os.PathLike)) else table
-        self.compiled = AVAILABLE  # the walk compiled (numba), else in Python
-        if self.compiled:
-            try:
-                propose_corpus_batch(self.table, [[0, 0]], [1])  # compiled now, at start-up
-            except Exception:
-                logger.warning("vllm_adaspec: the corpus pool's compiled walk did not compile; it walks in Python",
-                               exc_info=True)
-                self.compiled = False
+        self.compiled = warmed(lambda: propose_corpus_batch(self.table, [[0, 0]], [1]),  # the walk compiled
+                               "the corpus pool's compiled walk did not compile; it walks in Python")
 
     def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
         if self.compiled:

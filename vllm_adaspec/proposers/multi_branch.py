@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_adaspec.compiled import warmed
 from vllm_adaspec.policies.cost_model import attention_load
 from vllm_adaspec.pools import PoolSet, make_pools
 from vllm_adaspec.pools import Taps as PoolTaps
@@ -314,10 +315,5 @@ def choice_ready() -> bool:
     """The compiled node choice compiled now, at start-up (not in the first step); False where it cannot."""
     from vllm_adaspec.trees import step_choice
 
-    try:
-        step_choice.warm_up()
-        return True
-    except Exception:
-        logger.warning("vllm_adaspec: the compiled node choice did not compile; the Python one chooses (the same "
-                       "nodes, more host time a step)", exc_info=True)
-        return False
+    return warmed(step_choice.warm_up, "the compiled node choice did not compile; the Python one chooses (the same "
+                                       "nodes, more host time a step)")
