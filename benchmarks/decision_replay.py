@@ -236,7 +236,9 @@ class Ours(Plain):
         scheduled = {names[k]: 1 + len(d) for k, d in zip(batch, drafts)}
         scheduled.update({names[k]: self.plen[k] for k in new})
         self.spec = {names[k]: d for k, d in zip(batch, drafts) if d}
-        self.driver.on_schedule(scheduled, self.spec, [names[k] for k in done])
+        self.driver.on_schedule(scheduled, self.spec, [names[k] for k in done],
+                                {names[k]: self.data[k]["prompt"] for k in new})
+        self.driver.while_forward()  # as the worker, once vLLM launched the forward
         self.rows, self.results, self.lens = 0, {}, []
         self.port.req_ids = [names[k] for k in batch + new]
 

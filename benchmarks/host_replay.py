@@ -20,7 +20,8 @@ over when the pool asks (`--heads-on-host` runs them on this CPU between the hos
     .venv/bin/python benchmarks/host_replay.py --batch-size 8 --evict-mb 0 --repeats 4 --against HEAD~3
 
 Prints ms per step of each part; the host side is propose + on_schedule + the GPU plan, less the Medusa heads' tensor
-work (device work on a GPU), against the 8B step of the batch size. Run alone.
+work (device work on a GPU), against the 8B step of the batch size; what `Driver.while_forward` runs once the forward
+is launched (finished and new requests' pool state) is shown apart: on a GPU the host is idle then. Run alone.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ ROWS_8B = {1: {1: 1.0, 4: 1.11, 16: 1.15, 64: 1.18}, 8: {1: 1.0, 4: 1.18, 16: 1.
 # --fine: (label, where, method) as profile_step.PARTS
 FINE = [
     ("fine: pools' extend (observe)", "vllm_adaspec.pools:PoolSet", "extend"),
-    ("fine: pools' start (observe, a request's first step)", "vllm_adaspec.pools:PoolSet", "start"),
+    ("fine: pools' start (while_forward: a new request's prompt)", "vllm_adaspec.pools:PoolSet", "start"),
     ("fine: calibration feedback (observe)", "vllm_adaspec.proposers.multi_branch:MultiBranchDrafter", "_calibrate"),
     ("fine: outcomes (driver)", "vllm_adaspec.proposers.driver:Driver", "_outcomes"),
     ("fine: tree_rows (draft)", "vllm_adaspec.proposers.driver:Driver", "tree_rows"),
@@ -67,8 +68,8 @@ FINE = [
     ("fine: plan_step (GPU plan)", "vllm_adaspec.engine.tree_runtime:plan_step", None),
     # arctic-inference's suffix trees besides the suffix pool's speculation (propose, above)
     ("fine: suffix pool extend (observe)", "vllm_adaspec.pools.suffix:SuffixPool", "extend"),
-    ("fine: suffix pool start (observe)", "vllm_adaspec.pools.suffix:SuffixPool", "start"),
-    ("fine: suffix pool stop (on_schedule, a finished request)", "vllm_adaspec.pools.suffix:SuffixPool", "stop"),
+    ("fine: suffix pool start (while_forward)", "vllm_adaspec.pools.suffix:SuffixPool", "start"),
+    ("fine: suffix pool stop (while_forward, a finished request)", "vllm_adaspec.pools.suffix:SuffixPool", "stop"),
 ]
 
 
@@ -375,6 +376,8 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     host_ms, ref_ms = [], []
     steady = []  # host ms less the heads' of each step once the cost model's scale is set (its first UNIT_STEPS
     # observed steps re-solve every fit each step, once in an engine's life) and the first batch has started
+    overlapped_ms = []  # Driver.while_forward per step: off the critical path on a GPU
+    overlap = hasattr(driver, "while_forward")  # (an older tree, --against, runs that work inside the host side)
     names = [f"r{k}" for k in range(len(data))]
     plen = [len(d["prompt"]) for d in data]
     limit = [min(max_tokens, len(d["cont"])) for d in data]
@@ -390,6 +393,9 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
         # continuous batching, as vLLM runs a queue of requests with max_num_seqs = batch_size: a finished
         # request's place goes to the next prompt, whose prefill samples its first token in the same step
         batch = [queue.pop() for _ in range(min(batch_size, len(queue)))]
+        if overlap:  # the first batch's prefill step, as the engine schedules it (its pools start behind it)
+            driver.on_schedule({names[k]: plen[k] for k in batch}, {}, [], {names[k]: data[k]["prompt"] for k in batch})
+            driver.while_forward()
         got = {k: [data[k]["cont"][0]] for k in batch}
         port.verified_rows, port.results = None, {}
         hid = [data[k]["hidden"][plen[k] - 1] for k in batch]
@@ -424,7 +430,10 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
             scheduled.update({names[k]: plen[k] for k in new})
             spec = {names[k]: d for k, d in zip(batch, drafts) if d}
             t0 = time.perf_counter()
-            driver.on_schedule(scheduled, spec, [names[k] for k in done])
+            if overlap:  # vLLM's worker hands the new requests' prompts over at scheduling
+                driver.on_schedule(scheduled, spec, [names[k] for k in done], {names[k]: data[k]["prompt"] for k in new})
+            else:  # (an older tree: --against)
+                driver.on_schedule(scheduled, spec, [names[k] for k in done])
             t_sched = time.perf_counter() - t0
             if not batch and not new:
                 break
@@ -439,6 +448,10 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
             t_plan = time.perf_counter() - t0
             acc[SHADOW][0] += t_plan
             acc[SHADOW][1] += 1
+            if overlap:  # the forward is launched: on a GPU this runs while it computes (not on the critical path)
+                t0 = time.perf_counter()
+                driver.while_forward()
+                overlapped_ms.append(1e3 * (time.perf_counter() - t0))
             clock.offset += forward_ms(max(1, len(batch)), max(1, rows)) / 1e3
             ref_ms.append(STEP_8B_MS[1 if len(batch) + len(new) < 3 else 8])
             host_ms.append(1e3 * (t_propose + t_sched + t_plan))
@@ -466,7 +479,8 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     finally:
         driver_mod.time = real_time
     return {"steps": steps, "tokens": tokens, "forwards": forwards, "tree_steps": tree_steps, "nodes": nodes,
-            "host_ms": host_ms, "ref_ms": ref_ms, "steady": [sum(steady) / max(1, len(steady)), len(steady)]}
+            "host_ms": host_ms, "ref_ms": ref_ms, "steady": [sum(steady) / max(1, len(steady)), len(steady)],
+            "overlapped": sum(overlapped_ms) / max(1, steps)}
 
 
 def main() -> None:
@@ -592,6 +606,9 @@ def main() -> None:
               + " | ".join(f"{c['parts'][label]:.3f}" for c in columns) + " |")
     rows = [("GPU tree plan (plan_step + GPUTreeRuntime.prepare)", lambda c: f"{c['parts'][SHADOW]:.3f}"),
             ("host side: propose + on_schedule + GPU plan", lambda c: f"{c['host'][0]:.3f}"),
+            ("while the forward runs (Driver.while_forward: finished requests' pools freed, new ones' prompts "
+             "indexed; not in the host side: on a GPU the host waits for the forward then)",
+             lambda c: f"{c['overlapped']:.3f}" if "overlapped" in c else "-"),
             ("host side less the Medusa heads' tensor work", lambda c: f"**{c['host'][1]:.3f}**"),
             ("... spread over repeats", lambda c: f"{c['spread'][0]:.2f}-{c['spread'][1]:.2f}"),
             ("... of the H100 Llama-3-8B step (issue 41)", lambda c: f"{100 * c['host'][1] / c['ref']:.1f}%"),

@@ -57,6 +57,8 @@ PARTS = [
     ("          cost model: the step's price list", "vllm_adaspec.proposers.driver:Driver", "step_seconds"),
     ("        cost model: learning the last step", "vllm_adaspec.proposers.driver:Driver", "_observe_step"),
     ("  adaspec on_schedule", "vllm_adaspec.proposers.driver:Driver", "on_schedule"),
+    # (once the forward is launched: on a GPU behind it; inside "adaspec propose" where nothing ran it before)
+    ("  adaspec while_forward", "vllm_adaspec.proposers.driver:Driver", "while_forward"),
 ]
 
 

@@ -105,3 +105,35 @@ def test_oracle_selection_drafts_only_what_the_target_accepts():
     assert c["drafted"] > 0 and c["accepted"] == c["drafted"]
     assert got[False]["accepted"] < got[False]["drafted"]  # the calibrated scores do draft wrong tokens here
     assert c["forwards"] <= got[False]["forwards"]
+
+
+def test_pools_started_at_scheduling_draft_as_pools_started_at_the_first_propose(monkeypatch):
+    """The worker hands new requests' prompts over at scheduling and their pools start while the forward runs
+    (Driver.while_forward, off a GPU step's critical path); a request first met in propose (no prompt ids: prompt
+    embeddings) starts there. Every draft is the same either way (the replay's clock is simulated)."""
+    from vllm_adaspec.models import resolve_model
+    from vllm_adaspec.proposers.driver import Driver
+
+    data = synthetic(5)
+    names = [f"r{k}" for k in range(len(data))]
+    model = resolve_model("smollm2-135m-instruct")
+    settings = {"pools": ["context", "suffix", "corpus", "recycled"]}
+    started = []
+    start = Driver.while_forward
+
+    def counted(self):
+        started.extend(r for kind, what in self._pending if kind == "start" for r in what)
+        return start(self)
+
+    monkeypatch.setattr(Driver, "while_forward", counted)
+    at_schedule = dr.replay_ours(data, {"synthetic": list(range(len(data)))}, names, settings, model, 2, 40,
+                                 dr.cpu_step(0.02), heads=None)
+    assert started == names[2:]  # (the first batch's prefill is not replayed: it starts in propose)
+    on_schedule = Driver.on_schedule
+    monkeypatch.setattr(Driver, "on_schedule", lambda self, s, sp, f, prompts=None: on_schedule(self, s, sp, f))
+    at_propose = dr.replay_ours(data, {"synthetic": list(range(len(data)))}, names, settings, model, 2, 40,
+                                dr.cpu_step(0.02), heads=None)
+    assert len(started) == 3
+    for key in ("output", "forwards", "drafted", "accepted", "proposals", "seconds"):
+        assert at_schedule["synthetic"][key] == at_propose["synthetic"][key], key
+    assert at_schedule["synthetic"]["accepted"] > 0

@@ -25,6 +25,7 @@ class FlakyDrafter(Drafter):
         super().__init__(vllm_config, settings, driver)
         self.calls = {"observe": 0, "draft": 0, "on_step": 0}
         self.finished = []
+        self.started = []  # start and finish calls, in order
 
     def _maybe_fail(self, where):
         self.calls[where] += 1
@@ -43,8 +44,14 @@ class FlakyDrafter(Drafter):
     def on_step(self, scheduled, pure):
         self._maybe_fail("on_step")
 
+    def start(self, req_id, prompt):
+        self.started.append((req_id, list(prompt)))
+        if self.fail_in == "start":
+            raise ZeroDivisionError("start broke")
+
     def finish(self, req_ids):
         self.finished += list(req_ids)
+        self.started.append(("finished", list(req_ids)))
 
 
 class FakePort:
@@ -128,6 +135,28 @@ def test_a_fault_while_scheduling_drops_the_steps_plans():
     spec = {r: list(driver.plans[r].tokens) for r in batch}
     driver.on_schedule({r: 4 for r in batch}, spec, set())  # the drafter's on_step raises
     assert driver.plans == {} and driver.faults.count == 1  # the runtime plans no tree: drafts verify as chains
+
+
+def test_the_drafters_request_state_waits_for_the_launched_forward_in_order():
+    """Driver.while_forward (the worker calls it once vLLM launched the forward: on a GPU the host is idle until the
+    sampler waits for it) runs the finished and new requests' drafter work on_schedule brought, in order; propose
+    runs what nothing ran; a fault in it is contained and the next steps draft."""
+    driver = make_driver("nowhere")
+    d = driver.drafter
+    driver.on_schedule({"a": 5}, {}, {"x"}, {"a": [1, 2, 3]})
+    driver.on_schedule({"a": 1, "b": 4}, {}, set(), {"b": [4, 5]})  # (a step without propose in between)
+    assert d.started == [] and d.finished == []  # nothing yet: the forward is not launched
+    driver.while_forward()
+    assert d.started == [("finished", ["x"]), ("a", [1, 2, 3]), ("b", [4, 5])]
+    driver.while_forward()  # done once
+    assert len(d.started) == 3
+    driver.on_schedule({"a": 1, "b": 1}, {}, {"b"}, {"c": [6]})
+    step(driver)  # propose runs what is pending before it observes
+    assert d.started[3:] == [("finished", ["b"]), ("c", [6])] and d.calls["observe"] == 1
+    broken = make_driver("start")
+    broken.on_schedule({"a": 5}, {}, set(), {"a": [1]})
+    broken.while_forward()
+    assert broken.faults.count == 1 and step(broken) == [[1, 2, 3]] * 2
 
 
 def test_at_the_fault_limit_speculation_stops_for_good_and_state_is_released(caplog):

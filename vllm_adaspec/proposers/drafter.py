@@ -93,8 +93,15 @@ class Drafter:
     def on_step(self, scheduled: dict, pure: bool) -> None:
         """At the start of every engine step (early exit pauses its exit layers' KV upkeep here)."""
 
+    def start(self, req_id: str, prompt) -> None:
+        """A request scheduled for the first time, its prompt token ids [P] (a list): per-request state that needs only
+        the prompt may be built here, while the GPU runs the forward (Driver.while_forward), instead of in the
+        request's first observe. Not called for requests without token ids (prompt embeddings): observe must
+        still start what it first sees."""
+
     def finish(self, req_ids) -> None:
-        """Requests that finished or were aborted: drop their per-request state."""
+        """Requests that finished or were aborted: drop their per-request state (while the GPU runs the forward of the
+        step that reported them, Driver.while_forward)."""
 
     def live(self) -> dict:
         """Per-request state the drafter holds now, by kind."""

@@ -7,7 +7,12 @@ per decoding request (vllm_adaspec/step.py).
 One step, as the glue drives it (worker process):
     attach(port)                                    once: the engine port (before the model loads)
     load_model(target_model)                        vLLM: the drafter builds what it needs on the target
-    on_schedule(scheduled, spec_tokens, finished)   at the start of every step, before the forward
+    on_schedule(scheduled, spec_tokens, finished,   at the start of every step, before the forward; the drafter's
+                prompts)                            per-request work it brings (finished requests' state freed,
+                                                    new requests' prompt state built) waits for while_forward
+    while_forward()                                 once vLLM launched the forward: on a GPU it runs while the GPU
+                                                    computes (off the step's critical path); propose runs what
+                                                    is still pending first
     propose(sampled_token_ids, ...)                 vLLM's custom-proposer call, after sampling: feedback ->
                                                     drafter.observe(view, outcomes, taps); policies and the cost
                                                     model -> budgets; drafter.draft(...) -> plans
@@ -93,6 +98,8 @@ class Driver:
         self.draft_costs = DraftCost()  # our own work per step: pools, bookkeeping, draft passes
         self.chain_counts = [0, 0]  # accepted drafts, rejections (engine-wide: the prior of each request's rate)
         self._context: dict[str, int] = {}  # req_id -> committed tokens at its last propose (attention's load)
+        self._pending: list = []  # the drafter's per-request work for while_forward, in order: ("finish", ids),
+        # ("start", {req_id: prompt})
         self.observers: list = []  # vllm_adaspec/observers.py: what tests attach (through the port)
         # Cost accounting, read through the worker's `adaspec_stats` RPC (and /metrics)
         self.stats = self.drafter_cls.stats_cls(tree_accepted_depth=[0] * (k + 1), round_lengths=[0] * (k + 1),
@@ -120,15 +127,42 @@ class Driver:
         self.observers = port.observers
         self.drafter.attach(port)
 
-    def on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
+    def on_schedule(self, scheduled: dict, spec_tokens: dict, finished, prompts: dict | None = None) -> None:
         """At the start of every step: finished requests' state goes, and the step's shape is noted (cost model).
-        A fault here is contained: this step's plans are dropped (its scheduled drafts verify as chains)."""
+        prompts: {req_id: prompt token ids} of requests scheduled for the first time. The drafter's state of finished
+        and new requests is left to while_forward. A fault here is contained: this step's plans are dropped (its
+        scheduled drafts verify as chains)."""
         if self.faults.off:
             return
         try:
             self._on_schedule(scheduled, spec_tokens, finished)
+            if finished:
+                self._pending.append(("finish", list(finished)))
+            if prompts:
+                self._pending.append(("start", prompts))
         except Exception as e:  # our code only saves time: never the engine's fault
             self.contain("the drafter's step bookkeeping", e)
+
+    def while_forward(self) -> None:
+        """The drafter's per-request work on_schedule brought, run once vLLM has launched the step's forward: on a GPU
+        the host is idle until the sampler waits for the forward, so this costs the step nothing there (on a CPU the
+        forward is synchronous: the same work, at another time). Needs nothing of the step's outcome: finished
+        requests' pools freed, new requests' prompt state (the suffix pool's prompt tree, ...) built. A fault here
+        is contained like one in on_schedule."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if self.faults.off:
+            return
+        try:
+            for kind, what in pending:
+                if kind == "finish":
+                    self.drafter.finish(what)
+                else:
+                    for req_id, prompt in what.items():
+                        self.drafter.start(req_id, prompt)
+        except Exception as e:  # our code only saves time: never the engine's fault
+            self.contain("the drafter's request state", e)
 
     def _on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
         if finished and self.tree_mode:  # their tree KV copies go now, not at the next step
@@ -144,7 +178,6 @@ class Driver:
                 observe(self.stats.request_acceptance, st.accepted / st.drafted)
                 observe(self.stats.request_drafts_per_round, st.drafted / st.rounds)
         if finished:
-            self.drafter.finish(finished)
             self.port.forget(finished)
         pure = bool(scheduled)
         rows = tree_requests = tree_rows = 0
@@ -176,6 +209,7 @@ class Driver:
                 "its worker (is the package installed in the environment vLLM runs in?)")
         drafts, account, faulted = None, None, False
         now = time.perf_counter()
+        self.while_forward()  # what the glue did not run while the forward ran (a replay, a path without the hook)
         try:
             self._observe_step(now)  # (on every call: under TP a collective every rank takes part in)
         except Exception as e:
