@@ -96,12 +96,12 @@ class FakePort:
         return {}
 
 
-def make_driver(fail_in="draft", fail_at=(), limit=3, batch=("a", "b")):
+def make_driver(fail_in="draft", fail_at=(), limit=3, batch=("a", "b"), cost_model="off"):
     drafter = type("Flaky", (FlakyDrafter,), {"fail_in": fail_in, "fail_at": tuple(fail_at)})
     cls = type("FlakyDriver", (Driver,), {"drafter_cls": drafter, "proposer": "probe"})
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(seed=0),
                                   parallel_config=SimpleNamespace(tensor_parallel_size=1))
-    settings = ProbeSettings(num_speculative_tokens=3, num_layers=2, cost_model="off", fault_limit=limit)
+    settings = ProbeSettings(num_speculative_tokens=3, num_layers=2, cost_model=cost_model, fault_limit=limit)
     driver = cls(vllm_config, settings)
     driver.attach(FakePort(list(batch)))
     return driver
@@ -157,6 +157,21 @@ def test_the_drafters_request_state_waits_for_the_launched_forward_in_order():
     broken.on_schedule({"a": 5}, {}, set(), {"a": [1]})
     broken.while_forward()
     assert broken.faults.count == 1 and step(broken) == [[1, 2, 3]] * 2
+
+
+def test_the_cost_model_learns_the_last_step_while_the_next_forward_runs():
+    """The step measured at a propose call is learnt in the next while_forward (on a GPU behind the forward), where
+    the price list is readied too; a fault there is contained and drafting goes on."""
+    driver = make_driver("nowhere", cost_model="online")
+    step(driver)
+    step(driver)  # measures the step between the two propose calls
+    assert driver.costs.observations == 0 and driver._to_learn is not None
+    driver.while_forward()
+    assert driver.costs.observations == 1 and driver.get_stats()["cost_observations"] == 1
+    step(driver)
+    driver.costs.observe = lambda *a, **k: 1 / 0
+    driver.while_forward()
+    assert driver.faults.count == 1 and step(driver) == [[1, 2, 3]] * 2
 
 
 def test_at_the_fault_limit_speculation_stops_for_good_and_state_is_released(caplog):

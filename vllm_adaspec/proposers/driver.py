@@ -100,6 +100,8 @@ class Driver:
         self._context: dict[str, int] = {}  # req_id -> committed tokens at its last propose (attention's load)
         self._pending: list = []  # the drafter's per-request work for while_forward, in order: ("finish", ids),
         # ("start", {req_id: prompt})
+        self._to_learn = None  # the last measured step, which the cost model learns in while_forward
+        self._next_decoding = 0  # requests of the scheduled step (the price list's batch size, likely)
         self.observers: list = []  # vllm_adaspec/observers.py: what tests attach (through the port)
         # Cost accounting, read through the worker's `adaspec_stats` RPC (and /metrics)
         self.stats = self.drafter_cls.stats_cls(tree_accepted_depth=[0] * (k + 1), round_lengths=[0] * (k + 1),
@@ -140,21 +142,24 @@ class Driver:
                 self._pending.append(("finish", list(finished)))
             if prompts:
                 self._pending.append(("start", prompts))
+            self._next_decoding = len(scheduled)
         except Exception as e:  # our code only saves time: never the engine's fault
             self.contain("the drafter's step bookkeeping", e)
 
     def while_forward(self) -> None:
-        """The drafter's per-request work on_schedule brought, run once vLLM has launched the step's forward: on a GPU
-        the host is idle until the sampler waits for the forward, so this costs the step nothing there (on a CPU the
-        forward is synchronous: the same work, at another time). Needs nothing of the step's outcome: finished
-        requests' pools freed, new requests' prompt state (the suffix pool's prompt tree, ...) built. A fault here
-        is contained like one in on_schedule."""
-        if not self._pending:
-            return
+        """What needs nothing of the step's outcome, run once vLLM has launched the step's forward: on a GPU the host
+        is idle until the sampler waits for the forward, so this costs the step nothing there (on a CPU the forward
+        is synchronous: the same work, at another time). The drafter's upkeep left from its last propose call
+        (Drafter.while_forward: the suffix pool's global tree), its per-request work on_schedule brought (finished
+        requests' pools freed, new requests' prompt state built), and the cost model learning the last measured
+        step and readying this step's price list (decisions read the model one step late). A fault here is
+        contained like one in on_schedule."""
         pending, self._pending = self._pending, []
+        seen, self._to_learn = self._to_learn, None
         if self.faults.off:
             return
         try:
+            self.drafter.while_forward()
             for kind, what in pending:
                 if kind == "finish":
                     self.drafter.finish(what)
@@ -163,6 +168,14 @@ class Driver:
                         self.drafter.start(req_id, prompt)
         except Exception as e:  # our code only saves time: never the engine's fault
             self.contain("the drafter's request state", e)
+        if seen is None:
+            return
+        try:
+            self._learn(*seen)
+            if self._next_decoding:  # solved and tabulated now, not inside the next propose
+                self.step_seconds(self._next_decoding)
+        except Exception as e:
+            self.contain("learning the last step", e)
 
     def _on_schedule(self, scheduled: dict, spec_tokens: dict, finished) -> None:
         if finished and self.tree_mode:  # their tree KV copies go now, not at the next step
@@ -395,9 +408,11 @@ class Driver:
             return
         seen = (step, now - last, self._last_propose) if step is not None and steps == 1 and last is not None else None
         seen = self._same_on_every_rank(seen)  # on every call: a rank that saw nothing still takes part
-        if seen is None:
-            return
-        (batch, rows, tree_requests, tree_rows, attention), seconds, (decoding, passes, own) = seen
+        if seen is not None:
+            self._to_learn = seen  # learnt while the next forward runs (while_forward)
+
+    def _learn(self, step: tuple, seconds: float, last_propose: tuple) -> None:
+        (batch, rows, tree_requests, tree_rows, attention), (decoding, passes, own) = step, last_propose
         for obs in self.observers:  # (the audit: what the model predicted for this step before learning from it)
             obs.step_cost((batch, rows, tree_requests, tree_rows, attention),
                           self.costs.predict(batch, rows, tree_requests, tree_rows, attention), seconds)
