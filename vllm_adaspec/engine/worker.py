@@ -84,13 +84,14 @@ class AdaspecWorkerMixin:
             prompts={r.req_id: r.prompt_token_ids for r in scheduler_output.scheduled_new_reqs
                      if r.prompt_token_ids is not None},
         )
-        if self._adaspec_snapshots is not None:  # for the server's /metrics (engine/metrics.py)
-            # written at once when requests finished: an idle server then shows their state freed
-            self._adaspec_snapshots.maybe_write(drafter.snapshot, force=bool(scheduler_output.finished_req_ids))
         out = super().execute_model(scheduler_output)
         # vLLM launched the forward (sampling and propose come in sample_tokens): on a GPU the host waits until the
         # sampler reads the results, so the drafter's per-request work runs now, off the step's critical path
         drafter.while_forward()
+        if self._adaspec_snapshots is not None:  # for the server's /metrics (engine/metrics.py)
+            # written at once when requests finished (after while_forward freed their state): an idle server then
+            # shows it freed
+            self._adaspec_snapshots.maybe_write(drafter.snapshot, force=bool(scheduler_output.finished_req_ids))
         return out
 
     def adaspec_stats(self) -> dict:

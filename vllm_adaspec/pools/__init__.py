@@ -115,11 +115,6 @@ class Pool(ABC):
         """Per-request states held (leak checks, /metrics)."""
         return 0
 
-    def while_forward(self) -> None:
-        """Upkeep a pool left from its last extends that the next propose may do without (the suffix pool's global
-        tree): run once the next forward is launched, when a GPU host is idle (Driver.while_forward), and by the
-        pool itself before any start or stop that depends on it."""
-
     @abstractmethod
     def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
         """One candidate tree per request (at most about `budgets[i]` nodes / that depth; may be empty)."""
@@ -259,10 +254,6 @@ class PoolSet:
         for p in self.pools:
             p.stop(req_id)
         self.fed.pop(req_id, None)
-
-    def while_forward(self) -> None:
-        for p in self.pools:
-            p.while_forward()
 
     def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[list[Candidates]]:
         """[R][pools] every pool's candidates for each drafting request."""

@@ -37,10 +37,8 @@ class SuffixPool(TailPool):
         self.max_spec_factor = max_spec_factor
         self.max_spec_offset = max_spec_offset
         self._trees = _native_trees(self.cache)
-        self._later = []
 
     def start(self, req_id, prompt) -> None:
-        self.while_forward()  # (the cache's order of extends and starts: evictions and sequence ids as without)
         if req_id in self.cache.active_requests:
             self.cache.stop_request(req_id)
         self.cache.start_request(req_id, np.ascontiguousarray(prompt, dtype=np.int32))
@@ -56,21 +54,11 @@ class SuffixPool(TailPool):
                 extend, local, seq_ids, global_tree = self._trees
                 extend(local[req_id], 0, tokens)  # (KeyError: not started, as the cache's ValueError)
                 seq = seq_ids.get(req_id)
-                if seq is not None:  # the global tree's: while the next forward runs (while_forward)
-                    self._later.append((seq, tokens))
+                if seq is not None:
+                    extend(global_tree, seq, tokens)
             super().extend(req_id, tokens)
 
-    def while_forward(self) -> None:
-        """The global tree's extends of the last propose call's tokens (Pool.while_forward): speculation reads the
-        request's own prompt-and-output tree as of now and the other requests' outputs one step behind."""
-        later, self._later = self._later, []
-        if later:
-            extend, _, _, global_tree = self._trees
-            for seq, tokens in later:
-                extend(global_tree, seq, tokens)
-
     def stop(self, req_id) -> None:
-        self.while_forward()
         if req_id in self.cache.active_requests:
             self.cache.stop_request(req_id)
         super().stop(req_id)

@@ -93,10 +93,6 @@ class Drafter:
     def on_step(self, scheduled: dict, pure: bool) -> None:
         """At the start of every engine step (early exit pauses its exit layers' KV upkeep here)."""
 
-    def while_forward(self) -> None:
-        """Work the drafter left from its last propose call for the next forward's launch (the GPU computes, the host
-        is idle)."""
-
     def start(self, req_id: str, prompt) -> None:
         """A request scheduled for the first time, its prompt token ids [P] (a list): per-request state that needs only
         the prompt may be built here, while the GPU runs the forward (Driver.while_forward), instead of in the

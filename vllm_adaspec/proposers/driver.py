@@ -149,17 +149,16 @@ class Driver:
     def while_forward(self) -> None:
         """What needs nothing of the step's outcome, run once vLLM has launched the step's forward: on a GPU the host
         is idle until the sampler waits for the forward, so this costs the step nothing there (on a CPU the forward
-        is synchronous: the same work, at another time). The drafter's upkeep left from its last propose call
-        (Drafter.while_forward: the suffix pool's global tree), its per-request work on_schedule brought (finished
+        is synchronous: the same work, at another time). The drafter's per-request work on_schedule brought (finished
         requests' pools freed, new requests' prompt state built), and the cost model learning the last measured
         step and readying this step's price list (decisions read the model one step late). A fault here is
-        contained like one in on_schedule."""
+        contained like one in on_schedule. (Not the suffix pool's global tree: requests sampled from one prompt
+        draft each other's tokens of the same step from it.)"""
         pending, self._pending = self._pending, []
         seen, self._to_learn = self._to_learn, None
         if self.faults.off:
             return
         try:
-            self.drafter.while_forward()
             for kind, what in pending:
                 if kind == "finish":
                     self.drafter.finish(what)

@@ -126,10 +126,6 @@ class MultiBranchDrafter(Drafter):
             logger.info("vllm_adaspec: Medusa heads %s (K=%d, draft vocabulary %d)", self.medusa_folder,
                         self.medusa.w.shape[0], len(self.medusa.vocab))
 
-    def while_forward(self) -> None:
-        if self.poolset is not None:
-            self.poolset.while_forward()
-
     def start(self, req_id: str, prompt) -> None:
         if req_id not in self.requests:  # (a request seen before: its pools run on, as when observe met it)
             self.requests[req_id] = RequestPools(req_id)
