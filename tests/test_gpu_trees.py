@@ -299,6 +299,44 @@ def test_the_compiled_gpu_plan_equals_the_python_one_array_for_array():
     assert checked > 100
 
 
+def test_a_runtime_planning_step_after_step_reuses_views_and_reads_each_steps_data():
+    """The staging buffers hand a layout seen before its device views again (StagingBuffer.send_parts; at batch 1 a
+    step's layout is its tree's size): one runtime planning 80 steps of few layouts, each equal to a fresh runtime's
+    Python plan of the same step, and most layouts reused."""
+    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+
+    g = np.random.default_rng(11)
+    rt = GPUTreeRuntime("cpu", plain=lambda r: "greedy", max_rows=65)
+    rt.heads, rt.block_q = (32, 8, 128), 4
+    checked = 0
+    for trial in range(80):
+        b = int(g.integers(1, 3))
+        req_ids = [f"r{i}" for i in range(b)]
+        plans = {}
+        for r in req_ids:
+            n = int(g.integers(1, 5))
+            parents = tuple([-1] + [int(g.integers(-1, i)) for i in range(1, n)])
+            plans[r] = DraftPlan(tuple(int(t) for t in g.integers(0, 50, n)), parents)
+        spec = {r: list(p.tokens) for r, p in plans.items()}
+        qs = np.concatenate([[0], np.cumsum([1 + len(spec[r]) for r in req_ids])])
+        step = plan_step(req_ids, qs, g.integers(10, 3000, b), spec, plans, int(qs[-1]))
+        if step is None:  # (chains only)
+            continue
+        checked += 1
+        ref = GPUTreeRuntime("cpu", plain=lambda r: "greedy", max_rows=65)
+        ref.heads, ref.block_q = rt.heads, rt.block_q
+        want = _device_fields(ref.prepare_reference(step).device)
+        got = _device_fields(rt.prepare(step).device)
+        for name, w in want.items():
+            v = got[name]
+            if isinstance(w, torch.Tensor):
+                assert w.dtype == v.dtype and w.shape == v.shape and torch.equal(w, v), (trial, name, w, v)
+            else:
+                assert w == v, (trial, name, w, v)
+    layouts = sum(len(v) for v in rt._long.views)
+    assert checked > 40 and 0 < layouts < checked / 2, (checked, layouts)  # 80 steps, at most 2 x 4 x 4 tree-size layouts per turn
+
+
 def test_a_malformed_plan_raises_instead_of_writing_past_its_buffers():
     """The compiled plan checks its indices: inputs no planned step can have (a parent after its node, which
     DraftTree refuses first) raise IndexError, which begin_step contains as a planning fault; they never write past

@@ -77,6 +77,7 @@ class StagingBuffer:
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = torch.device(device), dtype
         self.host, self.dev, self.flat = [None, None], [None, None], [None, None]
+        self.views = [{}, {}]  # per turn: a layout's spans -> its device views (`send_parts`)
         self.turn = 0
         self.align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
 
@@ -90,6 +91,7 @@ class StagingBuffer:
             self.host[t] = torch.empty(cap, dtype=self.dtype, pin_memory=self.device.type == "cuda")
             self.dev[t] = torch.empty(cap, dtype=self.dtype, device=self.device)
             self.flat[t] = self.host[t].numpy()
+            self.views[t] = {}
         return self.flat[t]
 
     def send(self, size: int) -> torch.Tensor:
@@ -97,6 +99,21 @@ class StagingBuffer:
         t = self.turn
         self.dev[t][:max(1, size)].copy_(self.host[t][:max(1, size)], non_blocking=True)
         return self.dev[t][:size]
+
+    def send_parts(self, spans: list[int]) -> list[torch.Tensor]:
+        """`send` the reserved buffer's first sum(spans) elements, split by spans (each array's length, then its
+        alignment padding): the arrays' device views. A layout seen before gets the same views again, not new
+        ones (~0.4 us a view; at batch 1 a step's layout is its tree's size, so nearly every step repeats one)."""
+        total = sum(spans)
+        dev = self.send(total)
+        views = self.views[self.turn]
+        key = tuple(spans)
+        parts = views.get(key)
+        if parts is None:
+            if len(views) >= 32:  # (a few: batch 8's layouts seldom repeat, and every view kept is an object)
+                views.clear()
+            parts = views[key] = dev.split_with_sizes(spans)[::2]
+        return parts
 
     def upload(self, arrays: list) -> list[torch.Tensor]:
         """Each array's device copy, all from one transfer: numpy arrays keep their shape, Python lists are 1-D. In the
@@ -335,8 +352,7 @@ class GPUTreeRuntime(TreeRuntime):
             arr(parents), arr(tokens), arr(sizes), arr(verified), arr(starts), arr(roots), arr(rows), arr(batched),
             num_drafts, width, words, host_long, host_int, ALIGN_BYTES)
         long_spans, int_spans = long_spans.tolist(), int_spans.tolist()
-        dev = self._long.send(sum(long_spans)).split_with_sizes(long_spans)[::2]
-        ints = self._int.send(sum(int_spans)).split_with_sizes(int_spans)[::2]
+        dev, ints = self._long.send_parts(long_spans), self._int.send_parts(int_spans)
         longest = max(root + n + 1 for root, n in zip(roots, sizes))
         return self._device_step(step, ints, dev, width, words, batched, len(greedy), longest, num.tolist())
 
