@@ -251,6 +251,17 @@ def _device_fields(dev) -> dict:
     return out
 
 
+def assert_same_fields(want: dict, got: dict, trial: int) -> None:
+    """Two `_device_fields`: the same names, and each tensor the same dtype, shape and contents (host values equal)."""
+    assert want.keys() == got.keys()
+    for name, w in want.items():
+        v = got[name]
+        if isinstance(w, torch.Tensor):
+            assert w.dtype == v.dtype and w.shape == v.shape and torch.equal(w, v), (trial, name, w, v)
+        else:
+            assert w == v, (trial, name, w, v)
+
+
 def test_the_compiled_gpu_plan_equals_the_python_one_array_for_array():
     """GPUTreeRuntime.prepare plans a step in one compiled pass (trees/step_plan.py, numba) straight into its staging
     buffers; prepare_reference is the Python it replaces. On random steps (1-8 requests; trees of 1-64 nodes: one to
@@ -286,15 +297,8 @@ def test_the_compiled_gpu_plan_equals_the_python_one_array_for_array():
             continue
         rt = GPUTreeRuntime("cpu", plain=kinds.get, max_rows=65)
         rt.heads, rt.block_q = (32, 8, 128), 4
-        want = _device_fields(rt.prepare_reference(step).device)
-        got = _device_fields(rt.prepare(step).device)
-        assert want.keys() == got.keys()
-        for name, w in want.items():
-            v = got[name]
-            if isinstance(w, torch.Tensor):
-                assert w.dtype == v.dtype and w.shape == v.shape and torch.equal(w, v), (trial, name, w, v)
-            else:
-                assert w == v, (trial, name, w, v)
+        assert_same_fields(_device_fields(rt.prepare_reference(step).device), _device_fields(rt.prepare(step).device),
+                           trial)
         checked += 1
     assert checked > 100
 
@@ -325,16 +329,10 @@ def test_a_runtime_planning_step_after_step_reuses_views_and_reads_each_steps_da
         checked += 1
         ref = GPUTreeRuntime("cpu", plain=lambda r: "greedy", max_rows=65)
         ref.heads, ref.block_q = rt.heads, rt.block_q
-        want = _device_fields(ref.prepare_reference(step).device)
-        got = _device_fields(rt.prepare(step).device)
-        for name, w in want.items():
-            v = got[name]
-            if isinstance(w, torch.Tensor):
-                assert w.dtype == v.dtype and w.shape == v.shape and torch.equal(w, v), (trial, name, w, v)
-            else:
-                assert w == v, (trial, name, w, v)
+        assert_same_fields(_device_fields(ref.prepare_reference(step).device), _device_fields(rt.prepare(step).device),
+                           trial)
     layouts = sum(len(v) for v in rt._long.views)
-    assert checked > 40 and 0 < layouts < checked / 2, (checked, layouts)  # 80 steps, at most 2 x 4 x 4 tree-size layouts per turn
+    assert checked > 40 and 0 < layouts < checked / 2, (checked, layouts)  # (layouts: by tree sizes, per turn)
 
 
 def test_a_malformed_plan_raises_instead_of_writing_past_its_buffers():

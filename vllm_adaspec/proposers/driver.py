@@ -154,6 +154,8 @@ class Driver:
         step and readying this step's price list (decisions read the model one step late). A fault here is
         contained like one in on_schedule. (Not the suffix pool's global tree: requests sampled from one prompt
         draft each other's tokens of the same step from it.)"""
+        if not self._pending and self._to_learn is None:  # (propose's call after the worker's: nothing left)
+            return
         pending, self._pending = self._pending, []
         seen, self._to_learn = self._to_learn, None
         if self.faults.off:

@@ -155,9 +155,9 @@ class MultiBranchDrafter(Drafter):
         for i, outcome in outcomes.items():
             req_id, n = view.req_ids[i], int(view.num_tokens[i])
             st = self.requests.get(req_id)
-            if st is None:
-                st = self.requests[req_id] = RequestPools(req_id)
-                self.poolset.start(req_id, view.token_ids[i, :int(view.num_prompt[i])])
+            if st is None:  # (not started at scheduling: a prompt without token ids)
+                self.start(req_id, view.token_ids[i, :int(view.num_prompt[i])])
+                st = self.requests[req_id]
             elif st.trie is not None:
                 self._calibrate(st, outcome)
             if outcome.branch_argmax and st.branches_sent:
