@@ -291,10 +291,11 @@ class GPUTreeRuntime(TreeRuntime):
         try:
             for dtype in dtypes:
                 logits = torch.randn(3, 1000, device=dev).to(dtype)
-                rows = torch.tensor([[2, 0]], dtype=torch.long, device=dev)
+                rows = torch.tensor([[2, 0]], dtype=torch.long, device=dev)  # one tree's two logits rows
                 temperature = torch.ones(1, dtype=torch.float32, device=dev)
+                tree_rows = torch.zeros(1, dtype=torch.long, device=dev)  # the tree's batch row: temperature[0]
                 for first_sampled in (0, 1):
-                    argmax, _ = row_draws.row_draws(logits, rows, rows[0, :1], temperature, first_sampled)
+                    argmax, _ = row_draws.row_draws(logits, rows, tree_rows, temperature, first_sampled)
                     if not torch.equal(argmax, logits.argmax(-1)[rows]):
                         raise RuntimeError(f"argmax of {dtype} logits differs from torch's")
         except Exception as e:
