@@ -9,8 +9,7 @@ bench_tree_attention.py; under 6 minutes on an H100). What it prints goes into b
 3. the step's other pieces at Llama-3-8B shapes (32 layers, 8 kv heads of 128, vocabulary 128256; 8 trees of 16
    and of 64 nodes over 8k prefixes): planning (host + staged copies), batched greedy verification, batched
    sample-and-match (one launch of kernels/tree_verify.py for both), compaction of every layer (one launch of
-   kernels/kv_compaction.py), an early-exit draft step's plan; the attention's first layer and the verification
-   also through Triton's dispatch (kernels/ready_launch.py off: what it saves a step's host); each run under
+   kernels/kv_compaction.py), an early-exit draft step's plan; each run under
    torch.cuda.set_sync_debug_mode("error") (a wait for the device raises) and timed (CUDA events, median).
 
     python benchmarks/device_check.py            # on a GPU
@@ -59,7 +58,6 @@ import torch  # noqa: E402
 from vllm_adaspec.engine import gpu_tree_runtime as gtr  # noqa: E402
 from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime  # noqa: E402
 from vllm_adaspec.kernels import kv_compaction as kc  # noqa: E402
-from vllm_adaspec.kernels import ready_launch as rl  # noqa: E402
 from vllm_adaspec.kernels import row_draws as rd  # noqa: E402
 from vllm_adaspec.kernels import tree_attention as ta  # noqa: E402
 from vllm_adaspec.kernels import tree_verify as tv  # noqa: E402
@@ -182,7 +180,7 @@ def random_plan(n: int, g) -> DraftPlan:
 
 
 def step_batch(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, heads, vocab, dtype, run=None,
-               torch_draws: bool = False, dispatched: bool = False):
+               torch_draws: bool = False):
     """One verification step of `trees` trees of `nodes` nodes: plan, attention in every layer, batched
     verification (half greedy, half sampled), compaction, each piece through `run(name, fn)` (timed(), no_wait(),
     or called as is). The batched verdict's read-back (take_results: after vLLM's own wait for the sampled tokens)
@@ -211,21 +209,12 @@ def step_batch(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, hea
     if step_plan.compiled():  # the Python the compiled plan replaced, on the same trees (its arrays only)
         run("plan's arrays, Python", lambda: rt.prepare_reference(replace(step)))
     md = SimpleNamespace(num_actual_tokens=t, slot_mapping=slot_mapping, block_table=table)
-    attend = lambda: [rt.attend(None, d ** -0.5, q, None, None, kv, md, out) for kv in layers_kv]  # noqa: E731
-    if dispatched:  # the first layer through Triton's dispatch (kernels/ready_launch.py off), as before
-        rl.FAST = False
-        run("attention, dispatched 1st", attend)
-        rl.FAST = True
-        step.device.launch.compiled.clear()  # (the step's first layer again: ready, from an earlier step)
-    run("attention, every layer", attend)
+    run("attention, every layer", lambda: [rt.attend(None, d ** -0.5, q, None, None, kv, md, out)
+                                            for kv in layers_kv])
     if torch_draws:  # the same verification with the draws as torch ops first (what ran before the kernel)
         rt.draw_kernel = False
         run("verification, torch draws", lambda: rt.verify_batched(step, logits, tokens, sm))
         rt.draw_kernel = True
-    if dispatched:  # and with Triton's dispatch for each launch (kernels/ready_launch.py off)
-        rl.FAST = False
-        run("verification, dispatched", lambda: rt.verify_batched(step, logits, tokens, sm))
-        rl.FAST = True
     verdict = run("verification", lambda: rt.verify_batched(step, logits, tokens, sm))
     run("compaction, every layer", lambda: rt.finish_step(step, {}, verdict))
     rt.take_step()
@@ -363,12 +352,12 @@ def check_step() -> bool:
     found: dict = {}
     for nodes in ((4,) if ARGS.cpu else (16, 64)):
         step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=no_wait(found),
-                   torch_draws=True, dispatched=True)
+                   torch_draws=True)
         runs = []
         for _ in range(1 if ARGS.cpu else 7):
             runs.append({})
             step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, run=timed(runs[-1]),
-                       torch_draws=True, dispatched=not ARGS.cpu)  # (interpreted: no compiled kernels to compare)
+                       torch_draws=True)
         for piece in runs[0]:
             dev = statistics.median(r[piece][0] for r in runs) * 1e3
             host = statistics.median(r[piece][1] for r in runs) * 1e3

@@ -26,8 +26,6 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_adaspec.kernels.ready_launch import ready
-
 try:
     import triton
     import triton.language as tl
@@ -154,8 +152,6 @@ if triton is not None:
             tl.store(probs_ptr + row * K + j, tl.exp(v - m) / s)
             top_v = tl.where(slots == best, float("-inf"), top_v)
 
-    _READY = ready(_entropy_topk_kernel)  # (a step's launch without Triton's dispatch: kernels/ready_launch.py)
-
 
 def entropy_topk_triton(logits: torch.Tensor, temperature=1.0, k: int = 1, block: int = 4096,
                         top_n: int | None = None) -> DraftStats:
@@ -175,8 +171,9 @@ def entropy_topk_triton(logits: torch.Tensor, temperature=1.0, k: int = 1, block
     top_probs = torch.empty(rows, k, dtype=torch.float32, device=logits.device)
     top_n_entropy = torch.empty_like(entropy) if top_n is not None else entropy  # (unused pointer when not asked)
     block = min(block, triton.next_power_of_2(vocab))
-    _READY[(rows,)](logits, logits.stride(0), temps, entropy, max_prob, top_ids, top_probs, top_n_entropy, vocab,
-                    top_n or 0, K=k, KP=triton.next_power_of_2(k), BLOCK=block, WITH_TOP_N=top_n is not None)
+    _entropy_topk_kernel[(rows,)](logits, logits.stride(0), temps, entropy, max_prob, top_ids, top_probs,
+                                  top_n_entropy, vocab, top_n or 0, K=k, KP=triton.next_power_of_2(k), BLOCK=block,
+                                  WITH_TOP_N=top_n is not None)
     return DraftStats(entropy, max_prob, top_ids, top_probs, top_n_entropy if top_n is not None else None)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from vllm_adaspec.kernels import kept
-from vllm_adaspec.kernels.ready_launch import ready
 
 try:
     import triton
@@ -95,8 +94,6 @@ if triton is not None:
             tl.store(k + dst, tl.load(k + src, mask=m), mask=m)
             tl.store(v + dst, tl.load(v + src, mask=m), mask=m)
 
-    _READY = ready(_kv_compaction_kernel)  # (a step's launch without Triton's dispatch: kernels/ready_launch.py)
-
 
 def compact(kv_caches: list[torch.Tensor], offsets: tuple, slot_mapping: torch.Tensor, starts: torch.Tensor,
             path: torch.Tensor, count: torch.Tensor, trees: torch.Tensor | None = None) -> None:
@@ -110,6 +107,6 @@ def compact(kv_caches: list[torch.Tensor], offsets: tuple, slot_mapping: torch.T
     if trees is None:
         trees = kept.arange(r, path.device)
     elems = heads * head_size
-    _READY[(r, len(kv_caches))](k0, table, slot_mapping, starts, trees, path.contiguous(), count, n, block_size,
-                                s_blk, s_off, s_head, s_d, HEAD_SIZE=head_size, ELEMS=elems,
-                                BLOCK_E=triton.next_power_of_2(elems))
+    _kv_compaction_kernel[(r, len(kv_caches))](k0, table, slot_mapping, starts, trees, path.contiguous(), count, n,
+                                               block_size, s_blk, s_off, s_head, s_d, HEAD_SIZE=head_size,
+                                               ELEMS=elems, BLOCK_E=triton.next_power_of_2(elems))

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from vllm_adaspec.kernels import kept
-from vllm_adaspec.kernels.ready_launch import ready
 
 try:
     import triton
@@ -156,8 +155,6 @@ if triton is not None:
                 tl.store(draws_out + i, tl.where(sampled, draw, arg).to(tl.int64))
                 tl.store(counters + i, 0)  # zero again for the next launch
 
-    _READY = ready(_row_draws_kernel)  # (a step's launch without Triton's dispatch: kernels/ready_launch.py)
-
 
 def _seed(seed, sampled: bool, device) -> torch.Tensor:
     """The key the kernel reads: `seed` as [1] int64 on `device`, a new one where a tree is sampled, else any int64."""
@@ -193,9 +190,10 @@ def row_draws(logits: torch.Tensor, logit_rows: torch.Tensor, tree_rows: torch.T
     partial = kept.ones(logits.device) if chunks == 1 else torch.empty(4 * rows * chunks, dtype=torch.float32,
                                                                    device=logits.device)
     counters = kept.zeros("row draws", rows, logits.device)
-    _READY[(rows, chunks)](logits, logits.stride(0), logit_rows, tree_rows, temperature, out[0], out[1], partial,
-                           counters, logits.shape[1], p, first_sampled, _seed(seed, first_sampled < r, logits.device),
-                           chunk, BLOCK_V=BLOCK_V, BLOCK_C=MAX_CHUNKS, num_warps=NUM_WARPS)
+    _row_draws_kernel[(rows, chunks)](logits, logits.stride(0), logit_rows, tree_rows, temperature, out[0], out[1],
+                                      partial, counters, logits.shape[1], p, first_sampled,
+                                      _seed(seed, first_sampled < r, logits.device), chunk, BLOCK_V=BLOCK_V,
+                                      BLOCK_C=MAX_CHUNKS, num_warps=NUM_WARPS)
     return out[0], out[1]
 
 

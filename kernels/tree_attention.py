@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_adaspec.kernels import kept, ready_launch
+from vllm_adaspec.kernels import kept
 from vllm_adaspec.trees.tree import DraftTree, ancestor_mask
 
 try:
@@ -591,23 +591,13 @@ FAST_LAUNCH = True  # a plan's later layers launch the compiled kernels its firs
 LAYER_ARGS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "bt_ptr")  # what differs from one layer's launch to the next
 
 
-_READY: dict = {}  # id(kernel) -> (kernel, its ReadyKernel)
-
-
 def _launch_kernel(kernel, name: str, grid, args: dict, record: bool):
-    """A step's first layer's launch: through Triton's dispatch unless a step before launched what Triton compiles
-    alike (kernels/ready_launch.py: then the compiled kernel it returned, without the dispatch's ~50-145 us of
-    Python on an H200's host); `record`: first note the launch's variant (about 15 us of Python: once per plan, not
-    per layer, whose tensors share their dtypes, strides and alignment). Returns the compiled kernel on a GPU
-    (`_ready_launch`), nothing in the interpreter."""
+    """Launch through Triton's dispatch; `record`: first note the launch's variant (about 15 us of Python: once per
+    plan, not per layer, whose tensors share their dtypes, strides and alignment). Returns what the dispatch returns:
+    on a GPU the compiled kernel (`_ready_launch`), in the interpreter nothing."""
     if record:
         VARIANTS.seen((name, tuple(_arg_key(k, v, name) for k, v in args.items())))
-    if not FAST_LAUNCH:
-        return kernel[grid](**args)
-    held = _READY.get(id(kernel))
-    if held is None or held[0] is not kernel:
-        held = _READY[id(kernel)] = (kernel, ready_launch.ready(kernel))
-    return held[1][grid](**args)
+    return kernel[grid](**args)
 
 
 def _is_compiled(got) -> bool:

@@ -21,7 +21,6 @@ import dataclasses
 
 import torch
 
-from vllm_adaspec.kernels.ready_launch import ready
 from vllm_adaspec.trees.batch import TreeBatch, verify_greedy_batch
 
 try:
@@ -96,8 +95,6 @@ if triton is not None:
         dst = tl.load(out_rows + r)
         tl.store(out + dst * stride_out + c, text.to(out.dtype.element_ty), mask=c < width)
 
-    _READY = ready(_tree_verify_kernel)  # (a step's launch without Triton's dispatch: kernels/ready_launch.py)
-
 
 def block_nodes(max_rows: int) -> int:
     """The kernel's tile for an engine whose trees have at most max_rows - 1 nodes and whose sampled tokens are at
@@ -121,7 +118,7 @@ def verify_trees(batch: TreeBatch, draws: torch.Tensor, out: torch.Tensor, out_r
     if max(n, out.shape[1]) > block_n:
         raise ValueError(f"trees of {n} nodes / {out.shape[1]} sampled tokens exceed the kernel's tile {block_n}")
     valid = batch.valid.view(torch.int8) if batch.valid.dtype == torch.bool else batch.valid
-    _READY[(r, )](batch.tokens, batch.parent_rows, batch.depths, valid,
+    _tree_verify_kernel[(r, )](batch.tokens, batch.parent_rows, batch.depths, valid,
                                batch.order, batch.ancestors, draws.contiguous(), path, count, bonus, out, out_rows,
                                n, batch.ancestors.shape[-1], out.shape[1], out.stride(0), BLOCK_N=block_n)
     return path, count, bonus
