@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,9 +35,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkout import use_checkout  # noqa: E402
 
+if "--cpu" in sys.argv[1:]:
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton decorates the kernels
+
 use_checkout()  # the device runs a bare copy of the checkout
 from vllm_adaspec.kernels.tree_attention import (ancestor_bits, launch, plan_launch, tile_rows,  # noqa: E402
                                                  tree_attention_reference)
+from vllm_adaspec.kernels import tree_cascade  # noqa: E402
 from vllm_adaspec.trees import DraftTree, ancestor_mask  # noqa: E402
 
 # name -> (layers, hidden, query heads, kv heads, head size, MLP, vocabulary)
@@ -97,10 +103,37 @@ def graphed_time(fn, reps: int = 10) -> float:
     return triton.testing.do_bench(graph.replay, warmup=10, rep=40, return_mode="median") / reps
 
 
-def bench_shapes(args, copy_gbs: float, do_bench, gpu_time=None) -> list[dict]:
+def cascade_inputs(case, batch: int, prefix: int, nodes: int, hq: int, hkv: int, d: int, block_q: int):
+    """The same case as a cascade (kernels/tree_cascade.py): the folded rows and the prefix's contiguous K / V for
+    the dense kernel, the trees' own keys paged apart for the tree kernel's partials plan -> fn() running the three
+    launches into `out` (returned with it)."""
+    q, k_cache, v_cache, table, plen, cu, bits = case
+    rows, scale = nodes + 1, d ** -0.5
+    fq = tree_cascade.fold_rows(q, batch, rows, hkv)
+    fk, fv = (tree_cascade.contiguous_keys(c, table, 0, prefix) for c in (k_cache, v_cache))
+    (tk, tt), (tv, _) = (tree_cascade.paged(tree_cascade.contiguous_keys(c, table, prefix, rows), k_cache.shape[1])
+                         for c in (k_cache, v_cache))
+    q_rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
+    plan = plan_launch(torch.zeros_like(plen), cu, bits, q_rows, torch.arange(batch, dtype=torch.int32,
+                                                                              device=q.device),
+                       hq, hkv, d, max_rows=rows, longest=rows, block_q=block_q, partials=True)
+    o_p, lse = tree_cascade.prefix_attention(fq, fk, fv, scale)
+    offsets = tree_cascade.folded_offsets(batch, rows, hq, hkv, o_p, lse)  # (its output's strides: each call's)
+    out = torch.empty_like(q)
+
+    def fn():
+        o_p, lse = tree_cascade.prefix_attention(fq, fk, fv, scale)
+        launch(plan, q, tk, tv, tt, scale, out)  # partials only
+        tree_cascade.merge(o_p, lse, offsets, plan.acc, plan.m, plan.l, q_rows, out)
+        return out
+    return fn
+
+
+def bench_shapes(args, copy_gbs: float, do_bench, gpu_time=None, device: str = "cuda") -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dtype = getattr(torch, args.dtype)
+    deadline = time.monotonic() + (args.deadline or float("inf"))
     results = []
     for heads in args.heads:
         hq, hkv, d = map(int, heads.split(","))
@@ -111,7 +144,11 @@ def bench_shapes(args, copy_gbs: float, do_bench, gpu_time=None) -> list[dict]:
                     rows = nodes + 1
                     if b * (prefix + rows) * hkv * d * 2 * 2 > 8 << 30:
                         continue  # keep the caches under 8 GiB
-                    case = make_case(b, prefix, nodes, hq, hkv, d, dtype)
+                    if time.monotonic() > deadline:
+                        print(f"deadline: {heads} batch {b} prefix {prefix} nodes {nodes} and later shapes not run",
+                              flush=True)
+                        return results
+                    case = make_case(b, prefix, nodes, hq, hkv, d, dtype, device=device)
                     q, k_cache, v_cache, table, plen, cu, bits = case
                     scale = d ** -0.5
                     plan_args, kw = plan_inputs(case, b, prefix, nodes, hq, hkv, d)
@@ -122,11 +159,20 @@ def bench_shapes(args, copy_gbs: float, do_bench, gpu_time=None) -> list[dict]:
                         want = tree_attention_reference(q, k_cache, v_cache, table, plen, cu, bits, scale,
                                                         dtype=torch.float32)
                         torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+                    cascade = None
+                    if args.cascade:
+                        cascade = cascade_inputs(case, b, prefix, nodes, hq, hkv, d, kw["block_q"])
+                        if b * prefix <= 65536:  # the same output as the kernel's (else not timed: FAILED)
+                            err = float((cascade().float() - want).abs().max())
+                            if not err <= 3e-2:
+                                print(f"heads {heads} batch {b} prefix {prefix} nodes {nodes}: the cascade's output "
+                                      f"differs from the reference by {err:.3g} (FAILED)", flush=True)
+                                cascade = None
                     t_kernel = do_bench(lambda: launch(plan, q, k_cache, v_cache, table, scale, out))
                     t_plan = do_bench(lambda: plan_launch(*plan_args, **kw))
                     # the anchor: dense FlashAttention over the same keys and rows, GQA folded into the rows
-                    aq = torch.randn(b, hkv, rows * group, d, device="cuda", dtype=dtype)
-                    ak = torch.randn(b, hkv, prefix + rows, d, device="cuda", dtype=dtype)
+                    aq = torch.randn(b, hkv, rows * group, d, device=device, dtype=dtype)
+                    ak = torch.randn(b, hkv, prefix + rows, d, device=device, dtype=dtype)
                     av = torch.randn_like(ak)
                     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                         t_anchor = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(aq, ak, av,
@@ -138,6 +184,12 @@ def bench_shapes(args, copy_gbs: float, do_bench, gpu_time=None) -> list[dict]:
                            "kernel_us": t_kernel * 1e3, "anchor_us": t_anchor * 1e3, "plan_us": t_plan * 1e3,
                            "over_anchor": t_kernel / t_anchor, "over_one_kv_read": t_kernel / one_read_ms,
                            "anchor_over_one_kv_read": t_anchor / one_read_ms}
+                    more = ""
+                    if cascade is not None:
+                        t_cascade = do_bench(cascade)
+                        row.update(cascade_us=t_cascade * 1e3, cascade_over_anchor=t_cascade / t_anchor,
+                                   cascade_over_one_kv_read=t_cascade / one_read_ms)
+                        more = f"; cascade {row['cascade_us']:.1f} us: {row['cascade_over_anchor']:.2f}x"
                     gpu = ""
                     if gpu_time is not None:
                         # the GPU alone, both sides captured in a CUDA graph: what the step pays where the host runs
@@ -151,15 +203,21 @@ def bench_shapes(args, copy_gbs: float, do_bench, gpu_time=None) -> list[dict]:
                                        gpu_over_anchor=g_kernel / g_anchor, gpu_over_one_kv_read=g_kernel / one_read_ms)
                             gpu = (f"; GPU alone {row['gpu_kernel_us']:.1f} / {row['gpu_anchor_us']:.1f} us: "
                                    f"{row['gpu_over_anchor']:.2f}x, {row['gpu_over_one_kv_read']:.2f}x one KV read")
+                            if cascade is not None:
+                                g_cascade = gpu_time(cascade)
+                                row.update(gpu_cascade_us=g_cascade * 1e3, gpu_cascade_over_anchor=g_cascade / g_anchor,
+                                           gpu_cascade_over_one_kv_read=g_cascade / one_read_ms)
+                                gpu += (f"; cascade {row['gpu_cascade_us']:.1f} us: "
+                                        f"{row['gpu_cascade_over_anchor']:.2f}x")
                         except Exception as e:  # a capture that fails costs this column, not the run
                             gpu = f"; GPU alone failed: {type(e).__name__}: {e}"
                     results.append(row)
                     print(f"heads {heads:9s} batch {b:2d} prefix {prefix:5d} nodes {nodes:2d}: kernel "
                           f"{row['kernel_us']:8.1f} us ({plan.splits} splits), FlashAttention {row['anchor_us']:8.1f} "
                           f"us: {row['over_anchor']:.2f}x; {row['over_one_kv_read']:.2f}x one KV read "
-                          f"(anchor {row['anchor_over_one_kv_read']:.2f}x); plan {row['plan_us']:.1f} us{gpu}",
+                          f"(anchor {row['anchor_over_one_kv_read']:.2f}x); plan {row['plan_us']:.1f} us{more}{gpu}",
                           flush=True)
-                    del case, q, k_cache, v_cache, aq, ak, av
+                    del case, q, k_cache, v_cache, aq, ak, av, cascade
     return results
 
 
@@ -219,15 +277,25 @@ def verify_cost_curve(model: str, rows_list, batches, dtype, do_bench, ctx: int 
     return out
 
 
-def summarize(results: list[dict], gpu: bool = False) -> dict:
+def summarize(results: list[dict], gpu: bool = False, column: str = "kernel") -> dict:
     """#41's targets over one run's shapes: the geometric mean of kernel / anchor, and how many shapes meet each
     target (<= 1.2x the anchor at nodes <= 16, <= 1.5x at 64 nodes, <= 1.5x one KV read at prefix >= 8192 and nodes
-    <= 16), with the medians. `gpu`: over the GPU-alone times (CUDA graphs) of the shapes that have them."""
+    <= 16), with the medians. `gpu`: over the GPU-alone times (CUDA graphs) of the shapes that have them. column:
+    "kernel", "cascade" (kernels/tree_cascade.py, where --cascade timed it) or "best" (the faster of the two per
+    shape: what an engine choosing per step would pay)."""
+    pre = "gpu_" if gpu else ""
+    if column != "kernel":
+        def pick(r):
+            c, k = r[pre + "cascade_over_anchor"], r[pre + "over_anchor"]
+            kv_c, kv_k = r[pre + "cascade_over_one_kv_read"], r[pre + "over_one_kv_read"]
+            return (c, kv_c) if column == "cascade" or c < k else (k, kv_k)
+        results = [dict(r, **dict(zip((pre + "over_anchor", pre + "over_one_kv_read"), pick(r))))
+                   for r in results if pre + "cascade_over_anchor" in r]
     if gpu:
         results = [dict(r, over_anchor=r["gpu_over_anchor"], over_one_kv_read=r["gpu_over_one_kv_read"])
                    for r in results if "gpu_over_anchor" in r]
-        if not results:
-            return {}
+    if not results:
+        return {}
     small = [r for r in results if r["nodes"] <= 16]
     big = [r for r in results if r["nodes"] > 16]
     long = [r for r in small if r["prefix"] >= 8192]
@@ -245,8 +313,8 @@ def summarize(results: list[dict], gpu: bool = False) -> dict:
             "long_kv_within_1.5": sum(r["over_one_kv_read"] <= 1.5 for r in long), "long": len(long)}
 
 
-def summary_line(s: dict) -> str:
-    return (f"{s['shapes']} shapes: kernel / anchor geometric mean {s['geomean_over_anchor']:.2f}x; nodes <= 16: "
+def summary_line(s: dict, column: str = "kernel") -> str:
+    return (f"{s['shapes']} shapes: {column} / anchor geometric mean {s['geomean_over_anchor']:.2f}x; nodes <= 16: "
             f"{s['small_within_1.2']} of {s['small']} within 1.2x (median {s['small_median']:.2f}x); 64 nodes: "
             f"{s['big_within_1.5']} of {s['big']} within 1.5x (median {s['big_median']:.2f}x); one KV read <= 1.5x at "
             f"prefix >= 8192, nodes <= 16: {s['long_kv_within_1.5']} of {s['long']}")
@@ -266,39 +334,61 @@ def main(argv=None) -> int:
     p.add_argument("--curve-models", nargs="+", default=list(MODELS))
     p.add_argument("--no-gpu-alone", action="store_true",
                    help="time launches only as Python makes them (eager), not also captured in CUDA graphs")
+    p.add_argument("--cascade", action="store_true",
+                   help="also the cascade (kernels/tree_cascade.py: FlashAttention over the prefix with its "
+                        "log-sum-exp, the tree kernel over the trees' keys, one merge) per shape")
+    p.add_argument("--deadline", type=float, default=None, metavar="S",
+                   help="no new shape after S seconds (what ran is printed and saved)")
+    p.add_argument("--cpu", action="store_true",
+                   help="CPU tensors, Triton's interpreter, the given (tiny) shapes: the script's own check")
     p.add_argument("--out", default="benchmarks/out/tree_attention.json")
     args = p.parse_args(argv)
     if args.summary:
         for path in args.summary:
             results = json.loads(Path(path).read_text())["results"]
-            print(f"{path}: {summary_line(summarize(results))}")
-            if summarize(results, gpu=True):
-                print(f"{path}, GPU alone: {summary_line(summarize(results, gpu=True))}")
+            for column in ("kernel", "cascade", "best"):
+                if summarize(results, column=column):
+                    print(f"{path}: {summary_line(summarize(results, column=column), column)}")
+                if summarize(results, gpu=True, column=column):
+                    print(f"{path}, GPU alone: {summary_line(summarize(results, gpu=True, column=column), column)}")
         return 0
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if args.cpu:
+        def do_bench(fn) -> float:  # ms, the median of 3 (the interpreter: correctness, not speed)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return sorted(times)[1]
+        device, gpu_time, name = "cpu", None, "cpu (interpreter)"
+    elif not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --cpu)", file=sys.stderr)
         return 2
-    import triton.testing
+    else:
+        import triton.testing
 
-    def do_bench(fn) -> float:
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+        def do_bench(fn) -> float:
+            return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+        device, gpu_time, name = "cuda", None if args.no_gpu_alone else graphed_time, torch.cuda.get_device_name()
 
-    buf = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    buf = torch.empty(1 << (22 if args.cpu else 28), dtype=torch.uint8, device=device)
     copy_ms = do_bench(lambda: buf.clone())
     copy_gbs = 2 * buf.numel() / (copy_ms * 1e-3) / 1e9  # read + write
     del buf
-    print(f"device {torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
-    results = bench_shapes(args, copy_gbs, do_bench, None if args.no_gpu_alone else graphed_time)
+    print(f"device {name}: copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    results = bench_shapes(args, copy_gbs, do_bench, gpu_time, device)
     curves = {}
     if args.cost_curve:
         for model in args.curve_models:
             curves[model] = verify_cost_curve(model, [1, 2, 4, 8, 16, 32, 64], [1, 8, 32], torch.bfloat16, do_bench)
-    print(summary_line(summarize(results)), flush=True)
-    if summarize(results, gpu=True):
-        print("GPU alone: " + summary_line(summarize(results, gpu=True)), flush=True)
+    for column in ("kernel", "cascade", "best") if args.cascade else ("kernel",):
+        if summarize(results, column=column):
+            print(summary_line(summarize(results, column=column), column), flush=True)
+        if summarize(results, gpu=True, column=column):
+            print("GPU alone: " + summary_line(summarize(results, gpu=True, column=column), column), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbs, "results": results,
+    out.write_text(json.dumps({"device": name, "copy_GBps": copy_gbs, "results": results,
                                "verify_cost_ms": curves}, indent=1))
     return 0
 

@@ -487,6 +487,7 @@ class TreeAttentionLaunch:
     even: bool = True  # whole prefix tiles without masks (EVEN)
     prefetch: bool = True  # each prefix tile's pages loaded a tile ahead (PREFETCH)
     done: torch.Tensor | None = None  # [B * Hkv * q_blocks] int32 zeros: split programs finished per tile (fused)
+    partials: bool = False  # even one split writes partials (acc, m, l), not the output: a cascade merges them
     compiled: dict = field(default_factory=dict)  # layer key -> its ready launches (`launch`, `_ready_launch`)
 
 
@@ -494,14 +495,16 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
                 max_rows: int, longest: int, block_n: int = BLOCK_N, splits: int | None = None, tree_lens=None,
                 block_q: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, even: bool | None = None, prefetch: bool | None = None,
-                fused: bool | None = None) -> TreeAttentionLaunch:
+                fused: bool | None = None, partials: bool = False) -> TreeAttentionLaunch:
     """max_rows: the most query rows of one request, longest: the most keys of one (prefix + tree keys): host ints,
     so nothing here waits for the device. splits: key chunks (default `choose_splits` for the device's SM count).
     tree_lens: tree keys per request (default: its rows, as in verification). block_q: the engine's tile
     (`tile_rows` of its largest tree; default: this step's). num_warps / num_stages: the split kernel's (default: 4
     warps for tiles of up to 64 rows x heads, else 8; NUM_STAGES). even: whole prefix tiles without masks (default
     EVEN). prefetch: a prefix tile's pages loaded a tile ahead (default PREFETCH) or in its own iteration. fused:
-    the split programs combine their partials themselves, no reduce launch (default `fuse_reduction`)."""
+    the split programs combine their partials themselves, no reduce launch (default `fuse_reduction`). partials:
+    every split writes its partials, none the output, and nothing reduces them (kernels/tree_cascade.py merges
+    them with a dense kernel's prefix attention; launched by `launch_partials`)."""
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
     num_stages = NUM_STAGES if num_stages is None else num_stages
@@ -531,8 +534,8 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     splits = min(int(splits), MAX_SPLITS)
     chunk = _cdiv(_cdiv(longest, splits), block_n) * block_n
     splits = _cdiv(longest, chunk)
-    fused = fuse_reduction(splits, chunk, tiles, sms) if fused is None else fused
-    rows = t if splits > 1 else 1  # one split writes the output directly: no scratch
+    fused = False if partials else fuse_reduction(splits, chunk, tiles, sms) if fused is None else fused
+    rows = t if splits > 1 or partials else 1  # one split writes the output directly: no scratch
     acc = torch.empty(splits, rows, num_heads, head_size, dtype=torch.float32, device=bits.device)
     m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
     done = None
@@ -540,7 +543,8 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
         done = kept.zeros("tree attention", tiles, bits.device)
     return TreeAttentionLaunch(prefix_lens, tree_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads,
                                head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m),
-                               num_warps=num_warps, num_stages=num_stages, even=even, prefetch=prefetch, done=done)
+                               num_warps=num_warps, num_stages=num_stages, even=even, prefetch=prefetch, done=done,
+                               partials=partials)
 
 
 # --- compiled variants ------------------------------------------------------------------------------------------
@@ -651,8 +655,8 @@ def split_kernel_args(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_tabl
         stride_vh=v_cache.stride(2), stride_as=acc.stride(0), stride_at=acc.stride(1), stride_ah=acc.stride(2),
         stride_ms=m.stride(0), stride_mt=m.stride(1), stride_bt=block_table.stride(0),
         stride_bits=plan.bits.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1),
-        DIRECT=plan.splits == 1, BLOCK_SIZE=bs, GROUP=group, BLOCK_M=tile_m(plan.block_q, group), BLOCK_Q=plan.block_q,
-        BLOCK_N=plan.block_n, D=d, BLOCK_D=_next_pow2(d),
+        DIRECT=plan.splits == 1 and not plan.partials, BLOCK_SIZE=bs, GROUP=group,
+        BLOCK_M=tile_m(plan.block_q, group), BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, D=d, BLOCK_D=_next_pow2(d),
         # Triton's interpreter multiplies bf16 tl.dot operands wrongly (as of 3.9); it gets fp32 operands there
         DOT_F32=interpret and q.dtype == torch.bfloat16,
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
@@ -680,7 +684,8 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
     A step's first layer launches through Triton's dispatch (binding and specializing ~45 arguments: ~50 us of Python
     a launch on an H100's host, more than the kernel's GPU time at short prefixes), which returns the compiled
     kernels; the plan keeps them with their arguments (`_ready_launch`), and every later layer whose dtypes, strides,
-    alignment and scale are the first's launches them with its own pointers put in (`_launch_ready`)."""
+    alignment and scale are the first's launches them with its own pointers put in (`_launch_ready`). A `partials`
+    plan writes each split's partials into plan.acc / m / l and no output (kernels/tree_cascade.py)."""
     global FAST_LAUNCH
     nb, bs, hkv, d = k_cache.shape
     if (q.shape[1], hkv, d) != (plan.num_heads, plan.num_kv_heads, plan.head_size) or v_cache.shape != k_cache.shape:
@@ -703,14 +708,14 @@ def launch(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_table, scale: f
             warnings.warn(f"tree attention: launching a compiled kernel directly failed ({type(e).__name__}: {e}); "
                           "Triton's dispatch launches every layer from now on", RuntimeWarning)
     grid = (len(plan.prefix_lens), hkv * plan.q_blocks, plan.splits)
-    direct = plan.splits == 1
+    direct = plan.splits == 1 and not plan.partials
     record = not plan.variant_checked or VARIANTS.warming
     plan.variant_checked = True
     split_args = split_kernel_args(plan, q, k_cache, v_cache, block_table, scale, out,
                                    os.environ.get("TRITON_INTERPRET") == "1")
     launches = [(_tree_attention_split_kernel, grid, split_args,
                  _launch_kernel(_tree_attention_split_kernel, "split", grid, split_args, record))]
-    if not direct and plan.done is None:
+    if not direct and plan.done is None and not plan.partials:
         reduce_grid = (plan.q_rows.shape[0], plan.num_heads)
         reduce_args = reduce_kernel_args(plan, out)
         launches.append((_tree_attention_reduce_kernel, reduce_grid, reduce_args,

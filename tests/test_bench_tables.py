@@ -101,3 +101,29 @@ def test_the_tree_kernel_summary_over_gpu_alone_times_of_a_saved_device_run():
     assert bench_tree_attention.summarize(results)["small_within_1.2"] == 30  # the eager column differs
     old = json.loads((root / "s27_h100/run3/tree_attention.json").read_text())["results"]
     assert bench_tree_attention.summarize(old, gpu=True) == {}
+
+
+def test_the_summary_of_the_cascade_and_of_the_faster_of_the_two_per_shape():
+    """--cascade rows: the cascade's column and the faster of kernel and cascade per shape are counted against the
+    same targets, eager and GPU alone; rows without a cascade time (a shape whose cascade was not timed) are left
+    out of those two, not counted as passing."""
+    import bench_tree_attention as bta
+
+    def row(nodes, prefix, kernel, cascade, gpu_kernel, gpu_cascade):
+        r = {"nodes": nodes, "prefix": prefix, "over_anchor": kernel, "over_one_kv_read": kernel,
+             "gpu_over_anchor": gpu_kernel, "gpu_over_one_kv_read": gpu_kernel}
+        if cascade is not None:
+            r.update(cascade_over_anchor=cascade, cascade_over_one_kv_read=cascade,
+                     gpu_cascade_over_anchor=gpu_cascade, gpu_cascade_over_one_kv_read=gpu_cascade)
+        return r
+
+    rows = [row(16, 512, 1.8, 1.1, 1.9, 1.15), row(16, 8192, 1.0, 1.3, 1.1, 1.4), row(64, 512, 2.2, 1.4, 2.3, 1.6),
+            row(16, 2048, 1.5, None, 1.5, None)]
+    k, c, b = (bta.summarize(rows, column=x) for x in ("kernel", "cascade", "best"))
+    assert (k["shapes"], k["small_within_1.2"], k["big_within_1.5"]) == (4, 1, 0)
+    assert (c["shapes"], c["small_within_1.2"], c["big_within_1.5"]) == (3, 1, 1)
+    assert (b["shapes"], b["small_within_1.2"], b["big_within_1.5"], b["long_kv_within_1.5"]) == (3, 2, 1, 1)
+    g = bta.summarize(rows, gpu=True, column="best")
+    assert (g["small_within_1.2"], g["big_within_1.5"]) == (2, 0)
+    assert round(g["geomean_over_anchor"], 3) == round((1.15 * 1.1 * 1.6) ** (1 / 3), 3)
+    assert "cascade / anchor" in bta.summary_line(c, "cascade")

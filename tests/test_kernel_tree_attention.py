@@ -284,6 +284,10 @@ def test_the_device_script_runs_here_on_cpu_tensors(tmp_path):
     assert proc.returncode == 0 and "outputs equal" in proc.stdout and "launch check: PASS" in proc.stdout, tail
     proc, tail = bare("kernel_sweep.py", "--out", str(tmp_path / "sweep.json"))  # every launch option checked
     assert proc.returncode == 0 and "kernel sweep: 1 shapes" in proc.stdout and "failed" not in proc.stdout, tail
+    proc, tail = bare("bench_tree_attention.py", "--cascade", "--batch", "2", "--prefix", "40", "--nodes", "4",
+                      "--heads", "6,2,16", "--dtype", "float32", "--out", str(tmp_path / "cascade.json"))
+    assert proc.returncode == 0 and "cascade / anchor" in proc.stdout and "best / anchor" in proc.stdout, tail
+    assert "FAILED" not in proc.stdout, tail  # the cascade's output equals the reference's (checked in the script)
 
 
 class _Compiled:
