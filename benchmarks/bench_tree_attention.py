@@ -105,25 +105,22 @@ def graphed_time(fn, reps: int = 10) -> float:
 
 def cascade_inputs(case, batch: int, prefix: int, nodes: int, hq: int, hkv: int, d: int, block_q: int):
     """The same case as a cascade (kernels/tree_cascade.py): the folded rows and the prefix's contiguous K / V for
-    the dense kernel, the trees' own keys paged apart for the tree kernel's partials plan -> fn() running the three
-    launches into `out` (returned with it)."""
+    the dense kernel (as the anchor reads them), the tree kernel's partials plan over the trees' own keys in the
+    paged cache -> fn() running the three launches into `out` (returned with it)."""
     q, k_cache, v_cache, table, plen, cu, bits = case
     rows, scale = nodes + 1, d ** -0.5
     fq = tree_cascade.fold_rows(q, batch, rows, hkv)
     fk, fv = (tree_cascade.contiguous_keys(c, table, 0, prefix) for c in (k_cache, v_cache))
-    (tk, tt), (tv, _) = (tree_cascade.paged(tree_cascade.contiguous_keys(c, table, prefix, rows), k_cache.shape[1])
-                         for c in (k_cache, v_cache))
     q_rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
-    plan = plan_launch(torch.zeros_like(plen), cu, bits, q_rows, torch.arange(batch, dtype=torch.int32,
-                                                                              device=q.device),
-                       hq, hkv, d, max_rows=rows, longest=rows, block_q=block_q, partials=True)
+    plan = plan_launch(plen, cu, bits, q_rows, torch.arange(batch, dtype=torch.int32, device=q.device), hq, hkv, d,
+                       max_rows=rows, longest=prefix + rows, block_q=block_q, partials=True)
     o_p, lse = tree_cascade.prefix_attention(fq, fk, fv, scale)
     offsets = tree_cascade.folded_offsets(batch, rows, hq, hkv, o_p, lse)  # (its output's strides: each call's)
     out = torch.empty_like(q)
 
     def fn():
         o_p, lse = tree_cascade.prefix_attention(fq, fk, fv, scale)
-        launch(plan, q, tk, tv, tt, scale, out)  # partials only
+        launch(plan, q, k_cache, v_cache, table, scale, out)  # partials only
         tree_cascade.merge(o_p, lse, offsets, plan.acc, plan.m, plan.l, q_rows, out)
         return out
     return fn

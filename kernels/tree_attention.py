@@ -258,7 +258,8 @@ if triton is not None:
             DIRECT: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
             DOT_F32: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr = False,
-            PREFETCH: tl.constexpr = False, FUSED: tl.constexpr = False, TAIL_D: tl.constexpr = 64):
+            PREFETCH: tl.constexpr = False, FUSED: tl.constexpr = False, TAIL_D: tl.constexpr = 64,
+            TREE_ONLY: tl.constexpr = False):
         b = tl.program_id(0)
         kvh = tl.program_id(1) // n_qb
         qb = tl.program_id(1) % n_qb
@@ -270,6 +271,9 @@ if triton is not None:
             total = p_len + tl.load(tlen_ptr + b)
             lo = split * chunk
             hi = tl.minimum(lo + chunk, total)
+            if TREE_ONLY:  # (a cascade's tree part: the tree's own keys, one split; the prefix is a dense kernel's)
+                lo = p_len
+                hi = total
             # the tile's M side: BLOCK_Q rows x GROUP query heads, packed without padding the group to a power of
             # two (GQA 3 or 7: 17 rows x 3 heads fit 64, not 128 as 17 x 4 would), padded as a whole to BLOCK_M
             offs_m = tl.arange(0, BLOCK_M)
@@ -487,7 +491,7 @@ class TreeAttentionLaunch:
     even: bool = True  # whole prefix tiles without masks (EVEN)
     prefetch: bool = True  # each prefix tile's pages loaded a tile ahead (PREFETCH)
     done: torch.Tensor | None = None  # [B * Hkv * q_blocks] int32 zeros: split programs finished per tile (fused)
-    partials: bool = False  # even one split writes partials (acc, m, l), not the output: a cascade merges them
+    partials: bool = False  # the trees' own keys only, as partials (acc, m, l), not the output: a cascade merges them
     compiled: dict = field(default_factory=dict)  # layer key -> its ready launches (`launch`, `_ready_launch`)
 
 
@@ -503,8 +507,9 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     warps for tiles of up to 64 rows x heads, else 8; NUM_STAGES). even: whole prefix tiles without masks (default
     EVEN). prefetch: a prefix tile's pages loaded a tile ahead (default PREFETCH) or in its own iteration. fused:
     the split programs combine their partials themselves, no reduce launch (default `fuse_reduction`). partials:
-    every split writes its partials, none the output, and nothing reduces them (kernels/tree_cascade.py merges
-    them with a dense kernel's prefix attention; launched by `launch_partials`)."""
+    the rows' attention over their trees' own keys alone (keys prefix_lens .. + tree_lens, one split) written as
+    partials, no output and no reduction (kernels/tree_cascade.py merges them with a dense kernel's attention over
+    the prefix)."""
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
     num_stages = NUM_STAGES if num_stages is None else num_stages
@@ -531,7 +536,7 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
         m = tile_m(block_q, num_heads // num_kv_heads)
         splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n,
                                sms * programs_per_sm(m, head_size), refill=m >= MAX_TILE_M)
-    splits = min(int(splits), MAX_SPLITS)
+    splits = 1 if partials else min(int(splits), MAX_SPLITS)
     chunk = _cdiv(_cdiv(longest, splits), block_n) * block_n
     splits = _cdiv(longest, chunk)
     fused = False if partials else fuse_reduction(splits, chunk, tiles, sms) if fused is None else fused
@@ -662,6 +667,7 @@ def split_kernel_args(plan: TreeAttentionLaunch, q, k_cache, v_cache, block_tabl
         # fp32 products exact: TF32 (NVIDIA's default for fp32 tl.dot) keeps 10 mantissa bits
         PRECISION="ieee" if q.dtype == torch.float32 or interpret else None, EVEN=plan.even,
         PREFETCH=plan.prefetch, FUSED=plan.done is not None, TAIL_D=min(FUSED_TAIL_D, _next_pow2(d)),
+        TREE_ONLY=plan.partials,
         num_warps=plan.num_warps or (4 if tile_m(plan.block_q, group) <= 64 else 8),
         **({"num_stages": plan.num_stages} if plan.num_stages else {}))
 

@@ -4,9 +4,11 @@ tree kernel writing partials, and one small launch merging the two per row and h
 
 Where the tree kernel's own pass over the prefix is slower than a dense kernel's (short prefixes, many trees,
 64-node trees: up to 2.5x FlashAttention on session 36's H200, `benchmarks/device_runs/s36_h200/`), the prefix part
-of a cascade costs what the dense kernel costs. In a vLLM CUDA engine that kernel is vLLM's FlashAttention over the
-paged cache (`flash_attn_varlen_func(..., causal=False, return_softmax_lse=True)`, keys below each tree's root);
-here, for the benchmark (`bench_tree_attention.py --cascade`) and the tests, torch's FlashAttention op over
+of a cascade costs what the dense kernel costs; the tree part reads only the trees' own keys, in place (a partials
+plan: `plan_launch(partials=True)`, keys prefix .. prefix + tree of each request's pages). In a vLLM CUDA engine the
+dense kernel is vLLM's FlashAttention over the paged cache (`flash_attn_varlen_func(..., causal=False,
+return_softmax_lse=True)`, keys below each tree's root; not wired: the device this project is lent has no vLLM CUDA
+build); here, for the benchmark (`bench_tree_attention.py --cascade`) and the tests, torch's FlashAttention op over
 contiguous K / V with the query heads of a kv head folded into the rows (what the benchmark's anchor runs).
 
 The merge, per tree row t and query head h, from the prefix part's normalized output o_p and log-sum-exp lse_p and
@@ -14,11 +16,11 @@ the tree part's partials (acc_t = sum_j exp(s_j - m_t) v_j, m_t, l_t = sum_j exp
 
     M = max(lse_p, m_t);  out = (o_p exp(lse_p - M) + acc_t exp(m_t - M)) / (exp(lse_p - M) + l_t exp(m_t - M))
 
-The prefix output and log-sum-exp are addressed by per-row and per-head element offsets (`prefix_offsets`), so the
+The prefix output and log-sum-exp are addressed by per-row and per-head element offsets (`folded_offsets`), so the
 folded layout [B, Hkv, rows x group, D] and vLLM's [T, Hq, D] are read alike. Contents: `_cascade_merge_kernel`,
 `merge` (launcher), `merge_reference` (torch), `folded_offsets`, `fold_rows` / `prefix_attention` (the folded
-prefix part, torch's op or its float64 reference), `contiguous_keys` / `paged` (a paged case's keys split into the
-two parts, for the benchmark and the tests).
+prefix part, torch's op or its float64 reference), `contiguous_keys` (a paged case's prefix as the dense kernel
+reads it here).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["contiguous_keys", "fold_rows", "folded_offsets", "merge", "merge_reference", "paged", "prefix_attention"]
+__all__ = ["contiguous_keys", "fold_rows", "folded_offsets", "merge", "merge_reference", "prefix_attention"]
 
 
 def fold_rows(q: torch.Tensor, batch: int, rows: int, num_kv_heads: int) -> torch.Tensor:
@@ -64,18 +66,6 @@ def contiguous_keys(cache: torch.Tensor, table: torch.Tensor, start: int, length
     pos = torch.arange(start, start + length, device=cache.device)
     slots = table[:, pos // bs].long() * bs + pos % bs  # [B, length]
     return cache.reshape(-1, *cache.shape[2:])[slots].permute(0, 2, 1, 3).contiguous()
-
-
-def paged(keys: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys [B, Hkv, L, D] as a paged cache of their own: ([B x pages, block_size, Hkv, D], table [B, pages] int32)
-    with request b's key j at position j (what the tree part reads where a tree's keys are all it attends to)."""
-    b, hkv, length, d = keys.shape
-    pages = -(-length // block_size)
-    padded = keys.new_zeros(b, hkv, pages * block_size, d)
-    padded[:, :, :length] = keys
-    cache = padded.permute(0, 2, 1, 3).reshape(b * pages, block_size, hkv, d).contiguous()
-    table = torch.arange(b * pages, dtype=torch.int32, device=keys.device).view(b, pages)
-    return cache, table
 
 
 def prefix_attention(fq: torch.Tensor, fk: torch.Tensor, fv: torch.Tensor, scale: float,

@@ -45,14 +45,12 @@ def test_the_cascade_equals_the_tree_attention_over_the_whole_case(triton_interp
     want = ta.tree_attention_reference(q, k, v, table, plen, cu, bits, scale)
     fq = tc.fold_rows(q, batch, rows, hkv)
     fk, fv = (tc.contiguous_keys(c, table, 0, prefix) for c in (k, v))
-    (tk, tt), (tv, _) = (tc.paged(tc.contiguous_keys(c, table, prefix, rows), 16) for c in (k, v))
     q_rows = torch.arange(batch * rows, dtype=torch.int32)
-    plan = ta.plan_launch(torch.zeros(batch, dtype=torch.int32), cu, bits, q_rows,
-                          torch.arange(batch, dtype=torch.int32), hq, hkv, d, max_rows=rows, longest=rows,
-                          partials=True)
+    plan = ta.plan_launch(plen, cu, bits, q_rows, torch.arange(batch, dtype=torch.int32), hq, hkv, d,
+                          max_rows=rows, longest=prefix + rows, partials=True)
     assert plan.splits == 1 and plan.partials and plan.done is None
     spare = torch.full_like(q, 7.0)
-    ta.launch(plan, q, tk, tv, tt, scale, spare)
+    ta.launch(plan, q, k, v, table, scale, spare)  # the trees' own keys, in place in the paged cache
     assert torch.equal(spare, torch.full_like(q, 7.0))  # partials only: the output untouched
     for reference in (False, True):
         o_p, lse = tc.prefix_attention(fq, fk, fv, scale, reference=reference)
