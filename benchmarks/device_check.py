@@ -270,6 +270,47 @@ def top_functions(prof, n: int, steps: int) -> list[str]:
     return out
 
 
+def plan_parts(rt, steps: int, make_step) -> dict:
+    """Where the plan's host time goes, part by part (perf_counter around each, not cProfile, which charges a
+    caller with what C code it calls does): ms a step, median over `steps` steps of make_step() (one plan each)."""
+    from vllm_adaspec.engine import tree_runtime
+
+    parts = [(tree_runtime, "plan_step", "plan_step (drafts matched to trees)"),
+             (gtr.GPUTreeRuntime, "prepare", "prepare (the device step)"),
+             (step_plan, "plan_arrays", ". plan_arrays (compiled)"),
+             (gtr.StagingBuffer, "send_parts", ". staging copies and views"),
+             (gtr.GPUTreeRuntime, "_device_step", ". the device step's fields"),
+             (ta, "plan_launch", ". . plan_launch (the kernel's plan)"),
+             (gtr.GPUTreeRuntime, "write_step", "write_step (positions, seq_lens)"),
+             (gtr.GPUTreeRuntime, "begin_step", "the whole plan (begin_step)")]
+    spent = {label: 0.0 for *_, label in parts}
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in parts]
+
+    def timed_part(fn, label):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[label] += time.perf_counter() - t0
+        return wrapper
+
+    for (owner, name, label), (_, _, fn) in zip(parts, saved):
+        setattr(owner, name, timed_part(fn, label))
+    per_step = {label: [] for label in spent}
+    try:
+        for _ in range(steps):
+            for label in spent:
+                spent[label] = 0.0
+            make_step()
+            for label, t in spent.items():
+                per_step[label].append(t * 1e3)
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return {label: statistics.median(ts) for label, ts in per_step.items()}
+
+
 def where(e: BaseException) -> str:
     """The innermost frames of this checkout in e's traceback (the harness itself left out): what waited."""
     frames = [f for f in traceback.extract_tb(e.__traceback__)
@@ -373,6 +414,13 @@ def check_step() -> bool:
                     f"tottime / cumtime ms a step, calls a step):")
                 for line in top_functions(prof, ARGS.profile, 1 if ARGS.cpu else 5):
                     say("    " + line)
+    # the plan's host time part by part, 8 trees x 16 nodes (4 here): where the plan's share of the 5% goes
+    nodes = 4 if ARGS.cpu else 16
+    got = plan_parts(rt, 3 if ARGS.cpu else 30,
+                     lambda: step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype,
+                                        run=lambda name, fn: fn() if name == "plan" else None))
+    for label, ms in got.items():
+        say(f"plan part, {trees} trees x {nodes} nodes: {label:40s} {ms:7.3f} ms")
     no_wait(found)("draft step's plan", lambda: draft_step(rt, g, prefix, table_cpu))
     for piece, at in found.items():
         say(f"  {piece} waits for the device at {at}")
