@@ -375,14 +375,15 @@ def check_step() -> bool:
     drawing = rt.draw_kernel
     # every tree width, short and long prefixes (one split and the reduction), and draft steps (interpreted: the
     # smallest, a middle and the largest width, for the suite's minutes; the variants do not depend on the width)
-    for n in (1, k // 2, k) if ARGS.cpu else range(1, k + 1):
+    widths = sorted({1, k // 2, k}) if ARGS.cpu else range(1, k + 1)
+    for n in widths:
         for p in (9, prefix):
             step_batch(rt, 2, n, p, g, layers_kv, table, heads, min(vocab, 1024), dtype)
     draft_step(rt, g, prefix, table_cpu)
     after = compiled_entries()
     cold = ta.VARIANTS.cold
     ok = cold == 0 and (after is None or after == after_start)
-    say(f"compiles after start-up over {6 if ARGS.cpu else 2 * k} verification steps (widths 1..{k}) and a draft step: "
+    say(f"compiles after start-up over {2 * len(widths)} verification steps (widths 1..{k}) and a draft step: "
         f"{'n/a (interpreter)' if after is None else after - after_start} Triton cache entries, {cold} cold "
         f"launches ({'ok' if ok else 'FAILED'})")
     for key in list(ta.VARIANTS.launched - ta.VARIANTS.warm)[:3]:  # what differs from the nearest warm variant
