@@ -127,3 +127,25 @@ def test_the_summary_of_the_cascade_and_of_the_faster_of_the_two_per_shape():
     assert (g["small_within_1.2"], g["big_within_1.5"]) == (2, 0)
     assert round(g["geomean_over_anchor"], 3) == round((1.15 * 1.1 * 1.6) ** (1 / 3), 3)
     assert "cascade / anchor" in bta.summary_line(c, "cascade")
+
+
+def test_the_host_profile_counts_the_critical_path_and_keeps_the_rest_apart():
+    import host_profile
+
+    d, t = "vllm_adaspec/proposers/driver.py", "vllm_adaspec/engine/tree_runtime.py"
+    raw = [
+        f"replay (host_replay.py:400);Driver.propose ({d}:233);SuffixPool.speculate (vllm_adaspec/pools/suffix.py:86) 6",
+        f"replay (host_replay.py:400);Driver.propose ({d}:233);Driver._propose ({d}:349) 2",
+        f"replay (host_replay.py:440);plan_step ({t}:120) 2",
+        f"replay (host_replay.py:400);Driver.propose ({d}:233);MedusaPool.propose (m.py:117);"
+        "ranked_on_device (host_replay.py:150) 5",
+        f"replay (host_replay.py:450);Driver.while_forward ({d}:175);PoolSet.start (p.py:240) 7",
+        "replay (host_replay.py:470);accepted_path (host_replay.py:330) 9",
+    ]
+    agg = host_profile.aggregate(raw)
+    assert (agg["total"], agg["behind"], agg["device"]) == (10, 7, 5)
+    assert agg["inclusive"][("Driver.propose", d)] == 8
+    assert agg["own"][("SuffixPool.speculate", "vllm_adaspec/pools/suffix.py", 86)] == 6
+    table = host_profile.report(agg, 5)
+    assert "| 80.0% | Driver.propose (vllm_adaspec/proposers/driver.py) |" in table
+    assert "| 60.0% | SuffixPool.speculate (vllm_adaspec/pools/suffix.py:86) |" in table
