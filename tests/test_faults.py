@@ -174,6 +174,26 @@ def test_the_cost_model_learns_the_last_step_while_the_next_forward_runs():
     assert driver.faults.count == 1 and step(driver) == [[1, 2, 3]] * 2
 
 
+def test_the_price_list_readied_behind_the_forward_is_what_propose_reads_until_the_model_learns_again():
+    """while_forward readies the scheduled batch's price list; propose's call for that batch size gets it as is,
+    and once the models learn another step, a fresh one (equal to one computed from nothing)."""
+    driver = make_driver("nowhere", cost_model="online")
+    step(driver)
+    step(driver)
+    driver.while_forward()
+    decoding, learned, readied = driver._prices
+    assert learned == 1 and driver.step_seconds(decoding) is readied
+    step(driver)
+    driver.while_forward()  # learns the step between the last two propose calls
+    assert driver.costs.observations == 2
+    fresh = driver.step_seconds(decoding)
+    assert fresh is not readied and driver.step_seconds(decoding) is fresh
+    driver._prices = None
+    again = driver.step_seconds(decoding)
+    assert [fresh[0](r) for r in range(40)] == [again[0](r) for r in range(40)] and fresh[1:] == again[1:]
+    assert [readied[0](r) for r in range(40)] != [fresh[0](r) for r in range(40)]  # (the model did move)
+
+
 def test_at_the_fault_limit_speculation_stops_for_good_and_state_is_released(caplog):
     driver = make_driver("draft", fail_at=[2, 3, 4], limit=3)
     with caplog.at_level(logging.ERROR, logger="vllm_adaspec"):

@@ -102,6 +102,8 @@ class Driver:
         # ("start", {req_id: prompt})
         self._to_learn = None  # the last measured step, which the cost model learns in while_forward
         self._next_decoding = 0  # requests of the scheduled step (the price list's batch size, likely)
+        self._learned = 0  # steps the cost models learned (the price list below is theirs while it stands)
+        self._prices = None  # (decoding, steps learned, step_seconds' answer): what while_forward readied
         self.observers: list = []  # vllm_adaspec/observers.py: what tests attach (through the port)
         # Cost accounting, read through the worker's `adaspec_stats` RPC (and /metrics)
         self.stats = self.drafter_cls.stats_cls(tree_accepted_depth=[0] * (k + 1), round_lengths=[0] * (k + 1),
@@ -414,6 +416,7 @@ class Driver:
 
     def _learn(self, step: tuple, seconds: float, last_propose: tuple) -> None:
         (batch, rows, tree_requests, tree_rows, attention), (decoding, passes, own) = step, last_propose
+        self._learned += 1  # (first: a fault below leaves no price list of the old model standing)
         for obs in self.observers:  # (the audit: what the model predicted for this step before learning from it)
             obs.step_cost((batch, rows, tree_requests, tree_rows, attention),
                           self.costs.predict(batch, rows, tree_requests, tree_rows, attention), seconds)
@@ -425,9 +428,14 @@ class Driver:
         """For a step of `decoding` requests (seconds, or relative units until the first step is measured):
         rows -> its verification + our own work without draft passes; the seconds a row adds per 1000 tokens of its
         request's context (attention); and what tree verification adds, (tree requests, tree rows) -> seconds."""
+        kept = self._prices
+        if kept is not None and kept[0] == decoding and kept[1] == self._learned:  # readied behind the forward
+            return kept[2]
         own = self.draft_costs.predict(decoding, 0) if self.costs.unit else 0.0
-        return (self.costs.curve(decoding, own), self.costs.attention_seconds(decoding),
-                self.costs.tree_prices(decoding))
+        prices = (self.costs.curve(decoding, own), self.costs.attention_seconds(decoding),
+                  self.costs.tree_prices(decoding))
+        self._prices = (decoding, self._learned, prices)
+        return prices
 
     # --- for drafters ---
     def tree_rows(self, view: BatchView, rows: list[int], extra_rows: int = 0) -> list[bool]:
