@@ -8,8 +8,8 @@ of one batch size in one process (host_replay's driver, pools, cost model and GP
 under `py-spy record`, keeps the samples inside the host side's critical path (Driver.propose, Driver.on_schedule,
 plan_step, GPUTreeRuntime.prepare) and prints each function's inclusive share of it and the lines where the time is
 spent. What runs behind the forward (Driver.while_forward) and the Medusa heads' stand-in (device work on a GPU) are
-counted apart, not in the shares. Needs py-spy (the `dev` extra installs it). Shares, not milliseconds: the sampler slows
-the process; `host_replay.py` measures the time.
+counted apart, not in the shares. Needs py-spy (the `dev` extra installs it). Shares, not milliseconds: the sampler
+slows the process; `host_replay.py` measures the time.
 
     .venv/bin/python benchmarks/host_profile.py --batch-size 8 --replays 50
 """
@@ -28,7 +28,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # (the frame's function, its file): where the critical path enters our code, and what is kept apart
-CRITICAL = [("Driver.propose", "vllm_adaspec/proposers/driver.py"), ("Driver.on_schedule", "vllm_adaspec/proposers/driver.py"),
+CRITICAL = [("Driver.propose", "vllm_adaspec/proposers/driver.py"),
+            ("Driver.on_schedule", "vllm_adaspec/proposers/driver.py"),
             ("plan_step", "vllm_adaspec/engine/tree_runtime.py"),
             ("GPUTreeRuntime.prepare", "vllm_adaspec/engine/gpu_tree_runtime.py")]
 BEHIND = ("Driver.while_forward", "vllm_adaspec/proposers/driver.py")

@@ -132,9 +132,9 @@ def test_the_summary_of_the_cascade_and_of_the_faster_of_the_two_per_shape():
 def test_the_host_profile_counts_the_critical_path_and_keeps_the_rest_apart():
     import host_profile
 
-    d, t = "vllm_adaspec/proposers/driver.py", "vllm_adaspec/engine/tree_runtime.py"
+    d, t, s = "vllm_adaspec/proposers/driver.py", "vllm_adaspec/engine/tree_runtime.py", "vllm_adaspec/pools/suffix.py"
     raw = [
-        f"replay (host_replay.py:400);Driver.propose ({d}:233);SuffixPool.speculate (vllm_adaspec/pools/suffix.py:86) 6",
+        f"replay (host_replay.py:400);Driver.propose ({d}:233);SuffixPool.speculate ({s}:86) 6",
         f"replay (host_replay.py:400);Driver.propose ({d}:233);Driver._propose ({d}:349) 2",
         f"replay (host_replay.py:440);plan_step ({t}:120) 2",
         f"replay (host_replay.py:400);Driver.propose ({d}:233);MedusaPool.propose (m.py:117);"
@@ -145,7 +145,7 @@ def test_the_host_profile_counts_the_critical_path_and_keeps_the_rest_apart():
     agg = host_profile.aggregate(raw)
     assert (agg["total"], agg["behind"], agg["device"]) == (10, 7, 5)
     assert agg["inclusive"][("Driver.propose", d)] == 8
-    assert agg["own"][("SuffixPool.speculate", "vllm_adaspec/pools/suffix.py", 86)] == 6
+    assert agg["own"][("SuffixPool.speculate", s, 86)] == 6
     table = host_profile.report(agg, 5)
     assert "| 80.0% | Driver.propose (vllm_adaspec/proposers/driver.py) |" in table
     assert "| 60.0% | SuffixPool.speculate (vllm_adaspec/pools/suffix.py:86) |" in table
