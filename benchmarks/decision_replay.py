@@ -379,7 +379,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
 
-    import vllm_adaspec.pools.medusa as medusa_pool
     from vllm_adaspec.data.prompts import WORKLOAD_MIX, load_prompts
     from vllm_adaspec.models import resolve_model
 
@@ -396,11 +395,7 @@ def main(argv=None) -> int:
         warm[ds] = list(range(len(data), len(data) + len(got)))
         data += hr.continuations(model, got, args.max_tokens, ROOT / "benchmarks" / "out")
     names = [f"r{k}" for k in range(len(data))]
-    hr.RANKED = medusa_pool.ranked_tokens
-    medusa_pool.ranked_tokens = hr.ranked_on_device
-    heads = hr.medusa_from(model, data, ROOT / "benchmarks" / "out")
-    built = {}
-    heads_once = lambda folder: built.setdefault(folder, heads(folder))  # noqa: E731
+    heads_once = hr.replay_heads(model, data)
     step_s = cpu_step(args.unit, args.truth)
 
     def other(host_ms):  # a method's host work each step (ms: per step, per decoding request) and the prefills

@@ -100,23 +100,11 @@ def child(batch_size: int, replays: int, num_prompts: int, max_tokens: int, mode
 
     sys.path.insert(0, str(HERE))
     import host_replay as hr
-    from transformers import AutoTokenizer
 
-    import vllm_adaspec.pools.medusa as medusa_pool
-    from vllm_adaspec.data.prompts import WORKLOAD_MIX, load_prompts
-    from vllm_adaspec.models import resolve_model
-
-    model = resolve_model(model_name)
-    tok = AutoTokenizer.from_pretrained(model)
-    prompts = [q for d in WORKLOAD_MIX for q in load_prompts(d, num_prompts, tokenizer=tok)]
-    data = hr.continuations(model, prompts, max_tokens, hr.ROOT / "benchmarks" / "out")
-    hr.RANKED = medusa_pool.ranked_tokens
-    medusa_pool.ranked_tokens = hr.ranked_on_device
-    heads = hr.medusa_from(model, data, hr.ROOT / "benchmarks" / "out")
-    built = {}
+    model, data, heads_once = hr.replay_inputs(model_name, ["mix"], num_prompts, max_tokens, heads_on_host=False)
     acc = defaultdict(lambda: [0.0, 0])
     for k in range(replays):
-        r = hr.replay(data, batch_size, {}, model, 0, acc, max_tokens, lambda f: built.setdefault(f, heads(f)))
+        r = hr.replay(data, batch_size, {}, model, 0, acc, max_tokens, heads_once)
         print(f"[profile] replay {k + 1}/{replays}: {r['steps']} steps, host {sum(r['host_ms']) / r['steps']:.3f} "
               f"ms a step (sampled: slower than host_replay.py's)", flush=True)
 

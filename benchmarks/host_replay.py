@@ -483,6 +483,37 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
             "overlapped": sum(overlapped_ms) / max(1, steps)}
 
 
+def replay_inputs(model_name: str, datasets: list[str], num_prompts: int, max_tokens: int, heads_on_host: bool):
+    """(the model's folder, each prompt's continuation, the Medusa heads by folder) for `replay`; without
+    heads_on_host the pool's ranked_tokens becomes the lookup of the heads' precomputed results (call this before
+    any timer wraps it: the lookup is then timed as the heads' part)."""
+    from transformers import AutoTokenizer
+
+    from vllm_adaspec.data.prompts import WORKLOAD_MIX, load_prompts
+    from vllm_adaspec.models import resolve_model
+
+    model = resolve_model(model_name)
+    tok = AutoTokenizer.from_pretrained(model)
+    sets = [d for ds in datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
+    prompts = [q for ds in sets for q in load_prompts(ds, num_prompts, tokenizer=tok)]
+    data = continuations(model, prompts, max_tokens, ROOT / "benchmarks" / "out")
+    return model, data, replay_heads(model, data, on_device=not heads_on_host)
+
+
+def replay_heads(model: str, data: list[dict], on_device: bool = True):
+    """The Medusa heads by folder, built once each, for `replay`. on_device: the pool's ranked_tokens becomes the
+    lookup of the heads' results precomputed at every position of `data` (a GPU's device work), else they run here."""
+    global RANKED
+    import vllm_adaspec.pools.medusa as medusa_pool
+
+    RANKED = medusa_pool.ranked_tokens
+    if on_device:
+        medusa_pool.ranked_tokens = ranked_on_device
+    heads = medusa_from(model, data if on_device else None, ROOT / "benchmarks" / "out")
+    built = {}
+    return lambda folder: built.setdefault(folder, heads(folder))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -510,28 +541,11 @@ def main() -> None:
     p.add_argument("--one", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # child: batch size, MB
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
-
     from profile_step import HEADS, PARTS, SHADOW, install
-    from vllm_adaspec.data.prompts import WORKLOAD_MIX, load_prompts
-    from vllm_adaspec.models import resolve_model
 
-    model = resolve_model(args.model)
-    tok = AutoTokenizer.from_pretrained(model)
-    sets = [d for ds in args.datasets for d in (WORKLOAD_MIX if ds == "mix" else [ds])]
-    prompts = [q for ds in sets for q in load_prompts(ds, args.num_prompts, tokenizer=tok)]
-    data = continuations(model, prompts, args.max_tokens, ROOT / "benchmarks" / "out")
+    model, data, heads_once = replay_inputs(args.model, args.datasets, args.num_prompts, args.max_tokens,
+                                            args.heads_on_host)
     settings = json.loads(args.settings)
-    global RANKED
-    import vllm_adaspec.pools.medusa as medusa_pool
-
-    RANKED = medusa_pool.ranked_tokens
-    if not args.heads_on_host:  # before the timers wrap it: the lookup is timed as the heads' part
-        medusa_pool.ranked_tokens = ranked_on_device
-    heads = medusa_from(model, None if args.heads_on_host else data, ROOT / "benchmarks" / "out")
-    built = {}
-    heads_once = lambda folder: built.setdefault(folder, heads(folder))  # noqa: E731
-
     acc = defaultdict(lambda: [0.0, 0])
     parts = [(label, where, name) for label, where, name in PARTS  # the drafter's and the plan's (no forward here)
              if where and where.startswith("vllm_adaspec") and ":TreeRuntime" not in where
