@@ -278,7 +278,7 @@ def plan_parts(rt, steps: int, make_step) -> dict:
     parts = [(tree_runtime, "plan_step", "plan_step (drafts matched to trees)"),
              (gtr.GPUTreeRuntime, "prepare", "prepare (the device step)"),
              (step_plan, "plan_arrays", ". plan_arrays (compiled)"),
-             (gtr.StagingBuffer, "send_parts", ". staging copies and views"),
+             (gtr.GPUTreeRuntime, "_plan_views", ". staging copy and views"),
              (gtr.GPUTreeRuntime, "_device_step", ". the device step's fields"),
              (ta, "plan_launch", ". . plan_launch (the kernel's plan)"),
              (gtr.GPUTreeRuntime, "write_step", "write_step (positions, seq_lens)"),

@@ -304,7 +304,7 @@ def test_the_compiled_gpu_plan_equals_the_python_one_array_for_array():
 
 
 def test_a_runtime_planning_step_after_step_reuses_views_and_reads_each_steps_data():
-    """The staging buffers hand a layout seen before its device views again (StagingBuffer.send_parts; at batch 1 a
+    """The staging buffer hands a layout seen before its device views again (GPUTreeRuntime._plan_views; at batch 1 a
     step's layout is its tree's size): one runtime planning 80 steps of few layouts, each equal to a fresh runtime's
     Python plan of the same step, and most layouts reused."""
     from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
@@ -331,7 +331,7 @@ def test_a_runtime_planning_step_after_step_reuses_views_and_reads_each_steps_da
         ref.heads, ref.block_q = rt.heads, rt.block_q
         assert_same_fields(_device_fields(ref.prepare_reference(step).device), _device_fields(rt.prepare(step).device),
                            trial)
-    layouts = sum(len(v) for v in rt._long.views)
+    layouts = sum(len(v) for v in rt._plan.views)
     assert checked > 40 and 0 < layouts < checked / 2, (checked, layouts)  # (layouts: by tree sizes, per turn)
 
 

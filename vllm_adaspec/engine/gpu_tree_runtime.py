@@ -5,7 +5,7 @@ per layer, the tree sampler, KV compaction), done on the device:
 
 1. `prepare` (host, once per step, after planning): every index the step needs (the trees' rows and ancestor
    bits for the kernel, the node positions and the cut seq_lens, the padded trees of plain greedy requests, where
-   each tree's rows lie in the logits, vLLM's chain indices) goes to the device in two copies from pinned buffers.
+   each tree's rows lie in the logits, vLLM's chain indices) goes to the device in one copy from a pinned buffer.
 2. `attend` (every attention layer, after vLLM's kernel wrote every row): the Triton kernel
    (kernels/tree_attention.py) writes the tree requests' rows of the layer's output, reading the paged cache where
    vLLM's kernel just wrote the rows' keys and values; no copy of any request's KV.
@@ -77,7 +77,9 @@ class StagingBuffer:
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = torch.device(device), dtype
         self.host, self.dev, self.flat = [None, None], [None, None], [None, None]
-        self.views = [{}, {}]  # per turn: a layout's spans -> its device views (`send_parts`)
+        self.cap = [0, 0]
+        self.views = [{}, {}]  # per turn: a plan's layout -> its device views (GPUTreeRuntime._plan_views)
+        self.prefixes = [{}, {}]  # per turn: n -> (host, device) views of the buffers' first n elements (`send_prefix`)
         self.turn = 0
         self.align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
 
@@ -86,34 +88,32 @@ class StagingBuffer:
         total = max(1, size)
         self.turn ^= 1
         t = self.turn
-        if self.host[t] is None or self.host[t].numel() < total:
+        if self.cap[t] < total:
             cap = 1 << math.ceil(math.log2(total))
             self.host[t] = torch.empty(cap, dtype=self.dtype, pin_memory=self.device.type == "cuda")
             self.dev[t] = torch.empty(cap, dtype=self.dtype, device=self.device)
             self.flat[t] = self.host[t].numpy()
-            self.views[t] = {}
+            self.cap[t] = cap
+            self.views[t], self.prefixes[t] = {}, {}
         return self.flat[t]
+
+    def send_prefix(self, size: int) -> torch.Tensor:
+        """At least the reserved buffer's first `size` elements on the device in one copy: its first n, n the power of
+        two that holds them (at most twice the bytes; the buffers' host and device views of each n are kept, so the
+        copy is the step's one torch call here)."""
+        t = self.turn
+        n = min(self.cap[t], 1 << max(0, (size - 1).bit_length()))
+        pair = self.prefixes[t].get(n)
+        if pair is None:
+            pair = self.prefixes[t][n] = (self.host[t][:n], self.dev[t][:n])
+        pair[1].copy_(pair[0], non_blocking=True)
+        return pair[1]
 
     def send(self, size: int) -> torch.Tensor:
         """The first `size` elements of the reserved buffer on the device (one copy), as one flat tensor."""
         t = self.turn
         self.dev[t][:max(1, size)].copy_(self.host[t][:max(1, size)], non_blocking=True)
         return self.dev[t][:size]
-
-    def send_parts(self, spans: list[int]) -> list[torch.Tensor]:
-        """`send` the reserved buffer's first sum(spans) elements, split by spans (each array's length, then its
-        alignment padding): the arrays' device views. A layout seen before gets the same views again, not new
-        ones (~0.4 us a view; at batch 1 a step's layout is its tree's size, so nearly every step repeats one)."""
-        total = sum(spans)
-        dev = self.send(total)
-        views = self.views[self.turn]
-        key = tuple(spans)
-        parts = views.get(key)
-        if parts is None:
-            if len(views) >= 32:  # (a few: batch 8's layouts seldom repeat, and every view kept is an object)
-                views.clear()
-            parts = views[key] = dev.split_with_sizes(spans)[::2]
-        return parts
 
     def upload(self, arrays: list) -> list[torch.Tensor]:
         """Each array's device copy, all from one transfer: numpy arrays keep their shape, Python lists are 1-D. In the
@@ -202,7 +202,8 @@ class GPUTreeRuntime(TreeRuntime):
         super().__init__(observers, faults)
         self.device = torch.device(device)
         self.plain = plain or (lambda req_id: None)
-        self._long = StagingBuffer(self.device, torch.int64)
+        self._plan = StagingBuffer(self.device, torch.int64)  # the compiled plan's arrays, the int32 ones after
+        self._long = StagingBuffer(self.device, torch.int64)  # the Python plan's and other uploads
         self._int = StagingBuffer(self.device, torch.int32)
         self._draft_int = StagingBuffer(self.device, torch.int32)
         self._rows = StagingBuffer(self.device, torch.int64)  # host-verified requests' committed tokens
@@ -348,14 +349,50 @@ class GPUTreeRuntime(TreeRuntime):
         arr = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
         n_long, n_int = step_plan.buffer_sizes(len(parents), len(reqs), len(batched), len(num_drafts),
                                                int(num_drafts.sum()), width, words, ALIGN_BYTES)
-        host_long, host_int = self._long.reserve(n_long), self._int.reserve(n_int)
+        a = max(1, ALIGN_BYTES // 8)
+        at_int = -(-n_long // a) * a  # the int32 arrays after the int64 ones in the same buffer: one copy
+        host = self._plan.reserve(at_int + (n_int + 1) // 2)
         long_spans, int_spans, num = step_plan.plan_arrays(
             arr(parents), arr(tokens), arr(sizes), arr(verified), arr(starts), arr(roots), arr(rows), arr(batched),
-            num_drafts, width, words, host_long, host_int, ALIGN_BYTES)
-        long_spans, int_spans = long_spans.tolist(), int_spans.tolist()
-        dev, ints = self._long.send_parts(long_spans), self._int.send_parts(int_spans)
+            num_drafts, width, words, host[:at_int], host[at_int:].view(np.int32), ALIGN_BYTES)
+        ints, longs, trees = self._plan_views(long_spans.tolist(), int_spans.tolist(), at_int, len(batched), width,
+                                              words)
         longest = max(root + n + 1 for root, n in zip(roots, sizes))
-        return self._device_step(step, ints, dev, width, words, batched, len(greedy), longest, num.tolist())
+        return self._device_step(step, ints, longs, trees, width, batched, len(greedy), longest, num.tolist())
+
+    def _plan_views(self, long_spans: list[int], int_spans: list[int], at_int: int, rb: int, width: int,
+                    words: int) -> tuple:
+        """The compiled plan's buffer on the device in one copy, as its arrays (trees/step_plan.py's layout, the int32
+        ones from `at_int` on), shaped: (the int32 arrays, the int64 arrays, the padded trees or None). The five
+        [Rb, width] arrays are one strided view, unbound; a layout seen before gets the same tensors again. Each torch
+        call here costs the host a few us, more when its code is cold, as it is once a step: ~9 calls a step, not ~20."""
+        buf = self._plan
+        int_elems = sum(int_spans)
+        dev = buf.send_prefix(at_int + (int_elems + 1) // 2)
+        views = buf.views[buf.turn]
+        key = (at_int, *long_spans, *int_spans)
+        got = views.get(key)
+        if got is not None:
+            return got
+        if len(views) >= 32:  # (a few: batch 8's layouts seldom repeat, and every view kept is an object)
+            views.clear()
+        n, gap = dev.shape[0], at_int - sum(long_spans)
+        if rb:  # parts 12-16: the five trees' arrays, alike (one span); 17: the ancestors
+            size, pad = long_spans[24], long_spans[25]
+            spans = long_spans[:24] + [5 * (size + pad), long_spans[34], long_spans[35] + gap, n - at_int]
+        else:
+            spans = long_spans[:24] + [gap, n - at_int]
+        parts = dev.split_with_sizes(spans)
+        longs = list(parts[:24:2])
+        longs[6] = longs[6].view(rb, width + 1)  # logit_rows
+        ints = list(parts[-1].view(torch.int32).split_with_sizes(int_spans + [2 * (n - at_int) - int_elems])[:12:2])
+        ints[4] = ints[4].view(-1, words)  # bits [T, words]
+        trees = None
+        if rb:
+            tok, par, dep, val, order = parts[24].as_strided((5, rb, width), (size + pad, width, 1)).unbind(0)
+            trees = TreeBatch(tok, par, dep, val, parts[25].view(rb, width + 1, words), order)
+        got = views[key] = (ints, longs, trees)
+        return got
 
     def prepare_reference(self, step: TreeStep) -> TreeStep:
         """The step's device arrays built per tree in Python: the definition `_prepare_compiled` must equal (its
@@ -406,26 +443,21 @@ class GPUTreeRuntime(TreeRuntime):
         ints = self._int.upload([q_rows, cu, [r.root_pos for r in reqs], rows, int32_words(words64),
                                  [n + 1 for n in sizes]])
         longest = max(r.root_pos + n + 1 for r, n in zip(reqs, sizes))
-        return self._device_step(step, ints, dev, width, words, batched, len(greedy), longest, num)
+        trees = TreeBatch(*dev[12:]) if batched else None
+        return self._device_step(step, ints, dev[:12], trees, width, batched, len(greedy), longest, num)
 
-    def _device_step(self, step: TreeStep, ints: list, longs: list, width: int, words: int, batched: list[int],
-                     greedy: int, longest: int, num: list[int]) -> TreeStep:
-        """step.device from the staged arrays (their device views, in trees/step_plan.py's order; shaped here) and the
-        kernel's launch plan."""
+    def _device_step(self, step: TreeStep, ints: list, longs: list, trees: TreeBatch | None, width: int,
+                     batched: list[int], greedy: int, longest: int, num: list[int]) -> TreeStep:
+        """step.device from the staged arrays (their device views, shaped, in trees/step_plan.py's order: the int32
+        ones, the int64 ones before the padded trees, the trees) and the kernel's launch plan."""
         d_q_rows, d_cu, d_roots, d_bt_rows, d_bits, d_seq = ints
         (d_node_rows, d_node_pos, d_rows, d_starts, d_sizes, d_batched, d_logit_rows, d_keep, d_cu_draft,
-         d_cu_sampled, d_firsts, d_batched_rows) = longs[:12]
-        rb = len(batched)
-        d_trees = None
-        if batched:
-            tok, par, dep, val, anc_words, order = longs[12:]
-            d_trees = TreeBatch(tok.view(rb, width), par.view(rb, width), dep.view(rb, width),
-                                val.view(rb, width), anc_words.view(rb, width + 1, words), order.view(rb, width))
+         d_cu_sampled, d_firsts, d_batched_rows) = longs
         hq, hkv, d = self.heads
-        plan = kernels.plan_launch(d_roots, d_cu, d_bits.view(-1, words), d_q_rows, d_bt_rows, hq, hkv, d,
+        plan = kernels.plan_launch(d_roots, d_cu, d_bits, d_q_rows, d_bt_rows, hq, hkv, d,
                                    max_rows=width + 1, longest=longest, tree_lens=d_seq, block_q=self.block_q)
         step.device = DeviceStep(plan, d_node_rows, d_node_pos, d_rows, d_seq, d_starts, d_sizes, width, batched,
-                                 greedy, d_batched, d_batched_rows, d_logit_rows.view(rb, width + 1), d_trees,
+                                 greedy, d_batched, d_batched_rows, d_logit_rows, trees,
                                  (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num))
         return step
 

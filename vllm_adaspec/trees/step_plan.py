@@ -10,8 +10,8 @@ most nodes of a tree `width`, `words` 32-bit words of ancestor bits a row:
 
     int64 buffer, in order: node_rows [N], node_pos [N], rows [R], starts [R], sizes [R], batched [Rb],
         logit_rows [Rb, width + 1], keep [D], cu_draft [B], cu_sampled [B], firsts [R], batched_rows [Rb], and where
-        Rb > 0 the padded trees: tokens, parent_rows, depths, valid [Rb, width], ancestors [Rb, width + 1, words],
-        order [Rb, width]
+        Rb > 0 the padded trees: tokens, parent_rows, depths, valid, order [Rb, width] (alike in length and padding:
+        one strided view of the five), ancestors [Rb, width + 1, words]
     int32 buffer: q_rows [T], cu [R + 1], roots [R], rows [R], bits [T, words], seq [R]
 
 Each array starts on a 16-byte boundary (`ALIGN_BYTES`: a Triton kernel reading one sees the same alignment every
@@ -145,16 +145,16 @@ def _plan(parents, tokens, sizes, verified, starts, roots, rows, batched, num_dr
         head = np.zeros(width + 1, np.int64)
         nxt = np.zeros(width, np.int64)
         stack = np.zeros(width, np.int64)
-        at_tok = o  # the five [Rb, width] arrays and the ancestors, each one block of the buffer
-        size = rb * width
+        at_tok = o  # the five [Rb, width] arrays one after another, each padded alike (one strided view of the
+        size = rb * width  # five on the device), then the ancestors
         pad = -size % long_align
         at_par = at_tok + size + pad
         at_dep = at_par + size + pad
         at_val = at_dep + size + pad
-        at_anc = at_val + size + pad
+        at_ord = at_val + size + pad
+        at_anc = at_ord + size + pad
         a_size = rb * (width + 1) * words
         a_pad = -a_size % long_align
-        at_ord = at_anc + a_size + a_pad
         for j in range(rb):
             k = batched[j]
             f, n = first[k], sizes[k]
@@ -218,17 +218,14 @@ def _plan(parents, tokens, sizes, verified, starts, roots, rows, batched, num_dr
             for i in range(width + 1):
                 for wd in range(words):
                     out_long[a0 + i * words + wd] = anc[row0[k] + i, wd] if i <= n else 0
-        for x in range(4):
+        for x in range(5):
             long_spans[2 * part] = size
             long_spans[2 * part + 1] = pad
             part += 1
         long_spans[2 * part] = a_size
         long_spans[2 * part + 1] = a_pad
         part += 1
-        long_spans[2 * part] = size
-        long_spans[2 * part + 1] = pad
-        part += 1
-        o = at_ord + size + pad
+        o = at_anc + a_size + a_pad
     for x in range(part, LONG_PARTS):
         long_spans[2 * x] = 0
         long_spans[2 * x + 1] = 0
