@@ -6,6 +6,7 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from vllm_adaspec.policies.cost_model import StepCostModel, TreeExtra, prior_for
@@ -86,6 +87,34 @@ def test_the_compiled_choice_starts_compiled():
     n = len(step_choice._choose.signatures)
     choose_compiled(candidates, calibrated(rng), states, treeish, budgets, scale, prices)
     assert len(step_choice._choose.signatures) == n == 1
+
+
+def test_pending_observations_add_as_numpys_add_at_compiled_or_not(monkeypatch):
+    """Calibration's pending observations go into its table by a compiled loop, warmed with the choice (not
+    compiled in a step): the same sums as np.add.at's, in the same order (repeated keys, fractional sums), and the
+    same where numba fails (np.add.at from then on)."""
+    from vllm_adaspec.trees import trie
+
+    step_choice.warm_up()
+    assert len(trie._ADD[0].signatures) == 1
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 40, 3000)  # (many repeats of each key)
+    hits = rng.random(3000) < 0.37
+    want = np.zeros((trie.KEY_CODES, 2))
+    np.add.at(want, (codes, 0), hits.astype(np.float64) * 0.1)  # (tenths: sums that depend on their order)
+    np.add.at(want, (codes, 1), 1.0)
+    for fail in (False, True):
+        if fail:
+            monkeypatch.setattr(trie, "_ADD", [lambda *a: (_ for _ in ()).throw(RuntimeError("no numba here"))])
+        cal = Calibration()
+        got = np.zeros_like(want)
+        trie.add_observations(got, codes, hits.astype(np.float64) * 0.1)
+        assert np.array_equal(got, want)
+        for c, h in zip(codes[:50].tolist(), hits[:50].tolist()):
+            cal.observe(c, h)
+        assert cal.table[:, 1].sum() == 50 and cal.table[codes[0], 1] >= 1
+    assert trie._ADD[0] is None  # (fell back once, and stays)
+    assert len(step_choice._choose.signatures) == 1
 
 
 def test_cost_table_is_the_curve_exactly_past_its_own_table_too():

@@ -337,7 +337,9 @@ class StepCostModel:
             i, t = hat(rows, anchors)
             return float(vals[i] * (1.0 - t) + vals[i + 1] * t) + base + plus
 
-        cost.array, cost.plus = array, plus  # what the compiled node choice reads (trees/step_choice.py)
+        # what the compiled node choice reads (trees/step_choice.cost_table): the table with `plus` added once here,
+        # where the driver readies the step's prices behind the forward, not in the step's choice
+        cost.array, cost.plus, cost.table = array, plus, array + plus
         return cost
 
     def _hat_grid(self, n: int) -> tuple:

@@ -316,7 +316,10 @@ def compiled() -> bool:
 
 def cost_table(cost: Callable[[int], float], rows: int) -> np.ndarray:
     """cost(r) for r in 0..rows as an array, each exactly what cost(r) returns (from the curve's own table where it
-    carries one: StepCostModel.curve's `array` + `plus`, the same float additions)."""
+    carries one: StepCostModel.curve's `table`, its `array` + `plus`, the same float additions)."""
+    table = getattr(cost, "table", None)  # (array + plus, made with the curve)
+    if table is not None and len(table) > rows:
+        return table[:rows + 1]
     array, plus = getattr(cost, "array", None), getattr(cost, "plus", None)
     if array is None or plus is None:
         return np.array([cost(r) for r in range(rows + 1)], np.float64)
@@ -381,4 +384,6 @@ def warm_up() -> None:
     a = Candidates([5, 6, 7], [-1, 0, -1], [0.9, 0.5, 0.4], [1, 1, 0], "context")
     b = Candidates([5, 8], [-1, 0], [0.7, 0.6], [2, 0], "suffix")
     prices = Prices(2.0, 2, lambda r: 1.0 + 0.01 * r, TreeExtra(0.001, 0.0001), [0.001, 0.002], 0.0, [True, True])
-    choose_compiled([[a, b], [b, a]], Calibration(), [0, 2], [True, False], [4, 4], [1.0, 1.0], prices)
+    calibration = Calibration()
+    calibration.observe(0, True)  # (its pending observations' compiled add too: trie.add_observations)
+    choose_compiled([[a, b], [b, a]], calibration, [0, 2], [True, False], [4, 4], [1.0, 1.0], prices)
