@@ -346,10 +346,13 @@ def hidden_taps(data: list[dict], batch: list[int], plen, made, got: dict, verif
     return Taps(hidden=h)
 
 
+@torch.inference_mode()
 def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: str, evict_mb: int, acc,
            max_tokens: int, heads, digest=None) -> dict:
     """One replay; digest (a hashlib object, --digest): every propose call's drafts and plans go into it, and the
-    driver's clock is the simulated one only (the same inputs then make the same decisions, run after run)."""
+    driver's clock is the simulated one only (the same inputs then make the same decisions, run after run). In
+    torch's inference mode, as vLLM's GPU worker runs execute_model and sample_tokens (the drafter's propose and the
+    tree plan inside them): tensors made there skip autograd's bookkeeping (a view ~0.8 us, not ~1.3)."""
     import vllm_adaspec.proposers.driver as driver_mod
     from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
     from vllm_adaspec.engine.tree_runtime import plan_step
