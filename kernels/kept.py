@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["arange", "ones", "zeros"]
+__all__ = ["arange", "ones", "scratch", "zeros"]
 
 _KEPT: dict = {}
 
@@ -23,6 +23,17 @@ def _kept(key: tuple, n: int, make) -> torch.Tensor:
 def zeros(owner: str, n: int, device) -> torch.Tensor:
     """n int32 zeros: `owner`'s counters (its kernels leave each at 0 when a launch ends)."""
     return _kept(("zeros", owner, device), n, lambda m: torch.zeros(m, dtype=torch.int32, device=device))
+
+
+def scratch(owner: str, n: int, device) -> torch.Tensor:
+    """n float32 elements of `owner`'s scratch, contents undefined: one buffer grown to the most asked for (a power of
+    two), in place of an allocation a launch plan. Views of it are valid until the owner's next call: one plan at a
+    time (its launches read what they wrote before the next plan's are enqueued on the stream)."""
+    key = ("scratch", owner, device)
+    have = _KEPT.get(key)
+    if have is None or len(have) < n:
+        have = _KEPT[key] = torch.empty(1 << max(10, (n - 1).bit_length()), dtype=torch.float32, device=device)
+    return have
 
 
 def arange(n: int, device) -> torch.Tensor:

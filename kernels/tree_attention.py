@@ -499,7 +499,7 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
                 max_rows: int, longest: int, block_n: int = BLOCK_N, splits: int | None = None, tree_lens=None,
                 block_q: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, even: bool | None = None, prefetch: bool | None = None,
-                fused: bool | None = None, partials: bool = False) -> TreeAttentionLaunch:
+                fused: bool | None = None, partials: bool = False, scratch: str | None = None) -> TreeAttentionLaunch:
     """max_rows: the most query rows of one request, longest: the most keys of one (prefix + tree keys): host ints,
     so nothing here waits for the device. splits: key chunks (default `choose_splits` for the device's SM count).
     tree_lens: tree keys per request (default: its rows, as in verification). block_q: the engine's tile
@@ -509,7 +509,8 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     the split programs combine their partials themselves, no reduce launch (default `fuse_reduction`). partials:
     the rows' attention over their trees' own keys alone (keys prefix_lens .. + tree_lens, one split) written as
     partials, no output and no reduction (kernels/tree_cascade.py merges them with a dense kernel's attention over
-    the prefix)."""
+    the prefix). scratch: the partials' buffers are views of this owner's kept scratch (kept.scratch: an engine's one
+    plan a step), not new tensors."""
     if triton is None:
         raise RuntimeError("tree attention needs Triton")
     num_stages = NUM_STAGES if num_stages is None else num_stages
@@ -541,13 +542,24 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     splits = _cdiv(longest, chunk)
     fused = False if partials else fuse_reduction(splits, chunk, tiles, sms) if fused is None else fused
     rows = t if splits > 1 or partials else 1  # one split writes the output directly: no scratch
-    acc = torch.empty(splits, rows, num_heads, head_size, dtype=torch.float32, device=bits.device)
-    m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
+    if scratch is None:
+        acc = torch.empty(splits, rows, num_heads, head_size, dtype=torch.float32, device=bits.device)
+        m = torch.empty(splits, rows, num_heads, dtype=torch.float32, device=bits.device)
+        l_ = torch.empty_like(m)
+    else:  # three views of one kept buffer at multiples of 256 bytes into it (the 16-byte alignment compiled for)
+        n_acc, n_m = splits * rows * num_heads * head_size, splits * rows * num_heads
+        at_m = -(-n_acc // 64) * 64
+        at_l = at_m + -(-n_m // 64) * 64
+        flat = kept.scratch(scratch, at_l + n_m, bits.device)
+        acc = flat.as_strided((splits, rows, num_heads, head_size), (rows * num_heads * head_size,
+                                                                     num_heads * head_size, head_size, 1), 0)
+        m = flat.as_strided((splits, rows, num_heads), (rows * num_heads, num_heads, 1), at_m)
+        l_ = flat.as_strided((splits, rows, num_heads), (rows * num_heads, num_heads, 1), at_l)
     done = None
     if fused and splits > 1:  # zeroed once: each launch's reducing programs zero their counters again
         done = kept.zeros("tree attention", tiles, bits.device)
     return TreeAttentionLaunch(prefix_lens, tree_lens, cu_rows, bits, q_rows, bt_rows, num_heads, num_kv_heads,
-                               head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, torch.empty_like(m),
+                               head_size, block_q, q_blocks, block_n, chunk, splits, acc, m, l_,
                                num_warps=num_warps, num_stages=num_stages, even=even, prefetch=prefetch, done=done,
                                partials=partials)
 

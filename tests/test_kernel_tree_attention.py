@@ -234,6 +234,36 @@ def test_the_fused_reduction_matches_the_reference_and_leaves_its_counters_at_ze
         assert int(plan.done.abs().sum()) == 0
 
 
+def test_a_plan_on_kept_scratch_computes_the_same_and_allocates_nothing_a_step(triton_interpret):
+    """The engine's verification plan takes its partials' buffers (acc, m, l) as views of one kept buffer
+    (`scratch`), not three new tensors a step: disjoint, 16-byte aligned (the variant start-up compiled), the same
+    output split-reduced or fused as a plan of its own tensors, and the buffer grows only past its size."""
+    from vllm_adaspec.kernels import kept
+
+    case = with_bits(make_case([33, 300], [16, 33], 14, 2, 64, 16, torch.float32, seed=4))
+    q, k, v, table, plen, cu, bits = case
+    want = ta.tree_attention_reference(*case, 0.125)
+    rows = cu[1:] - cu[:-1]
+    args = (plen, cu, bits, torch.arange(q.shape[0], dtype=torch.int32), torch.arange(len(plen), dtype=torch.int32),
+            14, 2, 64, int(rows.max()), int((plen + rows).max()))
+    buffers = set()
+    for fused in (False, True):
+        plan = ta.plan_launch(*args, block_n=32, splits=4, fused=fused, scratch="test plan")
+        own = ta.plan_launch(*args, block_n=32, splits=4, fused=fused)
+        parts = (plan.acc, plan.m, plan.l)
+        assert [p.shape for p in parts] == [p.shape for p in (own.acc, own.m, own.l)]
+        assert all(p.is_contiguous() and p.data_ptr() % 16 == 0 for p in parts)
+        spans = sorted((p.data_ptr(), p.data_ptr() + 4 * p.numel()) for p in parts)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint
+        buffers.add(parts[0].untyped_storage().data_ptr())
+        for p in (plan, own):
+            got = ta.launch(p, q, k, v, table, 0.125, torch.full_like(q, float("nan")))
+            torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    assert len(buffers) == 1  # (the second plan reused the first one's buffer)
+    held = kept.scratch("test plan", 1, "cpu")
+    assert kept.scratch("test plan", len(held) + 1, "cpu").data_ptr() != held.data_ptr()  # grown past its size
+
+
 def test_the_start_up_check_passes_here_and_catches_a_wrong_kernel(triton_interpret, monkeypatch):
     """What the GPU tree runtime runs once on its device when the model is built (engine/gpu_tree_runtime.py): the
     kernel on a small case against the reference, in the model's dtype. A kernel that computes wrong fails it."""

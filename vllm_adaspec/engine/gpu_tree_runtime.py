@@ -455,7 +455,8 @@ class GPUTreeRuntime(TreeRuntime):
          d_cu_sampled, d_firsts, d_batched_rows) = longs
         hq, hkv, d = self.heads
         plan = kernels.plan_launch(d_roots, d_cu, d_bits, d_q_rows, d_bt_rows, hq, hkv, d,
-                                   max_rows=width + 1, longest=longest, tree_lens=d_seq, block_q=self.block_q)
+                                   max_rows=width + 1, longest=longest, tree_lens=d_seq, block_q=self.block_q,
+                                   scratch="tree verification")  # (one verification plan a step)
         step.device = DeviceStep(plan, d_node_rows, d_node_pos, d_rows, d_seq, d_starts, d_sizes, width, batched,
                                  greedy, d_batched, d_batched_rows, d_logit_rows, trees,
                                  (d_keep, d_cu_draft, d_cu_sampled, d_rows, d_firsts, num))
