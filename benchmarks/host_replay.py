@@ -356,6 +356,7 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     import vllm_adaspec.proposers.driver as driver_mod
     from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
     from vllm_adaspec.engine.tree_runtime import plan_step
+    from vllm_adaspec.kernels import tree_attention
     from vllm_adaspec.kernels.tree_attention import tile_rows
     try:
         from vllm_adaspec.trees.step_plan import warm_up as warm_up_plan
@@ -373,6 +374,8 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     driver = make_driver(model_path, settings_json, port)
     gpu = GPUTreeRuntime("cpu", plain=lambda r: "greedy", max_rows=65)
     gpu.heads, gpu.block_q = (32, 8, 128), tile_rows(65, 32, 8)  # Llama-3-8B's heads
+    device_programs = tree_attention.device_programs
+    tree_attention.device_programs = lambda device: 132  # an H100's SMs (on CPU tensors the plan would assume 8)
     warm_up_plan()  # as an engine's start-up does (GPUTreeRuntime.attached): no compile inside the replay
     sink = np.zeros(max(1, evict_mb) << 18, dtype=np.float32) if evict_mb else None  # evict_mb MB
     steps = tokens = forwards = tree_steps = nodes = 0
@@ -481,6 +484,7 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
                 port.taps = hidden_taps(data, batch, plen, made, got, port.verified_rows, results)
     finally:
         driver_mod.time = real_time
+        tree_attention.device_programs = device_programs
     return {"steps": steps, "tokens": tokens, "forwards": forwards, "tree_steps": tree_steps, "nodes": nodes,
             "host_ms": host_ms, "ref_ms": ref_ms, "steady": [sum(steady) / max(1, len(steady)), len(steady)],
             "overlapped": sum(overlapped_ms) / max(1, steps)}

@@ -528,14 +528,15 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     block_q = block_q or tile_rows(max_rows, num_heads, num_kv_heads)
     q_blocks = _cdiv(max_rows, block_q)
     sms = device_programs(bits.device)
-    tiles = len(prefix_lens) * num_kv_heads * q_blocks
+    batch = prefix_lens.shape[0]  # (not len(): torch's __len__ is Python, ~1.5 us)
+    tiles = batch * num_kv_heads * q_blocks
     if splits is None:
         # the slots filled once, rounded down: on an H100 (benchmarks/kernel_sweep.py) one 128-row program per SM
         # rounded up cut the GPU time of two per SM 7-18% (session 26); rounded down (132 SMs: 16 splits for 8 kv
         # heads, not 17) cut it another 15-22% at batch 1 and 8 over 2k-32k prefixes (session 27); smaller tiles:
         # several programs to an SM (`programs_per_sm`, session 30)
         m = tile_m(block_q, num_heads // num_kv_heads)
-        splits = choose_splits(len(prefix_lens), num_kv_heads, q_blocks, longest, block_n,
+        splits = choose_splits(batch, num_kv_heads, q_blocks, longest, block_n,
                                sms * programs_per_sm(m, head_size), refill=m >= MAX_TILE_M)
     splits = 1 if partials else min(int(splits), MAX_SPLITS)
     chunk = _cdiv(_cdiv(longest, splits), block_n) * block_n
