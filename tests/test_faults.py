@@ -297,3 +297,21 @@ def test_the_smoke_report_fails_on_a_difference_a_fault_or_a_cold_kernel(capsys)
                 {"kernel": [{"dtype": "torch.bfloat16", "error": 0.5, "ok": False, "seconds": 1.0}]}):
         assert print_report({**report, **bad}) is False
     assert "result: FAIL" in capsys.readouterr().out
+
+
+def test_propose_runs_in_inference_mode_entering_it_only_where_the_caller_has_not(monkeypatch):
+    """Drafting runs in torch's inference mode: vLLM's GPU worker calls propose there already (it is not entered
+    again: ~2-10 us a step), a caller outside it (a replay, a test) gets it entered for the call."""
+    import torch
+
+    driver = make_driver("nowhere")
+    seen, entered = [], []
+    real_draft = driver.drafter.draft
+    monkeypatch.setattr(driver.drafter, "draft", lambda *a: seen.append(torch.is_inference_mode_enabled())
+                        or real_draft(*a))
+    real_mode = torch.inference_mode
+    monkeypatch.setattr(torch, "inference_mode", lambda *a: entered.append(1) or real_mode(*a))
+    assert step(driver) == [[1, 2, 3]] * 2 and seen == [True] and len(entered) == 1
+    with real_mode():
+        assert step(driver) == [[1, 2, 3]] * 2
+    assert seen == [True, True] and len(entered) == 1  # (not entered again inside vLLM's)
