@@ -177,7 +177,7 @@ class MultiBranchDrafter(Drafter):
         path = list(outcome.accepted)
         trie, pools_of = st.trie, self.calibration.pool_names
         if self.yields.enabled:
-            self.yields.observe(outcome.tree, fold_sum(trie.path[n] for n in verified), len(path))
+            self.yields.observe(outcome.tree, fold_sum(trie.path[:len(verified)]), len(path))
         accepted = set(path) if self.driver.observers else ()
         for obs in self.driver.observers:  # the audit: what calibration expected of these nodes, what came of them
             obs.proposal_outcome(st.req_id, 1.0 + fold_sum(trie.path[n] for n in verified), 1 + len(path),
@@ -185,9 +185,10 @@ class MultiBranchDrafter(Drafter):
                                  outcome.tree)
         feedback(trie, verified, path, self.calibration)
         st.accepted_last = len(path)
+        counts, codes = self.stats.pool_accepted, trie.codes
         for node in path:
-            for pool in pools_of(trie.codes[node]):  # the pools that proposed it
-                self.stats.pool_accepted[pool] += 1
+            for pool in pools_of(codes[node]):  # the pools that proposed it
+                counts[pool] += 1
 
     def score(self, req_id: str, candidates: list, state: tuple) -> Trie:
         """A request's candidates (one Candidates per pool) as its trie, each node scored with its calibrated chance

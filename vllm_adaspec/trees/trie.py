@@ -70,6 +70,11 @@ class Calibration:
         self._codes.append(code)
         self._hits.append(accepted)
 
+    def observe_many(self, codes: list[int], accepted: list[bool]) -> None:
+        """`observe` of each, in order."""
+        self._codes += codes
+        self._hits += accepted
+
     def pool_names(self, code: int) -> tuple[str, ...]:
         """The pools that proposed a node of this key, sorted."""
         mask = code // (BUCKETS * SIBLINGS * EVIDENCE * STATES)
@@ -300,9 +305,9 @@ def feedback(t: Trie, chosen: Sequence[int], path_nodes: Sequence[int], calibrat
     it lies on the accepted path (path_nodes: trie nodes, root to deepest)."""
     on_path = set(path_nodes)
     accepted_parents = {-1} | on_path
-    for i in chosen:
-        if t.parents[i] in accepted_parents:
-            calibrate.observe(t.codes[i], i in on_path)
+    parents, codes = t.parents, t.codes
+    tested = [i for i in chosen if parents[i] in accepted_parents]
+    calibrate.observe_many([codes[i] for i in tested], [i in on_path for i in tested])
 
 
 def streak_state(accepted_last: int) -> tuple:
