@@ -346,15 +346,17 @@ class GPUTreeRuntime(TreeRuntime):
         width = max(sizes)
         words = max(1, -(-(width + 1) // 32))
         num_drafts = np.asarray(step.num_drafts, dtype=np.int64)
-        arr = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
-        n_long, n_int = step_plan.buffer_sizes(len(parents), len(reqs), len(batched), len(num_drafts),
-                                               int(num_drafts.sum()), width, words, ALIGN_BYTES)
+        n, r = len(parents), len(reqs)
+        n_long, n_int = step_plan.buffer_sizes(n, r, len(batched), len(num_drafts), int(num_drafts.sum()), width,
+                                               words, ALIGN_BYTES)
         a = max(1, ALIGN_BYTES // 8)
         at_int = -(-n_long // a) * a  # the int32 arrays after the int64 ones in the same buffer: one copy
         host = self._plan.reserve(at_int + (n_int + 1) // 2)
+        nodes = np.array(parents + tokens, dtype=np.int64)  # (two conversions, not eight: views of them)
+        per = np.array(sizes + verified + starts + roots + rows + batched, dtype=np.int64)
         long_spans, int_spans, num = step_plan.plan_arrays(
-            arr(parents), arr(tokens), arr(sizes), arr(verified), arr(starts), arr(roots), arr(rows), arr(batched),
-            num_drafts, width, words, host[:at_int], host[at_int:].view(np.int32), ALIGN_BYTES)
+            nodes[:n], nodes[n:], per[:r], per[r:2 * r], per[2 * r:3 * r], per[3 * r:4 * r], per[4 * r:5 * r],
+            per[5 * r:], num_drafts, width, words, host[:at_int], host[at_int:].view(np.int32), ALIGN_BYTES)
         ints, longs, trees = self._plan_views(long_spans.tolist(), int_spans.tolist(), at_int, len(batched), width,
                                               words)
         longest = max(root + n + 1 for root, n in zip(roots, sizes))
