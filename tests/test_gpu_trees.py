@@ -304,9 +304,9 @@ def test_the_compiled_gpu_plan_equals_the_python_one_array_for_array():
 
 
 def test_a_runtime_planning_step_after_step_reuses_views_and_reads_each_steps_data():
-    """The staging buffer hands a layout seen before its device views again (GPUTreeRuntime._plan_views; at batch 1 a
-    step's layout is its tree's size): one runtime planning 80 steps of few layouts, each equal to a fresh runtime's
-    Python plan of the same step, and most layouts reused."""
+    """The staging buffer hands arrays of a place and shape seen before their device views again
+    (GPUTreeRuntime._plan_views, by groups of one size): one runtime planning 80 steps of few sizes, each equal to a
+    fresh runtime's Python plan of the same step, and most groups' views reused."""
     from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
 
     g = np.random.default_rng(11)
@@ -331,8 +331,8 @@ def test_a_runtime_planning_step_after_step_reuses_views_and_reads_each_steps_da
         ref.heads, ref.block_q = rt.heads, rt.block_q
         assert_same_fields(_device_fields(ref.prepare_reference(step).device), _device_fields(rt.prepare(step).device),
                            trial)
-    layouts = sum(len(v) for v in rt._plan.views)
-    assert checked > 40 and 0 < layouts < checked / 2, (checked, layouts)  # (layouts: by tree sizes, per turn)
+    made = sum(len(v) for v in rt._plan.views)  # groups of views made (six looked up a step, per turn)
+    assert checked > 40 and 0 < made < 6 * checked / 2, (checked, made)
 
 
 def test_a_malformed_plan_raises_instead_of_writing_past_its_buffers():
@@ -346,10 +346,10 @@ def test_a_malformed_plan_raises_instead_of_writing_past_its_buffers():
         import numpy as np
         from vllm_adaspec.trees import step_plan
         a = lambda *x: np.array(x, np.int64)
-        n_long, n_int = step_plan.buffer_sizes(1, 1, 1, 1, 1, 1, 1)
+        layout = step_plan.plan_layout(1, 1, 1, 1, 1, 1, 1)
         try:
             step_plan.plan_arrays(a(40), a(5), a(1), a(1), a(0), a(9), a(0), a(0), a(1), 1, 1,
-                                  np.zeros(n_long, np.int64), np.zeros(n_int, np.int32))
+                                  np.zeros(layout[-1], np.int64), layout)
         except IndexError as e:
             print("IndexError:", e)
         """

@@ -77,8 +77,9 @@ class StagingBuffer:
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = torch.device(device), dtype
         self.host, self.dev, self.flat = [None, None], [None, None], [None, None]
+        self.dev32 = [None, None]  # an int64 buffer's device memory as int32 (the plan's int32 arrays)
         self.cap = [0, 0]
-        self.views = [{}, {}]  # per turn: a plan's layout -> its device views (GPUTreeRuntime._plan_views)
+        self.views = [{}, {}]  # per turn: the plan's arrays' device views by place and shape (GPUTreeRuntime._plan_views)
         self.prefixes = [{}, {}]  # per turn: n -> (host, device) views of the buffers' first n elements (`send_prefix`)
         self.turn = 0
         self.align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
@@ -93,6 +94,7 @@ class StagingBuffer:
             self.host[t] = torch.empty(cap, dtype=self.dtype, pin_memory=self.device.type == "cuda")
             self.dev[t] = torch.empty(cap, dtype=self.dtype, device=self.device)
             self.flat[t] = self.host[t].numpy()
+            self.dev32[t] = self.dev[t].view(torch.int32) if self.dtype == torch.int64 else None
             self.cap[t] = cap
             self.views[t], self.prefixes[t] = {}, {}
         return self.flat[t]
@@ -346,55 +348,69 @@ class GPUTreeRuntime(TreeRuntime):
         width = max(sizes)
         words = max(1, -(-(width + 1) // 32))
         num_drafts = np.asarray(step.num_drafts, dtype=np.int64)
-        n, r = len(parents), len(reqs)
-        n_long, n_int = step_plan.buffer_sizes(n, r, len(batched), len(num_drafts), int(num_drafts.sum()), width,
-                                               words, ALIGN_BYTES)
-        a = max(1, ALIGN_BYTES // 8)
-        at_int = -(-n_long // a) * a  # the int32 arrays after the int64 ones in the same buffer: one copy
-        host = self._plan.reserve(at_int + (n_int + 1) // 2)
+        n, r, rb, b = len(parents), len(reqs), len(batched), len(num_drafts)
+        layout = step_plan.plan_layout(r, rb, b, int(num_drafts.sum()), n, width, words, ALIGN_BYTES)
+        host = self._plan.reserve(layout[-1])
         nodes = np.array(parents + tokens, dtype=np.int64)  # (two conversions, not eight: views of them)
         per = np.array(sizes + verified + starts + roots + rows + batched, dtype=np.int64)
-        long_spans, int_spans, num = step_plan.plan_arrays(
+        long_lens, _, num = step_plan.plan_arrays(
             nodes[:n], nodes[n:], per[:r], per[r:2 * r], per[2 * r:3 * r], per[3 * r:4 * r], per[4 * r:5 * r],
-            per[5 * r:], num_drafts, width, words, host[:at_int], host[at_int:].view(np.int32), ALIGN_BYTES)
-        ints, longs, trees = self._plan_views(long_spans.tolist(), int_spans.tolist(), at_int, len(batched), width,
-                                              words)
+            per[5 * r:], num_drafts, width, words, host, layout)
+        self._plan.send_prefix(layout[-1])
+        ints, longs, trees = self._plan_views(layout, r, rb, b, int(long_lens[7]), n, width, words)
         longest = max(root + n + 1 for root, n in zip(roots, sizes))
         return self._device_step(step, ints, longs, trees, width, batched, len(greedy), longest, num.tolist())
 
-    def _plan_views(self, long_spans: list[int], int_spans: list[int], at_int: int, rb: int, width: int,
-                    words: int) -> tuple:
-        """The compiled plan's buffer on the device in one copy, as its arrays (trees/step_plan.py's layout, the int32
-        ones from `at_int` on), shaped: (the int32 arrays, the int64 arrays, the padded trees or None). The five
-        [Rb, width] arrays are one strided view, unbound; a layout seen before gets the same tensors again. Each torch
-        call here costs the host a few us, more when its code is cold, as it is once a step: ~9 calls a step, not ~20."""
+    def _plan_views(self, layout: tuple, r: int, rb: int, b: int, d: int, n: int, width: int, words: int) -> tuple:
+        """The compiled plan's arrays on the device, shaped, where `layout` put them in the staging buffer: (the
+        int32 arrays, the int64 arrays before the padded trees, the padded trees or None). Views are kept by the
+        arrays' place and shape in groups of one size (the trees' count, the batch's, the nodes', ...), so that a
+        group seen before costs one lookup, not a torch call an array: each costs the host a few us a step, more
+        when cold, as it is once a step (batch 8's steps seldom repeat every size, but each group's often)."""
+        key, int_at, _, long_at, _, _ = layout
         buf = self._plan
-        int_elems = sum(int_spans)
-        dev = buf.send_prefix(at_int + (int_elems + 1) // 2)
-        views = buf.views[buf.turn]
-        key = (at_int, *long_spans, *int_spans)
-        got = views.get(key)
-        if got is not None:
-            return got
-        if len(views) >= 32:  # (a few: batch 8's layouts seldom repeat, and every view kept is an object)
+        t = buf.turn
+        views = buf.views[t]
+        if len(views) > 4096:  # (a bound; an engine meets a few hundred)
             views.clear()
-        n, gap = dev.shape[0], at_int - sum(long_spans)
-        if rb:  # parts 12-16: the five trees' arrays, alike (one span); 17: the ancestors
-            size, pad = long_spans[24], long_spans[25]
-            spans = long_spans[:24] + [5 * (size + pad), long_spans[34], long_spans[35] + gap, n - at_int]
-        else:
-            spans = long_spans[:24] + [gap, n - at_int]
-        parts = dev.split_with_sizes(spans)
-        longs = list(parts[:24:2])
-        longs[6] = longs[6].view(rb, width + 1)  # logit_rows
-        ints = list(parts[-1].view(torch.int32).split_with_sizes(int_spans + [2 * (n - at_int) - int_elems])[:12:2])
-        ints[4] = ints[4].view(-1, words)  # bits [T, words]
-        trees = None
-        if rb:
-            tok, par, dep, val, order = parts[24].as_strided((5, rb, width), (size + pad, width, 1)).unbind(0)
-            trees = TreeBatch(tok, par, dep, val, parts[25].view(rb, width + 1, words), order)
-        got = views[key] = (ints, longs, trees)
-        return got
+        dev, dev32 = buf.dev[t], buf.dev32[t]
+        la, ia = long_at.tolist(), int_at.tolist()
+
+        def at(x, o, *shape):  # [shape] at element o of x, contiguous
+            stride = [1] * len(shape)
+            for k in range(len(shape) - 2, -1, -1):
+                stride[k] = stride[k + 1] * shape[k + 1]
+            return x.as_strided(shape, stride, o)
+
+        g_r = views.get(("r", key, r, rb))
+        if g_r is None:  # cu; roots, rows, seq (int32); rows, starts, sizes, batched, firsts, batched_rows
+            g_r = views[("r", key, r, rb)] = (
+                at(dev32, ia[1], r + 1), at(dev32, ia[2], r), at(dev32, ia[3], r), at(dev32, ia[5], r),
+                at(dev, la[2], r), at(dev, la[3], r), at(dev, la[4], r), at(dev, la[5], rb), at(dev, la[10], r),
+                at(dev, la[11], rb))
+        g_b = views.get(("b", key, b))
+        if g_b is None:  # cu_draft, cu_sampled
+            g_b = views[("b", key, b)] = (at(dev, la[8], b), at(dev, la[9], b))
+        g_t = views.get(("t", key, n + r, words))
+        if g_t is None:  # q_rows, bits (int32)
+            g_t = views[("t", key, n + r, words)] = (at(dev32, ia[0], n + r), at(dev32, ia[4], n + r, words))
+        g_n = views.get(("n", key, n))
+        if g_n is None:  # node_rows, node_pos
+            g_n = views[("n", key, n)] = (at(dev, la[0], n), at(dev, la[1], n))
+        g_d = views.get(("d", key, d))
+        if g_d is None:  # keep
+            g_d = views[("d", key, d)] = at(dev, la[7], d)
+        g_w = views.get(("w", key, rb, width, words))
+        if g_w is None:  # logit_rows, the padded trees
+            trees = None
+            if rb:
+                trees = TreeBatch(*(at(dev, la[p], rb, width) for p in (12, 13, 14, 15)),
+                                  at(dev, la[17], rb, width + 1, words), at(dev, la[16], rb, width))
+            g_w = views[("w", key, rb, width, words)] = (at(dev, la[6], rb, width + 1), trees)
+        cu, roots, rows32, seq, rows, starts, sizes, batched, firsts, batched_rows = g_r
+        ints = [g_t[0], cu, roots, rows32, g_t[1], seq]
+        longs = [g_n[0], g_n[1], rows, starts, sizes, batched, g_w[0], g_d, g_b[0], g_b[1], firsts, batched_rows]
+        return ints, longs, g_w[1]
 
     def prepare_reference(self, step: TreeStep) -> TreeStep:
         """The step's device arrays built per tree in Python: the definition `_prepare_compiled` must equal (its
