@@ -79,7 +79,7 @@ class StagingBuffer:
         self.host, self.dev, self.flat = [None, None], [None, None], [None, None]
         self.dev32 = [None, None]  # an int64 buffer's device memory as int32 (the plan's int32 arrays)
         self.cap = [0, 0]
-        self.views = [{}, {}]  # per turn: the plan's arrays' device views by place and shape (GPUTreeRuntime._plan_views)
+        self.views = [{}, {}]  # per turn: the plan's device views by place and shape (GPUTreeRuntime._plan_views)
         self.prefixes = [{}, {}]  # per turn: n -> (host, device) views of the buffers' first n elements (`send_prefix`)
         self.turn = 0
         self.align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
