@@ -371,7 +371,7 @@ class GPUTreeRuntime(TreeRuntime):
         buf = self._plan
         t = buf.turn
         views = buf.views[t]
-        if len(views) > 4096:  # (a bound; an engine meets a few hundred)
+        if len(views) > 1024:  # (a bound; an engine meets a few hundred groups)
             views.clear()
         dev, dev32 = buf.dev[t], buf.dev32[t]
         la, ia = long_at.tolist(), int_at.tolist()
