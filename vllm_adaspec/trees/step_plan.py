@@ -50,8 +50,8 @@ def plan_layout(num_trees: int, num_batched: int, num_rows: int, total_drafts: i
     """The buffer's layout for a step of these dimensions: (key, int_at [6], int_cap [6], long_at [18],
     long_cap [18], total), each array's first element (int32 arrays: in int32 elements of the same buffer) and
     its room, each room its dimensions rounded up to powers of two and starting on `align_bytes`; total: int64
-    elements in all. Steps of similar sizes share a layout (made once: a few dozen in an engine's life), so each array's
-    place and device view repeat (GPUTreeRuntime._plan_views); the copy is at most ~2x the bytes."""
+    elements in all. Steps of similar sizes share a layout (made once: a few dozen in an engine's life), so each
+    array's place and device view repeat (GPUTreeRuntime._plan_views); the copy holds 2-4x the bytes (a few KB)."""
     r, b, d, n = _holds(num_trees), _holds(num_rows), _holds(total_drafts), _holds(num_nodes)
     t, w = _holds(num_nodes + num_trees), _holds(width + 1)
     rb = r if num_batched else 0
