@@ -13,11 +13,16 @@ __all__ = ["arange", "ones", "scratch", "zeros"]
 _KEPT: dict = {}
 
 
-def _kept(key: tuple, n: int, make) -> torch.Tensor:
+def _buffer(key: tuple, n: int, make) -> torch.Tensor:
+    """The kept tensor of `key`, replaced by make(n) where it is shorter than n."""
     have = _KEPT.get(key)
     if have is None or len(have) < n:
-        have = _KEPT[key] = make(max(n, 1024))
-    return have[:n]
+        have = _KEPT[key] = make(n)
+    return have
+
+
+def _kept(key: tuple, n: int, make) -> torch.Tensor:
+    return _buffer(key, n, lambda m: make(max(m, 1024)))[:n]
 
 
 def zeros(owner: str, n: int, device) -> torch.Tensor:
@@ -29,11 +34,8 @@ def scratch(owner: str, n: int, device) -> torch.Tensor:
     """n float32 elements of `owner`'s scratch, contents undefined: one buffer grown to the most asked for (a power of
     two), in place of an allocation a launch plan. Views of it are valid until the owner's next call: one plan at a
     time (its launches read what they wrote before the next plan's are enqueued on the stream)."""
-    key = ("scratch", owner, device)
-    have = _KEPT.get(key)
-    if have is None or len(have) < n:
-        have = _KEPT[key] = torch.empty(1 << max(10, (n - 1).bit_length()), dtype=torch.float32, device=device)
-    return have
+    return _buffer(("scratch", owner, device), n,
+                   lambda m: torch.empty(1 << max(10, (m - 1).bit_length()), dtype=torch.float32, device=device))
 
 
 def arange(n: int, device) -> torch.Tensor:

@@ -80,7 +80,7 @@ class StagingBuffer:
         self.dev32 = [None, None]  # an int64 buffer's device memory as int32 (the plan's int32 arrays)
         self.cap = [0, 0]
         self.views = [{}, {}]  # per turn: the plan's device views by place and shape (GPUTreeRuntime._plan_views)
-        self.prefixes = [{}, {}]  # per turn: n -> (host, device) views of the buffers' first n elements (`send_prefix`)
+        self.prefixes = [{}, {}]  # per turn: n -> (host, device) views of the buffer's first n elements (`send_prefix`)
         self.turn = 0
         self.align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
 
@@ -100,14 +100,13 @@ class StagingBuffer:
         return self.flat[t]
 
     def send_prefix(self, size: int) -> torch.Tensor:
-        """At least the reserved buffer's first `size` elements on the device in one copy: its first n, n the power of
-        two that holds them (at most twice the bytes; the buffers' host and device views of each n are kept, so the
-        copy is the step's one torch call here)."""
+        """The reserved buffer's first `size` elements on the device in one copy. The host and device views of each
+        size are kept (the plan's sizes are its layouts' ends: a few dozen), so the copy is the step's one torch call
+        here."""
         t = self.turn
-        n = min(self.cap[t], 1 << max(0, (size - 1).bit_length()))
-        pair = self.prefixes[t].get(n)
+        pair = self.prefixes[t].get(size)
         if pair is None:
-            pair = self.prefixes[t][n] = (self.host[t][:n], self.dev[t][:n])
+            pair = self.prefixes[t][size] = (self.host[t][:size], self.dev[t][:size])
         pair[1].copy_(pair[0], non_blocking=True)
         return pair[1]
 
@@ -374,13 +373,13 @@ class GPUTreeRuntime(TreeRuntime):
         if len(views) > 1024:  # (a bound; an engine meets a few hundred groups)
             views.clear()
         dev, dev32 = buf.dev[t], buf.dev32[t]
-        la, ia = long_at.tolist(), int_at.tolist()
+        la, ia = long_at, int_at  # (read only for a group not seen before)
 
         def at(x, o, *shape):  # [shape] at element o of x, contiguous
             stride = [1] * len(shape)
             for k in range(len(shape) - 2, -1, -1):
                 stride[k] = stride[k + 1] * shape[k + 1]
-            return x.as_strided(shape, stride, o)
+            return x.as_strided(shape, stride, int(o))
 
         g_r = views.get(("r", key, r, rb))
         if g_r is None:  # cu; roots, rows, seq (int32); rows, starts, sizes, batched, firsts, batched_rows

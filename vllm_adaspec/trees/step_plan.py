@@ -51,8 +51,8 @@ def plan_layout(num_trees: int, num_batched: int, num_rows: int, total_drafts: i
     long_cap [18], total), each array's first element (int32 arrays: in int32 elements of the same buffer) and
     its room, each room its dimensions rounded up to powers of two and starting on `align_bytes`; total: int64
     elements in all. Steps of similar sizes share a layout (made once: a few dozen in an engine's life), so each
-    array's place and device view repeat (GPUTreeRuntime._plan_views); the copy holds ~3x the bytes (32 KB at 8
-    trees of 60 nodes in all, against 10 KB)."""
+    array's place and device view repeat (GPUTreeRuntime._plan_views); the copy holds the rooms' padding too (17.5 KB
+    at 8 trees of 60 nodes in all, against 10 KB of arrays)."""
     r, b, d, n = _holds(num_trees), _holds(num_rows), _holds(total_drafts), _holds(num_nodes)
     t, w = _holds(num_nodes + num_trees), _holds(width + 1)
     rb = r if num_batched else 0
