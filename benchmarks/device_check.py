@@ -10,7 +10,10 @@ bench_tree_attention.py; under 6 minutes on an H100). What it prints goes into b
    and of 64 nodes over 8k prefixes): planning (host + staged copies), batched greedy verification, batched
    sample-and-match (one launch of kernels/tree_verify.py for both), compaction of every layer (one launch of
    kernels/kv_compaction.py), an early-exit draft step's plan; each run under
-   torch.cuda.set_sync_debug_mode("error") (a wait for the device raises) and timed (CUDA events, median).
+   torch.cuda.set_sync_debug_mode("error") (a wait for the device raises) and timed (CUDA events, median); then
+   the same pieces as a step runs them (one wait, at the end: the verification and compaction launched behind the
+   forward's stand-in, every layer's attention), against the same steps without them: what the plan, the
+   verification and the compaction add to a step (the issue's 5%; `sequence_cost`).
 
     python benchmarks/device_check.py            # on a GPU
     python benchmarks/device_check.py --cpu      # the same code on CPU tensors, tiny shapes, Triton interpreted
@@ -311,6 +314,69 @@ def plan_parts(rt, steps: int, make_step) -> dict:
     return {label: statistics.median(ts) for label, ts in per_step.items()}
 
 
+def in_sequence(times: dict, last: str, skip: tuple = ()):
+    """run(name, fn) for the pieces of one step run as vLLM runs a step: the device idle at its start (the step before
+    ended with vLLM's read of its sampled tokens), no wait between pieces, one at the end (after `last`). The
+    verification and compaction are launched while the device still runs the forward queued before them, so what
+    they add to a step is their device time, not their host time (a piece timed alone, `timed`, is the larger of the
+    two). times[name]: the piece's host seconds; times["wall"]: from the plan's start to the device's end after
+    `last`; times["device", name]: the device seconds between the end of the piece before and its own (CUDA events).
+    Pieces in `skip` (and the reference plan's) are not run."""
+    marks: list = []
+
+    def run(name, fn):
+        if name in skip or name == "plan's arrays, Python":
+            return None
+        cuda = DEVICE == "cuda"
+        if not marks:
+            if cuda:
+                torch.cuda.synchronize()
+            marks.append((None, torch.cuda.Event(enable_timing=True) if cuda else None))
+            if cuda:
+                marks[0][1].record()
+            times["start"] = time.perf_counter()
+        t0 = time.perf_counter()
+        r = fn()
+        times[name] = time.perf_counter() - t0
+        if cuda:
+            marks.append((name, torch.cuda.Event(enable_timing=True)))
+            marks[-1][1].record()
+        if name == last:
+            if cuda:
+                torch.cuda.synchronize()
+                for (_, a), (piece, b) in zip(marks, marks[1:]):
+                    times["device", piece] = a.elapsed_time(b) / 1e3
+            times["wall"] = time.perf_counter() - times.pop("start")
+        return r
+    return run
+
+
+def sequence_cost(rt, trees: int, nodes: int, prefix: int, g, layers_kv, table, heads, vocab, dtype,
+                  repeats: int) -> dict:
+    """What the plan, the verification and the compaction add to a step run as vLLM runs it (`in_sequence`): steps
+    with every piece, alternating with the same steps less the verification and compaction; ms, medians over
+    `repeats` pairs: the plan's host time (the device idle: on the step's critical path), the forward's stand-in
+    (the attention of every layer) alone, and what the verification and compaction add behind it (paired)."""
+    full, base = [], []
+    for _ in range(repeats):
+        for out, last, skip in ((full, "compaction, every layer", ()),
+                                (base, "attention, every layer", ("verification", "compaction, every layer"))):
+            out.append({})
+            step_batch(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype,
+                       run=in_sequence(out[-1], last, skip))
+    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    got = {"plan (host)": med([t["plan"] for t in full]),
+           "wall, forward stand-in only": med([t["wall"] for t in base]),
+           "wall, with verification and compaction": med([t["wall"] for t in full]),
+           "verification + compaction add": med([a["wall"] - b["wall"] for a, b in zip(full, base)])}
+    for piece in ("verification", "compaction, every layer"):
+        got[f"{piece}: host"] = med([t[piece] for t in full])
+        if DEVICE == "cuda":
+            got[f"{piece}: device"] = med([t["device", piece] for t in full])
+    got["plan + verification + compaction add"] = got["plan (host)"] + max(0.0, got["verification + compaction add"])
+    return got
+
+
 def where(e: BaseException) -> str:
     """The innermost frames of this checkout in e's traceback (the harness itself left out): what waited."""
     frames = [f for f in traceback.extract_tb(e.__traceback__)
@@ -417,6 +483,11 @@ def check_step() -> bool:
                     f"tottime / cumtime ms a step, calls a step):")
                 for line in top_functions(prof, ARGS.profile, 1 if ARGS.cpu else 5):
                     say("    " + line)
+    # the pieces as a step runs them (one wait, at its end): what they add to the step, the issue's 5%
+    for nodes in ((4,) if ARGS.cpu else (16, 64)):
+        got = sequence_cost(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, 1 if ARGS.cpu else 9)
+        for label, ms in got.items():
+            say(f"step in sequence, {trees} trees x {nodes} nodes, {layers} layers: {label:42s} {ms:7.3f} ms")
     # the plan's host time part by part, 8 trees x 16 nodes (4 here): where the plan's share of the 5% goes
     nodes = 4 if ARGS.cpu else 16
     got = plan_parts(rt, 3 if ARGS.cpu else 30,

@@ -311,6 +311,8 @@ def test_the_device_script_runs_here_on_cpu_tensors(tmp_path):
     assert "row-draw kernel after start-up: on (ok)" in proc.stdout and "argmax equal to torch's" in proc.stdout
     assert "the step's plan: compiled (numba)" in proc.stdout and "plan's arrays, Python" in proc.stdout, tail
     assert "plan part, 8 trees x 4 nodes: the whole plan (begin_step)" in proc.stdout, tail  # where its time goes
+    # the pieces as a step runs them, against the same steps without verification and compaction (the 5%)
+    assert "step in sequence, 8 trees x 4 nodes, 2 layers: plan + verification + compaction add" in proc.stdout, tail
     proc, tail = bare("kernel_sweep.py", "--launch", "--out", str(tmp_path / "launch.json"))
     assert proc.returncode == 0 and "outputs equal" in proc.stdout and "launch check: PASS" in proc.stdout, tail
     proc, tail = bare("kernel_sweep.py", "--out", str(tmp_path / "sweep.json"))  # every launch option checked
