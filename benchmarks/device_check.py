@@ -116,7 +116,10 @@ def check_kernel() -> bool:
 def check_draws() -> bool:
     """The row-draw kernel (kernels/row_draws.py) on the device: every row's argmax torch's over Llama-3's vocabulary
     in fp32 and bf16 logits (ties to the first), greedy trees' draws their argmax, and sampled draws' law (chi-square
-    of 4000 rows over 6 tokens at temperature 0.7). Its GPU time at 8 trees x 17 rows against torch's argmax."""
+    of 4000 rows over 6 tokens at temperature 0.7), and its argmax and draws equal to session 36's kernel's under one
+    key (benchmarks/row_draws_s36.py: the same numbers, the same first maxima). Its GPU time at 8 trees x 17 and x 65
+    rows against session 36's kernel and torch's ops."""
+    import row_draws_s36  # the kernel as session 36 timed it (per-tile reductions, scalar loads): the baseline
     from stats import chi2_pvalue
 
     vocab = 1000 if ARGS.cpu else 128256
@@ -131,6 +134,15 @@ def check_draws() -> bool:
         same = torch.equal(argmax, logits.argmax(-1)[rows]) and torch.equal(draws[:4], argmax[:4])
         say(f"row draws {dtype}: argmax {'equal to' if same else 'DIFFERENT from'} torch's over {vocab} tokens")
         ok &= same
+    logits = torch.randn(136, vocab, generator=g).to(DEVICE)
+    rows = torch.randperm(136, generator=g).view(8, 17).to(DEVICE)
+    call = (rows, torch.arange(8, device=DEVICE), torch.full((8,), 0.8, device=DEVICE), 4)
+    key = torch.tensor([(1 << 35) + 7], device=DEVICE)
+    now, then = rd.row_draws(logits, *call, seed=key), row_draws_s36.row_draws(logits, *call, seed=key)
+    same = torch.equal(now[0], then[0]) and torch.equal(now[1], then[1])
+    say(f"row draws: argmax and draws (half the trees sampled) {'equal to' if same else 'DIFFERENT from'} session "
+        "36's kernel's under one key")
+    ok &= same
     n = 100 if ARGS.cpu else 4000  # (interpreted: a smoke check; the law's own test is test_kernel_row_draws.py)
     x = torch.tensor([[1.0, 0.2, -0.5, 0.9, 2.0, -1.0]], device=DEVICE)
     draws = rd.row_draws(x, torch.zeros(1, n, dtype=torch.long, device=DEVICE), torch.zeros(1, dtype=torch.long,
@@ -141,23 +153,29 @@ def check_draws() -> bool:
     if DEVICE == "cuda":
         from bench_tree_attention import graphed_time
 
-        logits = torch.randn(136, vocab, device=DEVICE)
-        rows = torch.arange(136, device=DEVICE).view(8, 17)
         temperature = torch.full((8,), 0.8, device=DEVICE)
-        out = torch.empty(2, 8, 17, dtype=torch.long, device=DEVICE)
         tree_rows = torch.arange(8, device=DEVICE)
         key = torch.tensor([1 << 33], device=DEVICE)  # (made before the capture: no copy inside a CUDA graph)
         chunk_tiles = rd.CHUNK_TILES
-        for first, what in ((8, "greedy"), (4, "half sampled")):
-            torch_ops = graphed_time(lambda: rd.row_draws_reference(logits, rows, tree_rows, temperature, first))
-            for tiles in sorted({chunk_tiles, 1000, 4, 2, 1}, reverse=True):  # 1 chunk .. 16 a row
-                rd.CHUNK_TILES = tiles
-                kern = graphed_time(lambda: rd.row_draws(logits, rows, tree_rows, temperature, first, seed=key,
-                                                         out=out))
-                say(f"row draws, 8 trees x 17 rows, {what}, {rd.num_chunks(vocab)} chunks a row"
-                    f"{' (the default)' if tiles == chunk_tiles else ''}: GPU {kern * 1e3:.1f} us; torch's ops "
+        for per in (17, 65):  # 8 trees of 16 and of 64 nodes
+            logits = torch.randn(8 * per, vocab, device=DEVICE)
+            rows = torch.arange(8 * per, device=DEVICE).view(8, per)
+            out = torch.empty(2, 8, per, dtype=torch.long, device=DEVICE)
+            for first, what in ((8, "greedy"), (4, "half sampled")):
+                torch_ops = graphed_time(lambda: rd.row_draws_reference(logits, rows, tree_rows, temperature, first))
+                before = graphed_time(lambda: row_draws_s36.row_draws(logits, rows, tree_rows, temperature, first,
+                                                                      seed=key, out=out))
+                say(f"row draws, 8 trees x {per} rows, {what}: session 36's kernel "
+                    f"({row_draws_s36.num_chunks(vocab)} chunks a row) GPU {before * 1e3:.1f} us; torch's ops "
                     f"{torch_ops * 1e3:.1f} us")
-            rd.CHUNK_TILES = chunk_tiles
+                for tiles in sorted({chunk_tiles, 1000, 4, 2, 1} if per == 17 else {chunk_tiles}, reverse=True):
+                    rd.CHUNK_TILES = tiles  # 1 chunk .. 16 a row
+                    kern = graphed_time(lambda: rd.row_draws(logits, rows, tree_rows, temperature, first, seed=key,
+                                                             out=out))
+                    say(f"row draws, 8 trees x {per} rows, {what}, {rd.num_chunks(vocab)} chunks a row"
+                        f"{' (the default)' if tiles == chunk_tiles else ''}: GPU {kern * 1e3:.1f} us "
+                        f"({before / kern:.2f}x faster than session 36's)")
+                rd.CHUNK_TILES = chunk_tiles
     return ok
 
 

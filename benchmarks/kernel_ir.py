@@ -143,6 +143,64 @@ def compile_reduce_kernel(heads=(32, 8, 128), batch: int = 8, prefix: int = 8192
     return compile_kernel(ta.reduce_kernel_args(plan, torch.empty_like(case[0])), capability, name="reduce")
 
 
+def compile_row_draws(vocab: int = 128256, stride: int | None = None, dtype=torch.float32, capability: int = 90):
+    """kernels/row_draws.py's kernel compiled for `capability` as a launch over logits [*, vocab] rows `stride` apart
+    (default: vocab) specializes it: every pointer 16-byte aligned, the row stride and the chunk (always a multiple
+    of BLOCK_V) known divisible by 16 where they are, the per-step integers not specialized."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_adaspec.kernels import row_draws as rd
+
+    kernel = rd._row_draws_kernel
+    stride = vocab if stride is None else stride
+    chunks = rd.num_chunks(vocab)
+    chunk = -(-(-(-vocab // chunks)) // rd.BLOCK_V) * rd.BLOCK_V
+    ints = {"stride_l": stride, "vocab": vocab, "per_tree": 17, "first_sampled": 4, "chunk": chunk}
+    pointers = {"logits": "*" + TYPES[dtype], "logit_rows": "*i64", "tree_rows": "*i64", "temperature": "*fp32",
+                "argmax_out": "*i64", "draws_out": "*i64", "partial": "*fp32", "counters": "*i32", "seed_ptr": "*i64"}
+    plain = set(kernel.do_not_specialize) | {kernel.arg_names[i] for i in kernel.do_not_specialize
+                                             if isinstance(i, int)}
+    signature, constexprs, attrs = {}, {"BLOCK_V": rd.BLOCK_V, "BLOCK_C": rd.MAX_CHUNKS}, {}
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in pointers:
+            signature[arg] = pointers[arg]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "i32"
+            if arg not in plain and ints[arg] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": rd.NUM_WARPS})
+
+
+def row_draws_ir(compiled) -> dict:
+    """What one tile of the row-draw kernel's loop costs, read off its TTGIR and PTX: reductions and layout
+    conversions inside the loop (each a trip through shared memory with barriers), its loads, and the PTX's global
+    loads by width and barriers (the whole kernel)."""
+    ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
+    bodies = []
+    lines = ttgir.splitlines()
+    for i, line in enumerate(lines):
+        if "scf.for" in line:
+            depth, body = 0, []
+            for inner in lines[i:]:
+                depth += inner.count("{") - inner.count("}")
+                body.append(inner)
+                if depth <= 0:
+                    break
+            bodies.append("\n".join(body[1:]))
+    return {"loops": [{"reductions": b.count('"tt.reduce"') + b.count("tt.reduce("),
+                       "layout_conversions": b.count("ttg.convert_layout"), "loads": b.count("tt.load")}
+                      for b in bodies],
+            "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx)),
+            "scalar_loads": len(re.findall(r"ld\.global(?:\.(?!v[24])\w+)*\.b(?:16|32)\s", ptx)),
+            "barriers": ptx.count("bar.sync")}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", default="32,8,128")
@@ -159,7 +217,17 @@ def main(argv=None) -> int:
                    help="the split programs combine their partials (default: as plan_launch, fused at 2 chunks)")
     p.add_argument("--ptx", default=None, help="write the PTX here")
     p.add_argument("--reduce", action="store_true", help="the reduction (its registers) instead of the split kernel")
+    p.add_argument("--row-draws", action="store_true",
+                   help="kernels/row_draws.py's kernel instead: its loop's reductions and loads, over --vocab")
+    p.add_argument("--vocab", type=int, default=128256)
     a = p.parse_args(argv)
+    if a.row_draws:
+        for stride in (a.vocab, a.vocab + 8 if a.vocab % 16 == 0 else a.vocab):
+            for dtype in (torch.float32, torch.bfloat16):
+                got = row_draws_ir(compile_row_draws(a.vocab, stride, dtype))
+                print(f"row draws, {dtype}, rows {stride} tokens apart: {got['loops']} (per tile), global loads "
+                      f"{got['vector_loads']} vector / {got['scalar_loads']} scalar, {got['barriers']} barriers")
+        return 0
     heads = tuple(int(x) for x in a.heads.split(","))
     if a.reduce:
         compiled = compile_reduce_kernel(heads, a.batch, a.prefix, a.nodes, getattr(torch, a.dtype))

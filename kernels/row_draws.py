@@ -4,9 +4,12 @@ logits in place.
 
 Programs per verification row (R trees x P rows: tree i's rows at logit_rows[i]): one per chunk of the vocabulary
 (`num_chunks`: 15 over Llama-3's 128k tokens). Each streams its chunk once, keeping the first maximum (torch.argmax's
-tie rule: greedy verification stays identical to vLLM's) and, for a sampled tree, the exponential race vLLM's
-sampler runs: argmax_v (x_v / T - log E_v), E_v ~ Exp(1) (the same law as trees/batch.draw_rows; -log E is a
-Gumbel variable, -log(-log U)); the row's last chunk to finish combines the chunks' bests (an atomic count per row,
+tie rule: greedy verification stays identical to vLLM's) per lane (a lane sees its tokens in increasing order and
+takes only a strictly larger value; the lanes are reduced once, at the chunk's end, to the earliest token holding the
+maximum: no reduction and no barrier inside the loop, whose whole tiles load unmasked in 16-byte vectors where the
+rows are a multiple of 16 tokens apart) and, for a sampled tree, the exponential race vLLM's sampler runs:
+argmax_v (x_v / T - log E_v), E_v ~ Exp(1) (the same law as trees/batch.draw_rows; -log E is a Gumbel variable,
+-log(-log U)), kept per lane alike; the row's last chunk to finish combines the chunks' bests (an atomic count per row,
 as the tree-attention kernel's fused reduction). The uniforms come from Philox keyed by a seed drawn per launch from
 torch's default generator on the device (`new_seed`: in step on every tensor-parallel rank) and counted by
 (row, token / 4), four per round (`randint4x`): no two draws of a launch share a number, and the draws do
@@ -16,7 +19,11 @@ The torch ops this replaces: an argmax over every logits row and its gather, the
 of their rows' logits, the division by temperature, an exponential draw, its log, negation and sum, an argmax and a
 concatenation (about ten launches and three [rows, V] buffers a step). Session 36's H200, 8 trees x 17 rows over 128k
 tokens: the verification's host time 0.62 -> 0.25 ms; GPU time 36 us against torch's 47 (greedy), 69 against 205
-(half the trees sampled). Contents: `_row_draws_kernel`, `row_draws` (launcher), `row_draws_reference` (torch).
+(half the trees sampled), with the reductions in the loop and scalar loads (session 43's per-lane form compiles
+for sm_90 to a greedy loop of 4 vector loads, no barrier, where it had 16 scalar loads, 16 barriers and 32 shuffles
+a tile: `benchmarks/kernel_ir.py --row-draws`; its GPU time is not yet measured: benchmarks/device_check.py times it
+against session 36's, benchmarks/row_draws_s36.py). Contents: `_row_draws_kernel`, `row_draws` (launcher),
+`row_draws_reference` (torch).
 """
 
 from __future__ import annotations
@@ -69,15 +76,57 @@ def row_draws_reference(logits: torch.Tensor, logit_rows: torch.Tensor, tree_row
 if triton is not None:
 
     @triton.jit
-    def _race(x, u, first_v, best, best_v):
-        """One quarter tile of the race (x: logits / T, u: a uniform per token; first_v: its first token) -> the
-        running best (value, token)."""
-        score = x - tl.log(-tl.log(u))  # + a Gumbel variable (u = 0: -inf, never drawn; u < 1 always: finite)
-        m = tl.max(score, 0)
-        take = m > best
-        return tl.where(take, m, best), tl.where(take, first_v + tl.argmax(score, 0), best_v)
+    def _lanes(x, v, best, best_v):
+        """Each lane's running first maximum: x [Q] at tokens v [Q], later than every token the lane has seen."""
+        take = x > best
+        return tl.where(take, x, best), tl.where(take, v, best_v)
 
-    @triton.jit(do_not_specialize=["stride_l", "vocab", "per_tree", "first_sampled", "chunk"])
+    @triton.jit
+    def _tile(base, start, hi, offs, i, vocab, seed, inv_t, sampled, best, best_v, race, race_v, Q: tl.constexpr,
+              MASKED: tl.constexpr):
+        """One tile of BLOCK_V = 4 Q tokens from `start` into the lanes' running bests: the argmax's (x) and, for a
+        sampled row, the race's (x / T - log(-log U)). MASKED: the row's ragged last tile (tokens from `hi` on are
+        -inf, never taken); the others load whole, unmasked, in vectors."""
+        v0 = start + offs
+        v1 = v0 + Q
+        v2 = v1 + Q
+        v3 = v2 + Q
+        if MASKED:
+            x0 = tl.load(base + v0, mask=v0 < hi, other=float("-inf")).to(tl.float32)
+            x1 = tl.load(base + v1, mask=v1 < hi, other=float("-inf")).to(tl.float32)
+            x2 = tl.load(base + v2, mask=v2 < hi, other=float("-inf")).to(tl.float32)
+            x3 = tl.load(base + v3, mask=v3 < hi, other=float("-inf")).to(tl.float32)
+        else:
+            x0 = tl.load(base + v0).to(tl.float32)
+            x1 = tl.load(base + v1).to(tl.float32)
+            x2 = tl.load(base + v2).to(tl.float32)
+            x3 = tl.load(base + v3).to(tl.float32)
+        # a lane's tokens in increasing order, each taken only if strictly larger: the lane's first maximum
+        best, best_v = _lanes(x0, v0, best, best_v)
+        best, best_v = _lanes(x1, v1, best, best_v)
+        best, best_v = _lanes(x2, v2, best, best_v)
+        best, best_v = _lanes(x3, v3, best, best_v)
+        if sampled:
+            # counters (row, token / 4): unique over the launch, the same however the vocabulary is chunked; one
+            # Philox round gives the four quarters (u = 0: -inf, never drawn; u < 1 always: finite)
+            r0, r1, r2, r3 = tl.randint4x(seed, i.to(tl.int64) * vocab + start // 4 + offs)
+            race, race_v = _lanes(x0 * inv_t - tl.log(-tl.log(tl.uint_to_uniform_float(r0))), v0, race, race_v)
+            race, race_v = _lanes(x1 * inv_t - tl.log(-tl.log(tl.uint_to_uniform_float(r1))), v1, race, race_v)
+            race, race_v = _lanes(x2 * inv_t - tl.log(-tl.log(tl.uint_to_uniform_float(r2))), v2, race, race_v)
+            race, race_v = _lanes(x3 * inv_t - tl.log(-tl.log(tl.uint_to_uniform_float(r3))), v3, race, race_v)
+        return best, best_v, race, race_v
+
+    @triton.jit
+    def _first_max(best, best_v, vocab):
+        """The lanes' bests -> (the maximum, its first token): the earliest token holding it over every lane."""
+        m = tl.max(best, 0)
+        return m, tl.min(tl.where(best == m, best_v, vocab), 0)
+
+    # stride_l and chunk are left to Triton's specialization: a multiple of 16 (chunk always: BLOCK_V's; stride_l,
+    # the logits' row stride, in every engine whose vocabulary is padded so) lets the whole tiles load in vectors of
+    # 16 bytes. Neither changes from step to step: one variant an engine (start-up compiles both strides' variants:
+    # engine/gpu_tree_runtime.GPUTreeRuntime._warm_up_draws)
+    @triton.jit(do_not_specialize=["vocab", "per_tree", "first_sampled"])
     def _row_draws_kernel(logits, stride_l, logit_rows, tree_rows, temperature, argmax_out, draws_out, partial,
                           counters, vocab, per_tree, first_sampled, seed_ptr, chunk, BLOCK_V: tl.constexpr,
                           BLOCK_C: tl.constexpr):
@@ -94,38 +143,22 @@ if triton is not None:
             inv_t = 1.0 / tl.load(temperature + tl.load(tree_rows + tree)).to(tl.float32)
         Q: tl.constexpr = BLOCK_V // 4
         offs = tl.arange(0, Q)
-        best = float("-inf")
-        best_v = 0
-        race = float("-inf")
-        race_v = 0
-        lo = c * chunk
+        # per lane, not per tile: one reduction over the lanes at the chunk's end, none in the loop
+        best = tl.full([Q], float("-inf"), tl.float32)
+        best_v = tl.zeros([Q], tl.int32)
+        race = tl.full([Q], float("-inf"), tl.float32)
+        race_v = tl.zeros([Q], tl.int32)
+        lo = c * chunk  # (a multiple of BLOCK_V: the launcher's)
         hi = tl.minimum(lo + chunk, vocab)
-        for start in range(lo, hi, BLOCK_V):
-            v0 = start + offs
-            v1 = v0 + Q
-            v2 = v1 + Q
-            v3 = v2 + Q
-            x0 = tl.load(base + v0, mask=v0 < hi, other=float("-inf")).to(tl.float32)
-            x1 = tl.load(base + v1, mask=v1 < hi, other=float("-inf")).to(tl.float32)
-            x2 = tl.load(base + v2, mask=v2 < hi, other=float("-inf")).to(tl.float32)
-            x3 = tl.load(base + v3, mask=v3 < hi, other=float("-inf")).to(tl.float32)
-            # the first maximum: a tile's first, kept only by a strictly larger later one
-            m = tl.maximum(tl.maximum(tl.max(x0, 0), tl.max(x1, 0)), tl.maximum(tl.max(x2, 0), tl.max(x3, 0)))
-            first = tl.minimum(tl.minimum(tl.min(tl.where(x0 == m, v0, vocab), 0),
-                                          tl.min(tl.where(x1 == m, v1, vocab), 0)),
-                               tl.minimum(tl.min(tl.where(x2 == m, v2, vocab), 0),
-                                          tl.min(tl.where(x3 == m, v3, vocab), 0)))
-            take = m > best
-            best_v = tl.where(take, first, best_v)
-            best = tl.where(take, m, best)
-            if sampled:
-                # counters (row, token / 4): unique over the launch, the same however the vocabulary is chunked; one
-                # Philox round gives the four quarters
-                r0, r1, r2, r3 = tl.randint4x(seed, i.to(tl.int64) * vocab + start // 4 + offs)
-                race, race_v = _race(x0 * inv_t, tl.uint_to_uniform_float(r0), start, race, race_v)
-                race, race_v = _race(x1 * inv_t, tl.uint_to_uniform_float(r1), start + Q, race, race_v)
-                race, race_v = _race(x2 * inv_t, tl.uint_to_uniform_float(r2), start + 2 * Q, race, race_v)
-                race, race_v = _race(x3 * inv_t, tl.uint_to_uniform_float(r3), start + 3 * Q, race, race_v)
+        whole = lo + (hi - lo) // BLOCK_V * BLOCK_V  # the chunk's whole tiles end here; only a row's last is ragged
+        for start in range(lo, whole, BLOCK_V):
+            best, best_v, race, race_v = _tile(base, start, hi, offs, i, vocab, seed, inv_t, sampled, best, best_v,
+                                               race, race_v, Q, False)
+        if whole < hi:
+            best, best_v, race, race_v = _tile(base, whole, hi, offs, i, vocab, seed, inv_t, sampled, best, best_v,
+                                               race, race_v, Q, True)
+        best, best_v = _first_max(best, best_v, vocab)
+        race, race_v = _first_max(race, race_v, vocab)
         if chunks == 1:
             tl.store(argmax_out + i, best_v.to(tl.int64))
             tl.store(draws_out + i, tl.where(sampled, race_v, best_v).to(tl.int64))

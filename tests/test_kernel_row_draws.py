@@ -26,6 +26,7 @@ def test_every_rows_argmax_is_torchs(triton_interpret, monkeypatch, dtype, chunk
     logits[3, :] = float("-inf")
     logits[3, 650] = 0.0  # the last tile's ragged end
     logits[4, :] = -3.0  # every token tied: token 0
+    logits[5, 70] = logits[5, 326] = 40.0  # a tie in one lane (token % 64) across quarters and tiles: the first
     rows = torch.tensor([[1, 2, 3], [4, 0, 11], [7, 7, 5]])
     argmax, draws = rd.row_draws(logits, rows, torch.tensor([0, 1, 2]), torch.tensor([1.0, 1.0, 0.5]), 2)
     assert torch.equal(argmax, logits.argmax(-1)[rows]), (argmax, logits.argmax(-1)[rows])
@@ -97,3 +98,68 @@ def test_the_draws_do_not_depend_on_how_the_vocabulary_is_chunked(triton_interpr
     assert rd.num_chunks(300) == 9
     assert torch.equal(got[1000][0], logits.argmax(-1)[rows]) and torch.equal(got[2][0], got[1000][0])
     assert torch.equal(got[2][1], got[1000][1]) and int(got[2][0][0, 0]) == 3
+
+
+def test_a_sampled_rows_draw_is_the_first_maximum_of_its_race(triton_interpret, monkeypatch):
+    """The kernel keeps each lane's best and reduces the lanes once a chunk: its draw must still be the first token
+    maximizing x / T - log(-log U) over the row, U the launch's Philox uniforms (row, token / 4), here written out by
+    a second interpreted kernel with the same counters and arithmetic, over one program a row and nine chunks; a
+    row of equal logits (the uniforms alone decide) and one whose later tiles and chunks are -inf (never drawn)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def race_scores(x, out, inv_t, seed_ptr, vocab, Q: tl.constexpr):
+        i = tl.program_id(0)
+        seed = tl.load(seed_ptr)
+        t = tl.load(inv_t + i)
+        offs = tl.arange(0, Q)
+        for start in range(0, vocab, 4 * Q):
+            r0, r1, r2, r3 = tl.randint4x(seed, i.to(tl.int64) * vocab + start // 4 + offs)
+            for k, r in ((0, r0), (1, r1), (2, r2), (3, r3)):
+                v = start + k * Q + offs
+                xv = tl.load(x + i * vocab + v, mask=v < vocab, other=float("-inf")).to(tl.float32)
+                tl.store(out + i * vocab + v, xv * t - tl.log(-tl.log(tl.uint_to_uniform_float(r))), mask=v < vocab)
+
+    monkeypatch.setattr(rd, "BLOCK_V", 16)  # 300 tokens: 18 whole tiles and a ragged one
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 300, generator=g)
+    logits[1, :] = 0.0  # every token tied: the race alone decides
+    logits[2, 100:] = float("-inf")  # the last tiles and chunks can never win
+    rows = torch.tensor([[0, 1, 2], [3, 4, 5], [1, 1, 1]])
+    tree_rows = torch.tensor([2, 0, 1])
+    temperature = torch.tensor([0.7, 1.3, 0.4])
+    seed = torch.tensor([(1 << 40) + 99])
+    flat = rows.flatten()
+    inv_t = (1.0 / temperature[tree_rows]).repeat_interleave(rows.shape[1])
+    scores = torch.empty(len(flat), 300)
+    race_scores[(len(flat),)](logits[flat].contiguous(), scores, inv_t, seed, 300, Q=4)
+    want = scores.argmax(-1).view_as(rows)  # torch's first maximum
+    for tiles in (1000, 2):  # one program a row, then nine chunks
+        monkeypatch.setattr(rd, "CHUNK_TILES", tiles)
+        argmax, draws = rd.row_draws(logits, rows, tree_rows, temperature, 0, seed=seed)
+        assert torch.equal(draws, want), (tiles, draws, want)
+        assert torch.equal(argmax, logits.argmax(-1)[rows])
+    assert (draws[0, 2] < 100) and len(set(draws[2].tolist())) == 3  # rows drawn apart: their own numbers
+
+
+def test_the_compiled_loop_reduces_nothing_and_loads_in_vectors():
+    """The kernel compiled for an H100 (sm_90; Triton lowers it without a GPU) as a launch over Llama-3's logits
+    specializes it (benchmarks/kernel_ir.py): the loop over a chunk's whole tiles holds no reduction (each was a trip
+    through shared memory with barriers, 16 a tile before session 43) and its loads are 16-byte vectors (the rows'
+    stride and the chunk known multiples of 16). In a fresh process: this one's Triton library is interpreted."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import kernel_ir as k\n"
+            "print(json.dumps(k.row_draws_ir(k.compile_row_draws(128256))))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(got["loops"]) == 1 and got["loops"][0]["reductions"] == 0, got
+    assert got["vector_loads"] >= 4, got  # x0..x3 of a whole tile, one vector load each

@@ -309,6 +309,7 @@ def test_the_device_script_runs_here_on_cpu_tensors(tmp_path):
     assert proc.returncode == 0 and "device check: PASS" in proc.stdout, tail
     assert "0 cold launches (ok)" in proc.stdout and "no device wait" in proc.stdout
     assert "row-draw kernel after start-up: on (ok)" in proc.stdout and "argmax equal to torch's" in proc.stdout
+    assert "equal to session 36's kernel's under one key" in proc.stdout, tail  # today's draws are its draws
     assert "the step's plan: compiled (numba)" in proc.stdout and "plan's arrays, Python" in proc.stdout, tail
     assert "plan part, 8 trees x 4 nodes: the whole plan (begin_step)" in proc.stdout, tail  # where its time goes
     # the pieces as a step runs them, against the same steps without verification and compaction (the 5%)

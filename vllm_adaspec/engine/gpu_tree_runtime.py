@@ -287,12 +287,13 @@ class GPUTreeRuntime(TreeRuntime):
                                   torch.full_like(one, -1), zero, zero)
 
     def _warm_up_draws(self, dtypes) -> None:
-        """The row-draw kernel compiled at start-up for each logits dtype, and checked: a greedy row's argmax is
-        torch's. Where it fails the rows' draws stay torch ops (a warning, not a failed start)."""
+        """The row-draw kernel compiled at start-up for each logits dtype and both row strides Triton tells apart (a
+        multiple of 16 tokens or not: vLLM's logits rows are its padded vocabulary apart), and checked: a greedy row's
+        argmax is torch's. Where it fails the rows' draws stay torch ops (a warning, not a failed start)."""
         dev = self.device
         try:
-            for dtype in dtypes:
-                logits = torch.randn(3, 1000, device=dev).to(dtype)
+            for dtype, width in ((dtype, width) for dtype in dtypes for width in (1024, 1000)):
+                logits = torch.randn(3, width, device=dev).to(dtype)
                 rows = torch.tensor([[2, 0]], dtype=torch.long, device=dev)  # one tree's two logits rows
                 temperature = torch.ones(1, dtype=torch.float32, device=dev)
                 tree_rows = torch.zeros(1, dtype=torch.long, device=dev)  # the tree's batch row: temperature[0]
