@@ -103,7 +103,7 @@ def test_the_draws_do_not_depend_on_how_the_vocabulary_is_chunked(triton_interpr
 def test_a_sampled_rows_draw_is_the_first_maximum_of_its_race(triton_interpret, monkeypatch):
     """The kernel keeps each lane's best and reduces the lanes once a chunk: its draw must still be the first token
     maximizing x / T - log(-log U) over the row, U the launch's Philox uniforms (row, token / 4), here written out by
-    a second interpreted kernel with the same counters and arithmetic, over one program a row and nine chunks; a
+    a second interpreted kernel with the same counters and arithmetic, over one program a row and four chunks; a
     row of equal logits (the uniforms alone decide) and one whose later tiles and chunks are -inf (never drawn)."""
     import triton
     import triton.language as tl
@@ -121,26 +121,27 @@ def test_a_sampled_rows_draw_is_the_first_maximum_of_its_race(triton_interpret, 
                 xv = tl.load(x + i * vocab + v, mask=v < vocab, other=float("-inf")).to(tl.float32)
                 tl.store(out + i * vocab + v, xv * t - tl.log(-tl.log(tl.uint_to_uniform_float(r))), mask=v < vocab)
 
-    monkeypatch.setattr(rd, "BLOCK_V", 16)  # 300 tokens: 18 whole tiles and a ragged one
+    monkeypatch.setattr(rd, "BLOCK_V", 16)  # 150 tokens: 9 whole tiles and a ragged one
     g = torch.Generator().manual_seed(7)
-    logits = torch.randn(6, 300, generator=g)
+    logits = torch.randn(6, 150, generator=g)
     logits[1, :] = 0.0  # every token tied: the race alone decides
-    logits[2, 100:] = float("-inf")  # the last tiles and chunks can never win
+    logits[2, 60:] = float("-inf")  # the last tiles and chunks can never win
     rows = torch.tensor([[0, 1, 2], [3, 4, 5], [1, 1, 1]])
     tree_rows = torch.tensor([2, 0, 1])
     temperature = torch.tensor([0.7, 1.3, 0.4])
     seed = torch.tensor([(1 << 40) + 99])
     flat = rows.flatten()
     inv_t = (1.0 / temperature[tree_rows]).repeat_interleave(rows.shape[1])
-    scores = torch.empty(len(flat), 300)
-    race_scores[(len(flat),)](logits[flat].contiguous(), scores, inv_t, seed, 300, Q=4)
+    scores = torch.empty(len(flat), 150)
+    race_scores[(len(flat),)](logits[flat].contiguous(), scores, inv_t, seed, 150, Q=4)
     want = scores.argmax(-1).view_as(rows)  # torch's first maximum
-    for tiles in (1000, 2):  # one program a row, then nine chunks
+    for tiles in (1000, 2):  # one program a row, then four chunks
         monkeypatch.setattr(rd, "CHUNK_TILES", tiles)
         argmax, draws = rd.row_draws(logits, rows, tree_rows, temperature, 0, seed=seed)
         assert torch.equal(draws, want), (tiles, draws, want)
         assert torch.equal(argmax, logits.argmax(-1)[rows])
-    assert (draws[0, 2] < 100) and len(set(draws[2].tolist())) == 3  # rows drawn apart: their own numbers
+    assert rd.num_chunks(150) == 4
+    assert (draws[0, 2] < 60) and len(set(draws[2].tolist())) == 3  # rows drawn apart: their own numbers
 
 
 def test_the_compiled_loop_reduces_nothing_and_loads_in_vectors():
