@@ -71,10 +71,9 @@ def compile_kernel(args: dict, capability: int = 90, name: str = "split"):
                           target=GPUTarget("cuda", capability, 32), options=options)
 
 
-def loops(ttgir: str) -> list[dict]:
-    """Each scf.for of the kernel, in order: the `num` of its first async_wait (None where it copies nothing
-    asynchronously), its asynchronous copies and its plain loads (tt.load: waited on where used)."""
-    found, lines = [], ttgir.splitlines()
+def loop_bodies(ttgir: str) -> list[str]:
+    """The body of each scf.for of a kernel's TTGIR, in order (nested loops' bodies inside their parents')."""
+    bodies, lines = [], ttgir.splitlines()
     for i, line in enumerate(lines):
         if "scf.for" not in line:
             continue
@@ -84,7 +83,15 @@ def loops(ttgir: str) -> list[dict]:
             body.append(inner)
             if depth <= 0:
                 break
-        text = "\n".join(body[1:])
+        bodies.append("\n".join(body[1:]))
+    return bodies
+
+
+def loops(ttgir: str) -> list[dict]:
+    """Each scf.for of the kernel, in order: the `num` of its first async_wait (None where it copies nothing
+    asynchronously), its asynchronous copies and its plain loads (tt.load: waited on where used)."""
+    found = []
+    for text in loop_bodies(ttgir):
         wait = re.search(r"ttg\.async_wait[^{]*\{num = (\d+)", text)
         found.append({"async_wait_num": int(wait.group(1)) if wait else None,
                       "async_copies": text.count("ttg.async_copy_global_to_local"),
@@ -156,7 +163,7 @@ def compile_row_draws(vocab: int = 128256, stride: int | None = None, dtype=torc
     kernel = rd._row_draws_kernel
     stride = vocab if stride is None else stride
     chunks = rd.num_chunks(vocab)
-    chunk = -(-(-(-vocab // chunks)) // rd.BLOCK_V) * rd.BLOCK_V
+    chunk = rd._cdiv(rd._cdiv(vocab, chunks), rd.BLOCK_V) * rd.BLOCK_V  # (the launcher's)
     ints = {"stride_l": stride, "vocab": vocab, "per_tree": 17, "first_sampled": 4, "chunk": chunk}
     pointers = {"logits": "*" + TYPES[dtype], "logit_rows": "*i64", "tree_rows": "*i64", "temperature": "*fp32",
                 "argmax_out": "*i64", "draws_out": "*i64", "partial": "*fp32", "counters": "*i32", "seed_ptr": "*i64"}
@@ -181,21 +188,10 @@ def row_draws_ir(compiled) -> dict:
     """What one tile of the row-draw kernel's loop costs, read off its TTGIR and PTX: reductions and layout
     conversions inside the loop (each a trip through shared memory with barriers), its loads, and the PTX's global
     loads by width and barriers (the whole kernel)."""
-    ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-    bodies = []
-    lines = ttgir.splitlines()
-    for i, line in enumerate(lines):
-        if "scf.for" in line:
-            depth, body = 0, []
-            for inner in lines[i:]:
-                depth += inner.count("{") - inner.count("}")
-                body.append(inner)
-                if depth <= 0:
-                    break
-            bodies.append("\n".join(body[1:]))
+    ptx = compiled.asm["ptx"]
     return {"loops": [{"reductions": b.count('"tt.reduce"') + b.count("tt.reduce("),
                        "layout_conversions": b.count("ttg.convert_layout"), "loads": b.count("tt.load")}
-                      for b in bodies],
+                      for b in loop_bodies(compiled.asm["ttgir"])],
             "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx)),
             "scalar_loads": len(re.findall(r"ld\.global(?:\.(?!v[24])\w+)*\.b(?:16|32)\s", ptx)),
             "barriers": ptx.count("bar.sync")}

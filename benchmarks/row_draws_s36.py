@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 
 from vllm_adaspec.kernels import kept
+# what did not change since: the tile, the chunking, the key
+from vllm_adaspec.kernels.row_draws import BLOCK_V, MAX_CHUNKS, NUM_WARPS, _cdiv, _seed, num_chunks  # noqa: F401
 
 try:
     import triton
@@ -14,39 +16,7 @@ try:
 except ImportError:
     triton = None
 
-__all__ = ["BLOCK_V", "row_draws", "row_draws_reference", "new_seed"]
-
-BLOCK_V = 4096  # logits a program reads per iteration (four Philox streams of BLOCK_V / 4)
-NUM_WARPS = 8
-# A row's vocabulary in chunks of at least CHUNK_TILES tiles, each its own program, at most MAX_CHUNKS. Session 36's
-# H200, 8 trees x 17 rows over Llama-3's 128k tokens, GPU alone: 1 chunk 67.8 us greedy / 160.1 us half sampled,
-# 7 chunks 39.0 / 76.2, 15 chunks 35.9 / 69.4, 16 chunks 38.2 / 70.9; torch's ops 47.0 / 205.3
-CHUNK_TILES = 2
-MAX_CHUNKS = 16
-
-
-def new_seed(device) -> torch.Tensor:
-    """A launch's Philox key, [1] int64 on `device`, drawn there from torch's default generator: the generator
-    vLLM's own sampling draws from, seeded alike on every tensor-parallel rank and advanced alike by the same ops, so
-    every rank draws the same tokens and compacts its KV alike (a key from a host generator would not be in step with
-    it); the kernel reads it, so nothing waits for the device."""
-    return torch.randint(1 << 62, (1,), dtype=torch.int64, device=device)
-
-
-def row_draws_reference(logits: torch.Tensor, logit_rows: torch.Tensor, tree_rows: torch.Tensor,
-                        temperature: torch.Tensor | None, first_sampled: int,
-                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same results with torch ops: (argmax [R, P], draws [R, P]) long; trees first_sampled.. draw (their own
-    random numbers: equal in law, not in value, to the kernel's)."""
-    from vllm_adaspec.trees.batch import draw_rows
-
-    argmax = logits.argmax(dim=-1)[logit_rows]
-    if first_sampled >= len(logit_rows):
-        return argmax, argmax
-    rows = logit_rows[first_sampled:]
-    t = temperature[tree_rows[first_sampled:]].to(torch.float32)[:, None, None]
-    drawn = draw_rows(logits[rows].to(torch.float32) / t, generator)
-    return argmax, torch.cat([argmax[:first_sampled], drawn])
+__all__ = ["row_draws", "num_chunks"]
 
 
 if triton is not None:
@@ -139,13 +109,6 @@ if triton is not None:
                 tl.store(counters + i, 0)  # zero again for the next launch
 
 
-def _seed(seed, sampled: bool, device) -> torch.Tensor:
-    """The key the kernel reads: `seed` as [1] int64 on `device`, a new one where a tree is sampled, else any int64."""
-    if seed is None:
-        return new_seed(device) if sampled else kept.ones(device, torch.int64)
-    return seed if isinstance(seed, torch.Tensor) else torch.tensor([seed], dtype=torch.int64, device=device)
-
-
 def row_draws(logits: torch.Tensor, logit_rows: torch.Tensor, tree_rows: torch.Tensor,
               temperature: torch.Tensor | None, first_sampled: int, seed: int | torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,12 +141,3 @@ def row_draws(logits: torch.Tensor, logit_rows: torch.Tensor, tree_rows: torch.T
                                       _seed(seed, first_sampled < r, logits.device), chunk, BLOCK_V=BLOCK_V,
                                       BLOCK_C=MAX_CHUNKS, num_warps=NUM_WARPS)
     return out[0], out[1]
-
-
-def num_chunks(vocab: int) -> int:
-    """Programs a row's vocabulary is cut into: chunks of at least CHUNK_TILES tiles, at most MAX_CHUNKS."""
-    return max(1, min(MAX_CHUNKS, vocab // (CHUNK_TILES * BLOCK_V)))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
