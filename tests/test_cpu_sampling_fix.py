@@ -160,7 +160,7 @@ def test_vllms_kernel_registration_runs_after_numba_was_imported():
 
     njit(lambda x: x + 1)(1)
     lib = ffi.lib
-    cpu_sampling_fix.install()
+    cpu_sampling_fix.install(type(current_platform))
     current_platform.register_triton_kernel_overrides()  # (AttributeError: '_lib_fn_wrapper' ... 'get' without it)
     assert ffi.lib is lib
     cpu_sampling_fix.register_fix()

@@ -315,34 +315,109 @@ def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():
         torch.testing.assert_close(got[tr, i], _causal(q[f], kx[keys], vx[keys], 0.125), rtol=1e-5, atol=1e-5)
 
 
-def test_requests_only_the_tree_sampler_may_verify_keep_one_token_from_their_root_row():
-    """A request with logit_bias (vLLM's chain verification ignores it) whose tree was not verified in the tree path
-    (a fault in planning it): vLLM's chain verdict is dropped, one token is sampled from the root's row with the
-    bias applied. The other request keeps vLLM's verdict."""
+def _vllm_like_sampler(bonus_bias: dict):
+    """Stands in for vLLM's rejection sampler (greedy): each request's drafts verified as a chain at its target rows
+    with no logit bias (vLLM's chain verification applies none), its bonus row argmaxed with the bias of its batch
+    row (`bonus_bias` {row: {token: bias}}: the logits processor the plugin gives vLLM's sampler back). Records the
+    metadata it was called with."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def stock(meta, draft_probs, logits, sm):
+        calls.append(meta)
+        n_req = len(meta.num_draft_tokens)
+        out = torch.full((n_req, meta.max_spec_len + 1), -1, dtype=torch.int32)
+        drafts, target = meta.draft_token_ids.tolist(), meta.target_logits_indices.tolist()
+        at = 0
+        for i, n in enumerate(meta.num_draft_tokens):
+            k = 0
+            while k < n and int(logits[target[at + k]].argmax()) == drafts[at + k]:
+                out[i, k] = drafts[at + k]
+                k += 1
+            if k < n:
+                out[i, k] = int(logits[target[at + k]].argmax())
+            else:
+                row = logits[int(meta.bonus_logits_indices[i])].clone()
+                for t, b in bonus_bias.get(i, {}).items():
+                    row[t] += b
+                out[i, k] = int(row.argmax())
+            at += n
+        return SimpleNamespace(sampled_token_ids=out, logprobs_tensors=None)
+
+    return stock, calls
+
+
+def _tree_only_case(sampling_params=None):
+    """Request a (logit_bias bans token 3; only the tree sampler may verify its drafts) drafted [3, 4] as a chain
+    (its tree was not planned: a fault in planning); request b drafted [7] and is an ordinary chain. a's root row's
+    argmax is 3, banned; its best allowed token is 9."""
     from types import SimpleNamespace
 
     from vllm import SamplingParams
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from vllm_adaspec.engine.tree_runtime import TreeRuntime
     from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler
 
     V = 16
-    logits = torch.zeros(6, V)
-    logits[0, 3] = 5.0  # request a's root row: argmax 3, but its bias bans 3; the next best is 9
-    logits[0, 9] = 4.0
-    verdict = torch.tensor([[3, 4, 5], [7, 8, -1]], dtype=torch.int32)  # vLLM's chain verdicts
-    stock = lambda *a: SimpleNamespace(sampled_token_ids=verdict.clone(), logprobs_tensors=None)  # noqa: E731
+    logits = torch.zeros(5, V)  # rows: a's root, a's node 3, a's bonus, b's root, b's bonus
+    logits[0, 3], logits[0, 9] = 5.0, 4.0
+    logits[1, 4] = 5.0
+    logits[3, 7] = 5.0
+    logits[4, 8] = 5.0
     params = {"a": SamplingParams(temperature=0.0, logit_bias={3: -100.0}), "b": SamplingParams(temperature=0.0)}
     port = SimpleNamespace(runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"])),
-                           sampling_params=params.get, output=lambda row: [1, 2])
+                           sampling_params=sampling_params or params.get, output=lambda row: [1, 2])
+    stock, calls = _vllm_like_sampler({0: {3: -100.0}})
     sampler = TreeRejectionSampler(stock, TreeRuntime(), port=port, tree_only=lambda r: r == "a")
-    metadata = SimpleNamespace(num_draft_tokens=[2, 1], cu_num_draft_tokens=torch.tensor([2, 3]),
-                               target_logits_indices=torch.tensor([0, 1, 3]), bonus_logits_indices=torch.tensor([2, 4]))
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    metadata = SpecDecodeMetadata(i32(3, 4, 7), [2, 1], i32(2, 3), i32(3, 5), i32(0, 1, 3), i32(2, 4),
+                                  i32(0, 1, 2, 3, 4))
     sm = SimpleNamespace(all_greedy=True, temperature=None, top_k=None, top_p=None, generators={}, no_penalties=True,
                          prompt_token_ids=None, allowed_token_ids_mask=None, bad_words_token_ids={},
-                         max_num_logprobs=None)
+                         max_num_logprobs=None, spec_token_ids=None)
+    return sampler, calls, metadata, logits, sm
+
+
+def test_drafts_only_the_tree_sampler_may_verify_never_reach_vllms_chain_verification():
+    """A request with logit_bias whose drafts reached vLLM as a chain (a fault in planning its tree) is taken out of
+    vLLM's chain verification: to vLLM's sampler it has no drafts and its bonus row is its root row, where vLLM
+    applies every setting (the bias too), so it commits one allowed token. vLLM's chain verdict would have been
+    [3, 4, ...]: the banned token, from a row vLLM verifies without the bias. b keeps vLLM's chain verdict."""
+    sampler, calls, metadata, logits, sm = _tree_only_case()
     out = sampler(metadata, None, logits, sm)
+    assert list(calls[0].num_draft_tokens) == [0, 1] and int(calls[0].bonus_logits_indices[0]) == 0
     assert out.sampled_token_ids.tolist() == [[9, -1, -1], [7, 8, -1]]
+    assert sampler.runtime.faults.count == 0 and sampler.runtime.failed == {}
+
+
+def test_when_even_taking_the_drafts_out_fails_the_root_row_is_resampled_or_the_request_fails(monkeypatch):
+    """Taking the trees out of vLLM's chain verification raises: vLLM verifies every draft as a chain ([3, 4, 4]
+    for a), and a keeps one token sampled here from its root row with its bias (9), never vLLM's chain verdict.
+    When even that fails (its settings cannot be read), a commits nothing and is failed with an error for its client
+    (runtime.failed: the worker hands it to the scheduler); b is untouched either way."""
+    import vllm_adaspec.engine.tree_sampler as ts
+
+    def broken(*a, **k):
+        raise RuntimeError("chains_only broke")
+
+    monkeypatch.setattr(ts, "chains_only", broken)
+    sampler, calls, metadata, logits, sm = _tree_only_case()
+    out = sampler(metadata, None, logits, sm)
+    assert list(calls[0].num_draft_tokens) == [2, 1]  # vLLM saw every draft
+    assert out.sampled_token_ids.tolist() == [[9, -1, -1], [7, 8, -1]]
+    assert sampler.runtime.faults.count == 1 and sampler.runtime.failed == {}
+
+    def unreadable(req_id):
+        if req_id == "a":
+            raise RuntimeError("no sampling params")
+        return None
+
+    sampler, calls, metadata, logits, sm = _tree_only_case(unreadable)
+    out = sampler(metadata, None, logits, sm)
+    assert out.sampled_token_ids.tolist() == [[-1, -1, -1], [7, 8, -1]]
+    assert list(sampler.runtime.take_failed()) == ["a"] and sampler.runtime.failed == {}
 
 
 def test_vllms_dummy_sampler_run_at_start_up_passes_through_the_tree_sampler_and_the_logits_tap():

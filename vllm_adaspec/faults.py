@@ -15,8 +15,9 @@ raises `InjectedFault` at the 3rd pass through the failpoint "trie", the 10th th
 repeat a place for several faults; with VLLM_ADASPEC_INJECT_FAULTS_RANK=R, only on tensor-parallel rank R).
 Failpoints: one per pool ("context", "suffix", "recycled", "corpus", "medusa", "branches": in the pool set's
 propose), "trie" (MultiBranchProposer's merge), "draft" (early exit: after its first draft pass), "tree_plan"
-(planning a step's trees), "tree_verify" (verifying a tree request), "compaction" (after the paged KV of accepted
-nodes moved), "tree_kernel", "draw_kernel", "verify_kernel", "compaction_kernel" (a GPU runtime's launches of the
+(planning a step's trees), "tree_verify" (verifying a tree request), "tree_only" (verifying a request whose
+settings only the tree sampler applies: min_p, logit_bias, a grammar over tree rows; its fallback is one token from
+its root row, every setting applied), "compaction" (after the paged KV of accepted nodes moved), "tree_kernel", "draw_kernel", "verify_kernel", "compaction_kernel" (a GPU runtime's launches of the
 tree-attention, row-draw, verification and KV compaction kernels). Unset, `point` is one attribute test.
 
 The negative control of the sampling tests (they must reject a verifier that is not lossless):
@@ -46,7 +47,7 @@ INJECT_RANK_ENV = "VLLM_ADASPEC_INJECT_FAULTS_RANK"
 BIAS_ENV = "VLLM_ADASPEC_BIASED_VERIFIER_SEEDS"
 BIAS = 0.5  # how often a biased verifier accepts a rejected node
 FAILPOINTS = ("context", "suffix", "recycled", "corpus", "medusa", "branches", "trie", "draft", "tree_plan",
-              "tree_verify", "compaction", "tree_kernel", "draw_kernel", "verify_kernel", "compaction_kernel")
+              "tree_verify", "tree_only", "compaction", "tree_kernel", "draw_kernel", "verify_kernel", "compaction_kernel")
 
 
 class InjectedFault(RuntimeError):
@@ -91,6 +92,13 @@ class FaultGuard:
         guard.inject_rank = int(rank) if rank else None
         return guard
 
+    def agree_rows(self, faulted: bool, where: str, flags: list[int]) -> tuple[bool, list[int]]:
+        """`agree`, with per-row flags (0 / 1) taken as their largest over the ranks in the same collective: a row
+        flagged on any rank is flagged on every rank. Without TP: (faulted, flags)."""
+        if self.sync is None:
+            return faulted, list(flags)
+        return self._agree(faulted, where, 0, False, list(flags))
+
     def agree(self, faulted: bool, where: str, digest: int = 0, off: bool = False) -> bool:
         """Whether a fault happened at `where` in this step on any tensor-parallel rank (this one: `faulted`), or
         drafting is `off` on one, or the ranks' `digest`s of what they are about to do differ; the ranks' fault
@@ -98,7 +106,11 @@ class FaultGuard:
         places in the same order (a collective). Without TP: `faulted`."""
         if self.sync is None:
             return faulted
-        anywhere, count, hi, neg_lo, off_somewhere = self.sync([int(faulted), self.count, digest, -digest, int(off)])
+        return self._agree(faulted, where, digest, off, [])[0]
+
+    def _agree(self, faulted: bool, where: str, digest: int, off: bool, flags: list[int]) -> tuple[bool, list[int]]:
+        anywhere, count, hi, neg_lo, off_somewhere, *flags = self.sync([int(faulted), self.count, digest, -digest,
+                                                                       int(off), *flags])
         if off_somewhere:
             anywhere = 1
         elif hi != -neg_lo:
@@ -112,7 +124,7 @@ class FaultGuard:
             self.by_place["on another tensor-parallel rank"] += count - self.count
             self.count = count
             self._check_limit()
-        return bool(anywhere)
+        return bool(anywhere), flags
 
     def biased(self, generator) -> bool:
         """Negative control: should this request's verifier (its torch.Generator, or None) accept a rejected node

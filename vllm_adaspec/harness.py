@@ -111,7 +111,7 @@ def metric_values(llm) -> dict:
 # Drafter stats that say how things stand now (live per-request state, peaks), not how often something happened:
 # reported as they are after a batch, never as a difference.
 GAUGES = ("tracked_requests", "pool_requests", "suffix_active", "kv_copies", "gram_entries", "tree_kv_copy_peak",
-          "live", "draft_digest")
+          "live", "draft_digest", "committed_digest")
 
 
 def diff_metrics(after: dict, before: dict) -> dict:

@@ -267,6 +267,8 @@ class GPUTreeRuntime(TreeRuntime):
         kernels.warm_up(self.device, self.dtype, *self.heads, block_size=self.block_size, max_rows=self.max_rows,
                         k_cache=k, v_cache=v, block_table=block_table)
         self._warm_up_step_kernels(kv_caches)
+        if self.faults.sync is not None:  # tensor parallelism: every rank draws with the kernel, or none does
+            self.draw_kernel = not self.faults.sync([int(not self.draw_kernel)])[0]
 
     def _warm_up_step_kernels(self, kv_caches: list) -> None:
         """The verification and compaction kernels compiled at start-up on the engine's caches: a one-node tree
@@ -587,19 +589,27 @@ class GPUTreeRuntime(TreeRuntime):
         dev = step.device
         g = dev.greedy
         sm = sampling_metadata
-        argmax = None
+        argmax, key = None, None
         if self.draw_kernel and (g == len(dev.batched) or (sm.top_k is None and sm.top_p is None)):
+            # the launch's key drawn before the launch, so that the default generator advances alike whether the
+            # kernel or its fallback draws (tensor-parallel ranks keep one random stream: a fault on one rank alone)
+            key = row_draws.new_seed(logits.device) if g < len(dev.batched) else None
             try:
                 self.faults.point("draw_kernel")
                 argmax, draws = row_draws.row_draws(logits, dev.logit_rows, dev.batched_rows,
-                                                    None if g == len(dev.batched) else sm.temperature, g)
+                                                    None if g == len(dev.batched) else sm.temperature, g, seed=key)
             except Exception as e:
                 self.faults.record("launching the row-draw kernel (the rows' argmax and draws by torch ops)", e)
                 self.kernel_fallbacks += 1
                 argmax = None
         if argmax is None:
             argmax = logits.argmax(dim=-1)[dev.logit_rows]  # [Rb, N + 1] (the sampled trees' read-only rows too)
-            draws = argmax if g == len(dev.batched) else torch.cat([argmax[:g], self._draws(dev, logits, sm)])
+            generator = None
+            if key is not None:  # the fallback of a launch: its draws from the launch's key (a read of the device)
+                generator = torch.Generator(logits.device)
+                generator.manual_seed(int(key) & ((1 << 63) - 1))
+            draws = (argmax if g == len(dev.batched)
+                     else torch.cat([argmax[:g], self._draws(dev, logits, sm, generator)]))
         try:
             self.faults.point("verify_kernel")
             path, count, bonus = tree_verify.verify_trees(dev.trees, draws, tokens, dev.batched_rows,
@@ -611,8 +621,9 @@ class GPUTreeRuntime(TreeRuntime):
         return BatchVerdict(path, count, bonus, argmax)
 
     @staticmethod
-    def _draws(dev: DeviceStep, logits: torch.Tensor, sm) -> torch.Tensor:
-        """[Rs, N + 1]: one draw from vLLM's processed distribution at every row of the sampled trees."""
+    def _draws(dev: DeviceStep, logits: torch.Tensor, sm, generator: torch.Generator | None = None) -> torch.Tensor:
+        """[Rs, N + 1]: one draw from vLLM's processed distribution at every row of the sampled trees (from
+        `generator`, default the device's default generator)."""
         g = dev.greedy
         rows = dev.batched_rows[g:]
         logit_rows = dev.logit_rows[g:]
@@ -624,7 +635,7 @@ class GPUTreeRuntime(TreeRuntime):
 
             x = apply_top_k_top_p(x, None if sm.top_k is None else sm.top_k[rows].repeat_interleave(per_row),
                                   None if sm.top_p is None else sm.top_p[rows].repeat_interleave(per_row))
-        return draw_rows(x).view(len(rows), per_row)
+        return draw_rows(x, generator).view(len(rows), per_row)
 
     def fail_step(self, step: TreeStep, first_tokens: torch.Tensor) -> None:
         self.pending = None

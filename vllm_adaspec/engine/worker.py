@@ -94,6 +94,14 @@ class AdaspecWorkerMixin:
             self._adaspec_snapshots.maybe_write(drafter.snapshot, force=bool(scheduler_output.finished_req_ids))
         return out
 
+    def sample_tokens(self, grammar_output):
+        out = super().sample_tokens(grammar_output)
+        runtime = self.model_runner.drafter.port.runtime
+        failed = runtime.take_failed() if runtime is not None else None
+        if failed and out is not None:  # finished with an error by our scheduler (engine/scheduler.py)
+            out.adaspec_failed = failed
+        return out
+
     def adaspec_stats(self) -> dict:
         """Drafter counters (drafting time, passes, tokens); `LLM.collective_rpc("adaspec_stats")` reads them."""
         return self.model_runner.drafter.get_stats()

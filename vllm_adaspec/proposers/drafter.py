@@ -23,6 +23,7 @@ class Stats:
     draft_seconds: float = 0.0  # wall time drafting (CPU: synchronous, so this is the drafting cost)
     policy_seconds: float = 0.0
     draft_digest: int = 0  # tensor parallelism: a CRC of every draft proposed (ranks must propose the same)
+    committed_digest: int = 0  # tensor parallelism: a CRC of every token committed (ranks must commit the same)
     # tree mode: trees proposed, their verified nodes, trees verified as trees, KV slots compacted, requests the copy
     # cap kept to chains, the copies' peak, accepted depth histogram
     tree_rounds: int = 0

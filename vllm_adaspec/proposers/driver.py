@@ -256,7 +256,10 @@ class Driver:
                 self.stats.drafting_off = 1
                 self._release_all()
             drafts = [[] for _ in sampled_token_ids]
-        if self._tp:  # a digest of every draft proposed: the ranks must propose the same (tests compare it)
+        if self._tp:  # digests of every token committed and every draft proposed: the ranks must agree (tests)
+            self.stats.committed_digest = zlib.crc32(
+                np.asarray([t for c in sampled_token_ids for t in list(c) + [-1]], np.int64).tobytes(),
+                self.stats.committed_digest)
             self.stats.draft_digest = zlib.crc32(np.asarray([t for d in drafts for t in d + [-1]], np.int64).tobytes(),
                                                  self.stats.draft_digest)
         return drafts
