@@ -69,6 +69,12 @@ def greedy_batch(prompts=PROMPTS, max_tokens=MAX_TOKENS, repeat=1):
     }
 
 
+# The mixed batch's conversations, a turn further (harness: "continue" from the job's first batch, which must be the
+# mixed batch): each prompt followed by its greedy output, 24 tokens more. Blocks of the first turn's output are
+# in the prefix cache by then.
+NEXT_TURN = {"continue": 0, "params": [{"temperature": 0.0, "max_tokens": 24, "ignore_eos": False}]}
+
+
 def assert_identical(run, plain):
     for i, (got, want) in enumerate(zip(run["token_ids"], plain["token_ids"])):
         assert got == want, f"prompt {i} diverged at token {next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))}"
@@ -299,6 +305,22 @@ def assert_features_match(run, plain):
     assert run["finish_reasons"][edge] == ["length"] and 0 < len(run["completions"][edge][0]) <= 27
 
 
+# Requests whose settings only the tree sampler applies to draft rows (vLLM's chain verification ignores logit_bias
+# and min_p, and a grammar tree's node rows are masked by the plugin), greedy, each under faults in the tree path
+# (test_engine_multibranch.py): logit_bias banning the request's own top first token (BANNED_FIRST: its plain,
+# unbiased greedy first token, from the mixed batch), min_p, a JSON grammar, bad words.
+BANNED_FIRST = {0: 472, 3: 3725, 7: 216}  # PROMPTS index -> its greedy first token without bias
+OWN_SETTINGS = [
+    *[(PROMPTS[i], {"logit_bias": {t: -100.0}}) for i, t in BANNED_FIRST.items()],
+    (PROMPTS[5], {"min_p": 0.3}),
+    ("<|im_start|>user\nGive a person as JSON with name and age.<|im_end|>\n<|im_start|>assistant\n",
+     {"structured_outputs": {"json": JSON_SCHEMA}}),
+    (PROMPTS[8], {"bad_words": [" the", " village"]}),
+]
+OWN_SETTINGS_BATCH = {"prompts": [p for p, _ in OWN_SETTINGS],
+                      "params": [{"temperature": 0.0, "max_tokens": 40, **q} for _, q in OWN_SETTINGS]}
+
+
 # Four requests of equal length: one batch size throughout (the cost model's known answer for early exit).
 GUARD_BATCH = {"prompts": PROMPTS[:4], "params": [{"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}]}
 
@@ -327,10 +349,11 @@ def plain_greedy(smollm2, engines):
     """Reference: vLLM without speculation, same engine settings, every batch the engine tests compare with."""
     res = engines.run({"model": smollm2, "engine": ENGINE,
                        "batches": [greedy_batch(), greedy_batch(GROW_PROMPTS, GROW_MAX_TOKENS), SAMPLED_MIX,
-                                   TREE_MIX, GUARD_BATCH, FEATURES_BATCH, COPY_OR_NOT]})
+                                   TREE_MIX, GUARD_BATCH, FEATURES_BATCH, COPY_OR_NOT, OWN_SETTINGS_BATCH,
+                                   NEXT_TURN]})
     runs = [b["runs"][0] for b in res["batches"]]
     return dict(zip(["mixed", "grow", "sampled_mix", "tree_mix", "guard", "features",
-                     "copy_or_not"], runs))
+                     "copy_or_not", "own_settings", "next_turn"], runs))
 
 
 def pytest_collection_modifyitems(config, items):

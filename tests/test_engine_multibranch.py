@@ -14,7 +14,8 @@ branches on and off both give plain decoding's tokens."""
 
 import pytest
 
-from conftest import (BIASED_SEEDS, COPY_OR_NOT, COPYING, ENGINE, FEATURE_NAMES, FEATURES_BATCH, GROW_MAX_TOKENS,
+from conftest import (BANNED_FIRST, BIASED_SEEDS, COPY_OR_NOT, COPYING, ENGINE, FEATURE_NAMES, FEATURES_BATCH,
+                      GROW_MAX_TOKENS, OWN_SETTINGS_BATCH,
                       GROW_PROMPTS, GUARD_BATCH, TREE_FEATURES, TREE_MIX, assert_features_match, assert_identical,
                       FRUIT_MIN_P, FRUIT_REGEX, greedy_batch, joined, samples, sampling_batch, target_pvalues)
 
@@ -117,6 +118,52 @@ def test_at_the_fault_limit_speculation_stops_and_requests_finish_as_plain(smoll
     assert after["texts"][0] and after["adaspec"]["drafter_faults"] == 0
     live = after["adaspec"]["live"]
     assert after["adaspec"]["tracked_requests"] == 0 and not any(live.values()), (after["adaspec"], live)
+
+
+# Dense faults at every failpoint of the tree path, `tree_only` (verifying a request whose settings only the tree
+# sampler applies) included, through a batch of such requests: each contained fault must leave the requests it hits
+# with a token their settings allow (vLLM's first token from the root row, every setting applied), never vLLM's
+# chain verdict, which applies none of them to draft rows.
+TREE_FAILPOINTS = {"tree_plan": 4, "tree_verify": 5, "tree_only": 3, "compaction": 4}  # every n-th pass faults
+DENSE_FAULTS = {"VLLM_ADASPEC_INJECT_FAULTS": ",".join(f"{place}@{k}" for place, n in TREE_FAILPOINTS.items()
+                                                       for k in range(n, 400, n))}
+
+
+@pytest.fixture(scope="module")
+def own_settings_run(smollm2, tree_engines):
+    engine = mb_engine(max_num_seqs=8, settings={"pools": ["context", "suffix"], "cost_model": "off",
+                                                 "fault_limit": 10**6})
+    res = tree_engines.run({"model": smollm2, "engine": engine, "batches": [OWN_SETTINGS_BATCH], "env": DENSE_FAULTS})
+    return res["batches"][0]["runs"][0]
+
+
+def test_faults_at_every_tree_failpoint_never_commit_a_token_a_request_forbids(smollm2, own_settings_run,
+                                                                               plain_greedy):
+    """logit_bias banning each request's own top token, min_p, a JSON grammar and bad words, greedy, every tree
+    failpoint faulting every few passes: the output is plain decoding's with the same settings, token for token; no
+    banned token and no bad word anywhere; the JSON parses; every failpoint was hit, `tree_only` included."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    run, plain = own_settings_run, plain_greedy["own_settings"]
+    assert_identical(run, plain)
+    for k, (i, banned) in enumerate(BANNED_FIRST.items()):
+        assert plain_greedy["mixed"]["token_ids"][i][0] == banned  # each bias bans the request's own top token
+        assert banned not in run["token_ids"][k], (k, banned)
+    json.loads(run["texts"][4])
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    for word in OWN_SETTINGS_BATCH["params"][5]["bad_words"]:
+        ids = tok.encode(word, add_special_tokens=False)
+        out = run["token_ids"][5]
+        assert not any(out[j:j + len(ids)] == ids for j in range(len(out))), (word, ids)
+    st = run["adaspec"]
+    places = st["faults_by_place"]
+    assert places.get("planning the step's token trees", 0) > 3, places
+    assert places.get("compacting the accepted tree nodes' KV", 0) > 2, places
+    verifying = sum(n for p, n in places.items() if p.startswith("verifying request"))
+    assert verifying > 10, places  # tree_verify and tree_only faults on single requests
+    assert st["tree_verified"] > 20 and st["accepted_drafts"] > 20, st  # trees still verified between the faults
 
 
 def test_request_features_work_as_without_speculation(mb_runs, plain_greedy):

@@ -5,12 +5,13 @@
   target's hidden state at the row of the last accepted node, the tree path's per-request KV copies under their cap
   (requests past it draft chains), and the records `adaspec train c2t` learns from;
 - vLLM's default compiled mode (no enforce_eager: inductor, and the profile run at start-up) starts early exit with
-  trees and keeps greedy output identical (README's own `adaspec serve` command, MultiBranchProposer with its
+  trees and keeps greedy output identical, and a next turn served from the prefix cache, tree-decoded output
+  included, equals plain decoding's (README's own `adaspec serve` command, MultiBranchProposer with its
   defaults in compiled mode: test_server.py's soak; vLLM finding the plugin by its entry point: test_wheel.py)."""
 
 import pytest
 
-from conftest import ENGINE, SPEC, assert_identical, greedy_batch
+from conftest import ENGINE, NEXT_TURN, SPEC, assert_identical, greedy_batch
 
 pytestmark = pytest.mark.engine
 
@@ -77,10 +78,19 @@ def test_greedy_tree_decoding_in_vllms_default_compiled_mode_is_identical_to_pla
     # the same requests again, each asking for chains (adaspec_speculation): 8 drafts a round from the same head
     chains = greedy_batch()
     chains["params"] = [{**p, "extra_args": {"adaspec_speculation": "chain"}} for p in chains["params"]]
-    res = tree_engines.run({"model": smollm2, "engine": compiled(tree_engine()), "batches": [greedy_batch(), chains]})
-    run, chain_run = (b["runs"][0] for b in res["batches"])
+    # Then the mixed batch's conversations a turn further (NEXT_TURN: each prompt followed by its tree-decoded
+    # output): with 32-token blocks the prefix cache serves the first turn's output blocks too, which tree decoding
+    # wrote (nodes at depth positions, accepted paths compacted): they must be what plain decoding writes.
+    res = tree_engines.run({"model": smollm2, "engine": compiled(tree_engine(engine={"block_size": 32})),
+                            "batches": [greedy_batch(), chains, NEXT_TURN]})
+    run, chain_run, next_turn = (b["runs"][0] for b in res["batches"])
     assert_identical(run, plain_greedy["mixed"])
     assert_identical(chain_run, plain_greedy["mixed"])
+    assert_identical(next_turn, plain_greedy["next_turn"])
+    # more tokens from the cache than the first turn's prompts hold: blocks of tree-decoded output were served
+    first_prompts = sum(run["prompt_lens"])
+    assert next_turn["metrics"]["vllm:prefix_cache_hits"] > first_prompts + 150, (
+        next_turn["metrics"]["vllm:prefix_cache_hits"], first_prompts)
     st = run["adaspec"]
     assert st["tree_verified"] > 20 and st["drafter_faults"] == 0, st
     assert st["tree_kv_moves"] > 0, "no accepted path left the first-child spine: compaction was not exercised"

@@ -329,23 +329,29 @@ def _top(pos: dict) -> list:
 
 
 def _run_batches(llm, job: dict) -> dict:
-    results = []
+    """A batch with "continue": j takes as its prompts batch j's (first run's) conversations so far: each request's
+    prompt tokens followed by its output tokens (a next turn; prefix caching can serve all of it)."""
+    results, turns = [], []
     for batch in job["batches"]:
+        prompts = batch.get("prompts")
+        if "continue" in batch:
+            prompts = [{"prompt_token_ids": ids} for ids in turns[batch["continue"]]]
         params = [sampling_params(p) for p in batch["params"]]
         if len(params) == 1:
-            params = params * len(batch["prompts"])
+            params = params * len(prompts)
         runs = []
         for _ in range(batch.get("repeat", 1)):
             stats_before = adaspec_stats(llm)
             before = metric_values(llm)
             t0 = time.perf_counter()
-            outs = llm.generate(batch["prompts"], params, use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - t0
             runs.append(
                 {
                     "token_ids": [list(o.outputs[0].token_ids) for o in outs],
                     "texts": [o.outputs[0].text for o in outs],
                     "request_ids": [o.request_id for o in outs],
+                    "prompt_lens": [len(o.prompt_token_ids or ()) for o in outs],
                     "seconds": seconds,
                     "metrics": diff_metrics(metric_values(llm), before),
                     "adaspec": diff_metrics(adaspec_stats(llm), stats_before),
@@ -365,6 +371,8 @@ def _run_batches(llm, job: dict) -> dict:
                                         for o in outs],
                 }
             )
+            if len(runs) == 1:
+                turns.append([list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs])
         results.append({"runs": runs})
     return {"batches": results}
 
