@@ -122,3 +122,27 @@ def test_mix_prompts_are_what_each_type_says():
     assert all(json.loads(m["content"])["name"] for m in agent if m["role"] == "assistant")  # JSON tool calls
     text, answer = gsm_problem(0)
     assert gsm_problem(0) == (text, answer) and gsm_problem(1) != gsm_problem(0) and isinstance(answer, int)
+
+
+def test_the_training_split_never_holds_an_evaluation_prompt():
+    """Self-distillation's ShareGPT conversations (data/mix.sharegpt_training) lie past the head the workload mix's
+    chat prompts come from: no conversation (ShareGPT splits long ones into parts: no part) is in both, no training
+    request repeats an evaluation request, and `training_prompts` mixes them with stdlib / template prompts, never a
+    HumanEval or MT-Bench prompt."""
+    from vllm_adaspec.data.mix import _sharegpt_head, load_chat, sharegpt_training, sharegpt_training_prompts
+    from vllm_adaspec.training.distill import training_prompts
+
+    head = {c["id"].split("_")[0] for c in _sharegpt_head()}
+    tail = [c["id"] for c in sharegpt_training(limit=3000)]
+    assert len(tail) == 3000 and not any(t.split("_")[0] in head for t in tail)
+    train = sharegpt_training_prompts(2000)
+    assert len(train) == 2000 and all(p[-1]["role"] == "user" for p in train)
+    # (requests of a few words, "continue" and the like, are in both: none of them longer than 40 characters)
+    asked = {m["content"] for p in load_chat() for m in p if m["role"] == "user" and len(m["content"]) > 40}
+    assert not any(m["content"] in asked for p in train for m in p if m["role"] == "user")
+    assert not any(p == e for p in train for e in load_chat())
+    mixed = training_prompts(400, 0, EchoTokenizer(), exclude=set(load_humaneval()))
+    assert len(mixed) == 400 and training_prompts(400, 0, EchoTokenizer()) == mixed  # deterministic
+    assert 250 <= sum(p.startswith("user:") for p in mixed) < 400  # ShareGPT's three quarters + templates
+    evaluation = set(load_humaneval()) | set(load_mtbench_first_turns())
+    assert not any(e.strip()[:100] in p for p in mixed for e in evaluation)

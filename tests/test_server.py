@@ -46,15 +46,17 @@ def post(url, body, stream=False):
 def serving(model, work, speculative: dict, additional: dict | None = None, env: dict | None = None,
             eager: bool = True):
     """`adaspec serve MODEL` as README says (vllm serve itself dies on the CPU build), float32, on a free loopback
-    port; yields (base url, server process). Stopped by SIGTERM to its PID. env: added to the server's. eager=False:
+    port; yields (base url, server process). Stopped by SIGTERM to its PID. speculative None: a plain server.
+    env: added to the server's. eager=False:
     vLLM's default compiled mode (README's command as written; inductor and the profile run at start-up)."""
     port = free_port()
     cmd = [
         os.path.join(os.path.dirname(sys.executable), "adaspec"), "serve", model,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", ENGINE["dtype"], *(["--enforce-eager"] if eager else []),
         "--max-model-len", str(ENGINE["max_model_len"]), "--seed", "0", "--kv-cache-memory-bytes", str(2**30),
-        "--speculative-config", json.dumps(speculative),
-    ] + (["--additional-config", json.dumps(additional)] if additional else [])
+    ] + (["--speculative-config", json.dumps(speculative)] if speculative else []) + (
+        ["--additional-config", json.dumps(additional)] if additional else [])
+    work.mkdir(parents=True, exist_ok=True)
     log = open(work / "server.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**default_env(multiprocess=True, workdir=str(work)), **(env or {})})

@@ -78,6 +78,11 @@ def add_distill(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=256, help="longest continuation per prompt")
     p.add_argument("--prompts-per-shard", type=int, default=256)
+    p.add_argument("--source", choices=("mix", "stdlib"), default="mix",
+                   help="prompts: ShareGPT's training split with stdlib code and instruction templates (mix, "
+                        "default), or the latter alone")
+    p.add_argument("--top-k-logprobs", type=int, default=8, help="the target's top log-probs kept per token")
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode (default: compiled, as vLLM)")
     p.set_defaults(func=cmd_distill)
 
 
@@ -91,8 +96,9 @@ def cmd_distill(args) -> int:
     from vllm_adaspec.models import resolve_model
     from vllm_adaspec.training.distill import DistillSettings, generate_distill_data
 
-    if args.tokens < 1 or args.max_tokens < 1 or args.prompts_per_shard < 1:
-        print("adaspec distill: --tokens, --max-tokens and --prompts-per-shard must be >= 1", file=sys.stderr)
+    if args.tokens < 1 or args.max_tokens < 1 or args.prompts_per_shard < 1 or args.top_k_logprobs < 1:
+        print("adaspec distill: --tokens, --max-tokens, --prompts-per-shard and --top-k-logprobs must be >= 1",
+              file=sys.stderr)
         return 2
     try:
         model = resolve_model(args.model)
@@ -101,7 +107,8 @@ def cmd_distill(args) -> int:
         return 2
     out = args.out or default_distill_dir(args.model, args.seed)
     settings = DistillSettings(model=model, tokens=args.tokens, seed=args.seed, max_tokens=args.max_tokens,
-                               prompts_per_shard=args.prompts_per_shard)
+                               prompts_per_shard=args.prompts_per_shard, source=args.source,
+                               top_k_logprobs=args.top_k_logprobs, eager=args.enforce_eager)
     try:
         summary = generate_distill_data(settings, out)
     except ValueError as e:  # settings clash with existing data in --out

