@@ -190,12 +190,18 @@ def test_pool_set_proposes_what_the_old_per_pool_calls_did(names):
 
 
 def test_registry_lists_every_pool_and_what_it_needs():
+    from vllm_adaspec.config import DEFAULT_POOLS
+    from vllm_adaspec.trees.trie import MAX_POOLS
+
     assert list(POOLS) == ["context", "suffix", "recycled", "corpus", "branches", "medusa"]
     assert [p for p, s in POOLS.items() if s.needs_hidden] == ["medusa"]
-    assert [p for p, s in POOLS.items() if s.needs_logits] == ["recycled"]
+    assert {p: s.logits_k for p, s in POOLS.items() if s.logits_k} == {"recycled": 8}
     assert [p for p, s in POOLS.items() if s.needs_trees] == ["branches"]
-    assert {p: s.needs_file for p, s in POOLS.items() if s.needs_file} == {"corpus": "corpus", "medusa": "medusa"}
+    assert {p: s.file_key for p, s in POOLS.items() if s.file_key} == {"corpus": "corpus", "medusa": "medusa"}
     assert POOLS["suffix"].needs_package == "arctic-inference"
+    assert DEFAULT_POOLS == ("context", "suffix", "corpus", "medusa")
+    # a bit of the calibration key per pool: a pool past MAX_POOLS needs the key widened (trees/trie.py)
+    assert len(POOLS) <= MAX_POOLS, f"{len(POOLS)} pools, calibration keys hold {MAX_POOLS}: widen trees/trie.py"
     pools = make_pools(ALL, vocab_size=V, corpus_table=build_table([[1, 2, 3]], V, min_count=1),
                        medusa_heads=FakeHeads())
     assert [p.name for p in pools] == list(ALL) and all(isinstance(p, Pool) for p in pools)
@@ -300,3 +306,40 @@ def test_pool_set_fans_lifecycle_out_and_counts_nodes_per_pool():
     assert s.observe_branches("r", [[1]], [2]) == 0  # no branches pool: nobody harvests
     s.stop("r")
     assert "r" not in s and s.live() == {"context": 0, "recycled": 0}
+
+
+class EchoPool(Pool):
+    """A pool declared in a test: proposes the request's last token again."""
+    name = "echo"
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def from_build(cls, build):
+        return cls(build.vocab_size)
+
+    def propose(self, requests, budgets, taps):
+        return [Candidates([t], [-1], [0.5], [0], "echo") for t in taps.last_tokens]
+
+
+def test_a_pool_declared_in_the_registry_alone_is_known_everywhere(monkeypatch):
+    """The registry is the single source: a pool added to it (nothing else) is accepted by the config, is a
+    failpoint of fault injection, is built by make_pools in merge order, and what it needs reaches the drafter's
+    needs and start-up's file lookup (engine/startup.py reads `file_key`; FILE_FINDERS names a finder per key)."""
+    import vllm_adaspec.pools as pools
+    from vllm_adaspec.config import parse_adaspec_config
+    from vllm_adaspec.engine.startup import FILE_FINDERS
+    from vllm_adaspec.faults import parse_injection
+    from vllm_adaspec.pools import PoolSpec
+
+    monkeypatch.setitem(pools.POOLS, "echo", PoolSpec("test_pool_interface:EchoPool", "echo", logits_k=3))
+    cfg = parse_adaspec_config({"adaspec": {"pools": ["echo", "context"]}}, "multi_branch")
+    assert cfg.pools == ("echo", "context")
+    assert parse_injection("echo@2") == {"echo": {2}}
+    built = make_pools(["echo", "context"], vocab_size=V)
+    assert [p.name for p in built] == ["context", "echo"] and isinstance(built[1], EchoPool)
+    specs = [pools.POOLS[p] for p in cfg.pools]
+    assert max(s.logits_k for s in specs) == 3
+    # every file a pool declares has a finder at start-up
+    assert {s.file_key for s in pools.POOLS.values() if s.file_key} <= set(FILE_FINDERS)

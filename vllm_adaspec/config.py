@@ -15,6 +15,8 @@ from typing import Any, Mapping
 
 from vllm_adaspec.errors import (SECTION, AdaspecConfigError, Interval, is_number, one_line, show,  # noqa: F401
                                  typed)
+from vllm_adaspec.pools import POOLS as POOL_SPECS
+from vllm_adaspec.pools import default_pools
 
 # Decoder-only models whose vLLM implementation exposes embed_tokens / layers / norm / lm_head and
 # whose decoder layers take (positions, hidden_states, residual).
@@ -50,15 +52,16 @@ PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBra
 TREE_KEYS = {"early_exit": ("budget", "top_k", "depth", "max_depth", "kv_copy_tokens", "builder", "beta",
                             "second_top_k"),
              "multi_branch": ("budget", "kv_copy_tokens"), "probe": ("budget", "kv_copy_tokens")}
-# Candidate pools of MultiBranchProposer (vllm_adaspec/pools/); the default is the best measured set.
-POOLS = ("context", "suffix", "recycled", "corpus", "medusa", "branches")
-# context + suffix + corpus + medusa: first in the offline replay on HumanEval and MT-Bench and ahead of the old
-# default (context + suffix + recycled) in the engine at batch 1 and 8 (benchmarks/RESULTS.md, session 9). A model
-# without a corpus table or Medusa heads runs the others (engine/startup.usable_pools).
-DEFAULT_POOLS = ("context", "suffix", "corpus", "medusa")
+# Candidate pools of MultiBranchProposer: declared once, in vllm_adaspec/pools/ (POOLS, the registry: names in merge
+# order, defaults, files). The default is the best measured set: context + suffix + corpus + medusa, first in the
+# offline replay on HumanEval and MT-Bench and ahead of context + suffix + recycled in the engine at batch 1 and 8
+# (benchmarks/log/2026-11-23.md). A model without a corpus table or Medusa heads runs the others
+# (engine/startup.usable_pools).
+POOLS = tuple(POOL_SPECS)
+DEFAULT_POOLS = default_pools()
 
 
-# Self-Draft branches: off by default (benchmarks/RESULTS.md, session 12: the extra rows do not pay on this CPU).
+# Self-Draft branches: off by default (benchmarks/log/2026-11-23.md: the extra rows do not pay on this CPU).
 DEFAULT_BRANCHES = 0
 DEFAULT_BRANCH_LENGTH = 4
 MAX_BRANCHES = 32
@@ -70,7 +73,7 @@ MAX_KV_COPY_TOKENS = 2**31 - 1  # KV positions are int32 indices
 DEFAULT_FAULT_LIMIT = 10
 MAX_FAULT_LIMIT = 10**6
 # The suffix pool's global cache of earlier outputs keeps this many recent requests (arctic-inference's
-# max_cached_requests; about 0.7 MiB each, benchmarks/RESULTS.md, session 12). vLLM's own `suffix` method uses
+# max_cached_requests; about 0.7 MiB each, benchmarks/log/2026-11-23.md). vLLM's own `suffix` method uses
 # 10000 by default.
 DEFAULT_SUFFIX_CACHE_REQUESTS = 1000
 MAX_SUFFIX_CACHE_REQUESTS = 10**6
@@ -193,8 +196,8 @@ def _parse_acceptance(value: Any) -> Acceptance:
 
 
 TREE_BUILDERS = ("joint", "c2t")
-# C2T's defaults for the shipped SmolLM2 classifier, the fastest of the measured settings (benchmarks/RESULTS.md,
-# session 11: beta 0.1-0.4 at max depth 6). The paper's 0.5 / 10 fit its classifier and its cheaper draft model.
+# C2T's defaults for the shipped SmolLM2 classifier, the fastest of the measured settings (benchmarks/log/2026-11-23.md:
+# beta 0.1-0.4 at max depth 6). The paper's 0.5 / 10 fit its classifier and its cheaper draft model.
 C2T_BETA = 0.4
 C2T_MAX_DEPTH = 6
 C2T_BETA_RANGE = Interval(0, 1, hi_open=True)  # the classifier's confidence threshold; 1 would keep nothing
@@ -361,11 +364,12 @@ def _parse_artifact(pool: str, section: Mapping, pools: tuple[str, ...], what: s
 
 
 def _parse_pools(value: Any) -> tuple[str, ...]:
+    known = ", ".join(POOL_SPECS)
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
-        raise _fail("pools", f"must be a non-empty list of pool names ({', '.join(POOLS)}), got {show(value)}")
-    unknown = [v for v in value if not isinstance(v, str) or v not in POOLS]
+        raise _fail("pools", f"must be a non-empty list of pool names ({known}), got {show(value)}")
+    unknown = [v for v in value if not isinstance(v, str) or v not in POOL_SPECS]
     if unknown:
-        raise _fail("pools", f"unknown pool(s) {', '.join(map(show, unknown))}; known: {', '.join(POOLS)}")
+        raise _fail("pools", f"unknown pool(s) {', '.join(map(show, unknown))}; known: {known}")
     if len(set(value)) != len(value):
         raise _fail("pools", f"lists a pool twice: {list(value)!r}")
     return tuple(value)

@@ -13,12 +13,12 @@ Fault injection, for tests (the engine runs in another process, so it is asked f
 
 raises `InjectedFault` at the 3rd pass through the failpoint "trie", the 10th through "suffix", ... (`place@n`;
 repeat a place for several faults; with VLLM_ADASPEC_INJECT_FAULTS_RANK=R, only on tensor-parallel rank R).
-Failpoints: one per pool ("context", "suffix", "recycled", "corpus", "medusa", "branches": in the pool set's
-propose), "trie" (MultiBranchProposer's merge), "draft" (early exit: after its first draft pass), "tree_plan"
-(planning a step's trees), "tree_verify" (verifying a tree request), "tree_only" (verifying a request whose
-settings only the tree sampler applies: min_p, logit_bias, a grammar over tree rows; its fallback is one token from
-its root row, every setting applied), "compaction" (after the paged KV of accepted nodes moved), "tree_kernel", "draw_kernel", "verify_kernel", "compaction_kernel" (a GPU runtime's launches of the
-tree-attention, row-draw, verification and KV compaction kernels). Unset, `point` is one attribute test.
+Failpoints: one per pool (its name, pools.POOLS: in the pool set's propose), "trie" (MultiBranchProposer's merge),
+"draft" (early exit: after its first draft pass), "tree_plan" (planning a step's trees), "tree_verify" (verifying a
+tree request), "tree_only" (verifying a request whose settings only the tree sampler applies: min_p, logit_bias, a
+grammar over tree rows; its fallback is one token from its root row, every setting applied), "compaction" (after the
+paged KV of accepted nodes moved), "tree_kernel", "draw_kernel", "verify_kernel", "compaction_kernel" (a GPU
+runtime's launches of the tree-attention, row-draw, verification and KV compaction kernels). Unset, `point` is one attribute test.
 
 The negative control of the sampling tests (they must reject a verifier that is not lossless):
 
@@ -46,8 +46,18 @@ INJECT_ENV = "VLLM_ADASPEC_INJECT_FAULTS"
 INJECT_RANK_ENV = "VLLM_ADASPEC_INJECT_FAULTS_RANK"
 BIAS_ENV = "VLLM_ADASPEC_BIASED_VERIFIER_SEEDS"
 BIAS = 0.5  # how often a biased verifier accepts a rejected node
-FAILPOINTS = ("context", "suffix", "recycled", "corpus", "medusa", "branches", "trie", "draft", "tree_plan",
-              "tree_verify", "tree_only", "compaction", "tree_kernel", "draw_kernel", "verify_kernel", "compaction_kernel")
+# besides one per pool (its name: pools.POOLS, the registry)
+STEP_FAILPOINTS = ("trie", "draft", "tree_plan", "tree_verify", "tree_only", "compaction", "tree_kernel", "draw_kernel",
+                   "verify_kernel", "compaction_kernel")
+
+
+def failpoints() -> tuple[str, ...]:
+    from vllm_adaspec.pools import POOLS
+
+    return (*POOLS, *STEP_FAILPOINTS)
+
+
+FAILPOINTS = failpoints()
 
 
 class InjectedFault(RuntimeError):
@@ -57,10 +67,11 @@ class InjectedFault(RuntimeError):
 def parse_injection(spec: str) -> dict[str, set[int]]:
     """"place@n,place@m" -> {place: {n, m}}; a clear error for anything else (a test's typo must not pass silently)."""
     out: dict[str, set[int]] = {}
+    places = failpoints()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         place, _, n = item.partition("@")
-        if place not in FAILPOINTS or not n.isdigit() or int(n) < 1:
-            raise ValueError(f"{INJECT_ENV}: {item!r} is not PLACE@N with PLACE one of {', '.join(FAILPOINTS)} "
+        if place not in places or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"{INJECT_ENV}: {item!r} is not PLACE@N with PLACE one of {', '.join(places)} "
                              "and N >= 1")
         out.setdefault(place, set()).add(int(n))
     return out

@@ -294,21 +294,22 @@ def _check_trees(resolved, reason: str | None, kind: str) -> None:
 
 def _with_pool_files(resolved: MultiBranchSettings, vllm_config) -> MultiBranchSettings:
     """`resolved` with the pools this engine runs and the files they load (concrete paths, checked)."""
-    finders = {"corpus": _corpus_file, "medusa": _medusa_folder}
+    from vllm_adaspec.pools import POOLS
+
     pools, files = [], {}
     for pool in resolved.pools:
-        if pool in finders:
+        key = POOLS[pool].file_key  # the setting naming its file, and the finder of that kind of file
+        if key is not None:
             try:
-                files[pool] = finders[pool](resolved, vllm_config)
+                files[key] = FILE_FINDERS[key](resolved, vllm_config)
             except AdaspecConfigError as e:
                 # a pool or a file the user named is theirs to fix; of the default set, what a model lacks is left out
-                if resolved.pools_given or getattr(resolved, pool) != "auto":
+                if resolved.pools_given or getattr(resolved, key) != "auto":
                     raise
                 logger.info("vllm_adaspec: default pool %r left out for this model: %s", pool, e)
                 continue
         pools.append(pool)
-    return replace(resolved, pools=tuple(pools), corpus=files.get("corpus", resolved.corpus),
-                   medusa=files.get("medusa", resolved.medusa))
+    return replace(resolved, pools=tuple(pools), **files)
 
 
 def _corpus_file(resolved, vllm_config) -> str:
@@ -362,6 +363,10 @@ def _medusa_folder(resolved, vllm_config) -> str:
         raise AdaspecConfigError(f"{key_name('pools')}: 'medusa' needs tensor_parallel_size 1 (its heads read the "
                                  f"unsharded LM head), got {tp}; drop 'medusa'")
     return find_medusa(vllm_config.model_config.hf_text_config, resolved.medusa)
+
+
+# per-model files of the pools, by the setting naming them (pools.PoolSpec.file_key): how start-up finds and checks each
+FILE_FINDERS = {"corpus": _corpus_file, "medusa": _medusa_folder}
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------

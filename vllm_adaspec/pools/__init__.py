@@ -16,8 +16,8 @@ head, a rank), which with the pool's name is part of the key under which verific
 
 Every pool is a `Pool`: per-request state is created by `start` and dropped by `stop`, `extend` feeds newly
 committed tokens, `propose` is batched over a step's drafting requests, and verification feeds back through
-`observe_logits` / `observe_branches`. `POOLS` is the registry (what each pool needs, in merge order),
-`make_pools` builds the named ones, `PoolSet` is what the drafter holds.
+`observe_logits` / `observe_branches`. `POOLS` is the registry, the one place a pool is declared (what it needs,
+its file, its default, in merge order), `make_pools` builds the named ones, `PoolSet` is what the drafter holds.
 """
 
 from __future__ import annotations
@@ -101,6 +101,11 @@ class Pool(ABC):
     name: str = ""
     logits_k: int = 0  # how many top tokens per verified row `observe_logits` wants (0: it ignores them)
 
+    @classmethod
+    def from_build(cls, build: "PoolBuild") -> "Pool":
+        """The pool for an engine (make_pools): what it takes of `build`."""
+        return cls()
+
     def start(self, req_id: str, prompt: Sequence[int] | np.ndarray) -> None:
         """The request's first decode step; prompt [P] its prompt tokens."""
 
@@ -152,57 +157,70 @@ class TailPool(Pool):
 
 
 @dataclass(frozen=True)
+class PoolBuild:
+    """What construction hands every pool (`Pool.from_build` takes what it needs): the engine's vocabulary, the
+    files the pools' specs named, loaded (`PoolSpec.file_key`), and the pools' settings."""
+    vocab_size: int
+    corpus_table: object = None  # a loaded CorpusTable or a path to one
+    medusa_heads: object = None  # engine/medusa_heads.MedusaHeads, loaded with the target
+    num_branches: int = 0  # Self-Draft
+    branch_length: int = 4
+    branch_init: str = "prompt"
+    branch_seed: Callable[[str], int] = lambda req_id: 0  # req_id -> seed of its branch init
+    suffix_cache_requests: int = 1000  # the suffix pool's global cache bound
+
+
+@dataclass(frozen=True)
 class PoolSpec:
-    """What a pool needs from the engine and the config, so both can be derived from the chosen pool names."""
-    cls: str  # its Pool class, in vllm_adaspec/pools/<pool name>.py
+    """A pool as the rest of the project knows it, read from here alone: config validation (known and default
+    names), the drafter's needs from the step, the start-up lookup of its per-model file, construction and fault
+    injection (its failpoint is its name: faults.py)."""
+    cls: str  # its Pool class, in vllm_adaspec/pools/<pool name>.py (or "module:Class")
     summary: str
+    default: bool = False  # in MultiBranchProposer's default set (left out for a model without its file)
     needs_hidden: bool = False  # Taps.hidden: the target's final hidden states (the worker must hand them over)
-    needs_logits: bool = False  # observe_logits: the top-k of every verified row
+    logits_k: int = 0  # the top-k of every verified row `observe_logits` reads (0: none)
     needs_trees: bool = False  # tree verification forwards (it reads the draft-branch rows they carry)
-    needs_file: str | None = None  # the config key naming its file ("auto" = shipped / built for the model)
+    file_key: str | None = None  # the config key naming its per-model file ("auto": shipped or built for the model)
+    build_command: str | None = None  # how a user builds that file for another model
     needs_package: str | None = None  # an optional dependency
 
 
 # Every pool, in merge order: the trie numbers nodes in the order pools are inserted, and ties in rank break by
-# node number, so the order is part of the behaviour (this one is the proposer's since pools were added).
+# node number, so the order is part of the behaviour. Calibration keys hold at most trees/trie.MAX_POOLS pools (a
+# test checks the registry fits).
 POOLS: dict[str, PoolSpec] = {
-    "context": PoolSpec("ContextPool", "every earlier occurrence of the request's last tokens (prompt, output)"),
+    "context": PoolSpec("ContextPool", "every earlier occurrence of the request's last tokens (prompt, output)",
+                        default=True),
     "suffix": PoolSpec("SuffixPool", "arctic-inference's suffix trees: the prompt and earlier requests' outputs",
-                       needs_package="arctic-inference"),
+                       default=True, needs_package="arctic-inference"),
     "recycled": PoolSpec("RecycledPool", "Token Recycling: the target's top-k successors of every token it verified",
-                         needs_logits=True),
-    "corpus": PoolSpec("CorpusPool", "an n-gram table built offline for the tokenizer", needs_file="corpus"),
+                         logits_k=8),
+    "corpus": PoolSpec("CorpusPool", "an n-gram table built offline for the tokenizer", default=True,
+                       file_key="corpus", build_command="adaspec build corpus --model MODEL"),
     "branches": PoolSpec("BranchesPool", "Self-Draft: grams the target writes on draft-branch rows", needs_trees=True),
-    "medusa": PoolSpec("MedusaPool", "Medusa heads on the target's last hidden state", needs_hidden=True,
-                       needs_file="medusa"),
+    "medusa": PoolSpec("MedusaPool", "Medusa heads on the target's last hidden state", default=True,
+                       needs_hidden=True, file_key="medusa", build_command="adaspec train medusa --model MODEL"),
 }
+
+
+def default_pools() -> tuple[str, ...]:
+    return tuple(n for n, spec in POOLS.items() if spec.default)
 
 
 def pool_class(name: str) -> type[Pool]:
     """Imported on demand: suffix needs arctic-inference, medusa torch."""
-    return getattr(importlib.import_module(f"vllm_adaspec.pools.{name}"), POOLS[name].cls)
+    module, _, cls = POOLS[name].cls.rpartition(":")
+    return getattr(importlib.import_module(module or f"vllm_adaspec.pools.{name}"), cls)
 
 
-def make_pools(names: Sequence[str], *, vocab_size: int, corpus_table=None, medusa_heads=None,
-               num_branches: int = 0, branch_length: int = 4, branch_init: str = "prompt",
-               branch_seed: Callable[[str], int] = lambda req_id: 0, suffix_cache_requests: int = 1000) -> list[Pool]:
-    """The named pools, in merge order (POOLS, not the order of `names`). corpus_table: a loaded CorpusTable or a
-    path to one; medusa_heads: the loaded heads (engine/medusa_heads.MedusaHeads); branch_*: the Self-Draft
-    settings (branch_seed: req_id -> seed of its branch init); suffix_cache_requests: the suffix pool's global
-    cache bound."""
+def make_pools(names: Sequence[str], **build) -> list[Pool]:
+    """The named pools, in merge order (POOLS, not the order of `names`), each built from `PoolBuild(**build)`."""
     unknown = [n for n in names if n not in POOLS]
     if unknown:
         raise ValueError(f"unknown pool(s) {', '.join(map(repr, unknown))}; known: {', '.join(POOLS)}")
-    args = {"recycled": (vocab_size,), "corpus": (corpus_table,), "medusa": (medusa_heads,),
-            "branches": (num_branches, branch_length, branch_init, vocab_size, branch_seed)}
-    files = {"corpus": "corpus_table", "medusa": "medusa_heads"}  # the argument carrying each pool's file
-    out: list[Pool] = []
-    for name in (n for n in POOLS if n in names):
-        if name in files and args[name][0] is None:
-            raise ValueError(f"the {name} pool needs its file loaded: pass {files[name]}")
-        kwargs = {"max_cached_requests": suffix_cache_requests} if name == "suffix" else {}
-        out.append(pool_class(name)(*args.get(name, ()), **kwargs))
-    return out
+    b = PoolBuild(**build)
+    return [pool_class(name).from_build(b) for name in POOLS if name in names]
 
 
 class PoolSet:

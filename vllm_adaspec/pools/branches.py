@@ -139,6 +139,10 @@ class BranchesPool(TailPool):
         self.branches: dict[str, list[list[int]]] = {}
         self.grams: dict[str, GramCache] = {}
 
+    @classmethod
+    def from_build(cls, build):
+        return cls(build.num_branches, build.branch_length, build.branch_init, build.vocab_size, build.branch_seed)
+
     def start(self, req_id, prompt) -> None:
         super().start(req_id, prompt)
         self.grams[req_id] = GramCache()

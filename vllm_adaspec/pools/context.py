@@ -72,7 +72,7 @@ class ContextIndex:
 def propose_context(index: ContextIndex, depth: int, max_matches: int = 8, max_nodes: int = 16) -> Candidates:
     """The trie of the continuations (up to `depth` tokens) of the last tokens' most recent matches. (8 matches, 16
     nodes: a step verifies ~4 nodes a request; 32 matches / 64 nodes scored 3x the nodes for the same tokens per
-    step, benchmarks/RESULTS.md, session 22.)"""
+    step, benchmarks/log/2026-11-26.md.)"""
     n, ends = index.matches()
     if not n:
         return Candidates(pool="context")

@@ -129,7 +129,7 @@ def _top_successors(ctx: np.ndarray, nxt: np.ndarray, vocab_size: int, k: int, m
 def propose_corpus(table: CorpusTable, context: list[int], depth: int, width: int = 2, max_nodes: int = 8,
                    min_prob: float = 0.1) -> Candidates:
     """Depth by depth from the last two tokens: each node's `width` most frequent successors of at least
-    `min_prob`, until `max_nodes` (8: 32 cost the drafter time and added no tokens per step; session 22)."""
+    `min_prob`, until `max_nodes` (8: 32 cost the drafter time and added no tokens per step: benchmarks/log/2026-11-26.md)."""
     tokens, parents, node_probs, evidence = [], [], [], []
     prev2 = context[-2] if len(context) >= 2 else -1
     frontier = [(-1, prev2, context[-1])]
@@ -231,6 +231,12 @@ class CorpusPool(TailPool):
         self.table = CorpusTable.load(table) if isinstance(table, (str, os.PathLike)) else table
         self.compiled = warmed(lambda: propose_corpus_batch(self.table, [[0, 0]], [1]),  # the walk compiled
                                "the corpus pool's compiled walk did not compile; it walks in Python")
+
+    @classmethod
+    def from_build(cls, build):
+        if build.corpus_table is None:
+            raise ValueError("the corpus pool needs its file loaded: pass corpus_table")
+        return cls(build.corpus_table)
 
     def propose(self, requests: list[str], budgets: list[int], taps: Taps) -> list[Candidates]:
         if self.compiled:

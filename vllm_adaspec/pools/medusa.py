@@ -86,7 +86,7 @@ def ranked_tokens(heads, h, last_tokens: list[int], width: int):
 
 
 # The heads' candidates a request gets at most: their 6 best rank paths (16 added no tokens per step and cost the
-# drafter time: benchmarks/RESULTS.md, session 22).
+# drafter time: benchmarks/log/2026-11-26.md).
 MAX_NODES = 6
 
 
@@ -98,6 +98,12 @@ class MedusaPool(Pool):
         self.heads = heads
         self.trees: dict[int, SparseTree] = {}  # budget -> its sparse tree, built once
         self.last_top_ids: np.ndarray | None = None  # [R, K, width] the last step's ranked tokens (tests, checks)
+
+    @classmethod
+    def from_build(cls, build):
+        if build.medusa_heads is None:
+            raise ValueError("the medusa pool needs its file loaded: pass medusa_heads")
+        return cls(build.medusa_heads)
 
     def tree(self, budget: int) -> SparseTree:
         """The sparse tree of the `budget` best rank paths, at most MAX_NODES."""

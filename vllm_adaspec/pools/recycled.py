@@ -60,6 +60,12 @@ class RecycledPool(TailPool):
         self.table = RecycleTable(vocab_size, k)
         self.logits_k = k
 
+    @classmethod
+    def from_build(cls, build):
+        from vllm_adaspec.pools import POOLS
+
+        return cls(build.vocab_size, POOLS[cls.name].logits_k)  # the top-k its spec asks the step for
+
     def observe_logits(self, tokens: np.ndarray, top_ids: np.ndarray, top_probs: np.ndarray) -> None:
         self.table.update(tokens, top_ids, top_probs)
 

@@ -38,6 +38,10 @@ class SuffixPool(TailPool):
         self.max_spec_offset = max_spec_offset
         self._trees = _native_trees(self.cache)
 
+    @classmethod
+    def from_build(cls, build):
+        return cls(max_cached_requests=build.suffix_cache_requests)
+
     def start(self, req_id, prompt) -> None:
         if req_id in self.cache.active_requests:
             self.cache.stop_request(req_id)

@@ -25,7 +25,7 @@ import torch
 
 from vllm_adaspec.compiled import warmed
 from vllm_adaspec.policies.cost_model import attention_load
-from vllm_adaspec.pools import PoolSet, make_pools
+from vllm_adaspec.pools import POOLS, PoolSet, make_pools
 from vllm_adaspec.pools import Taps as PoolTaps
 from vllm_adaspec.pools.branches import append_branches
 from vllm_adaspec.proposers.drafter import Drafter, Stats
@@ -83,8 +83,8 @@ class MultiBranchDrafter(Drafter):
         self.medusa_folder = self.cfg.medusa if "medusa" in pools else None
         self.calibration = Calibration()
         # chains' and trees' accepted drafts against their nodes' promise: off unless VLLM_ADASPEC_YIELD_CALIBRATION=1
-        # (measured neutral in compiled mode: 1.61x vs 1.60x plain at batch 1, 1.07x both at batch 8; RESULTS,
-        # session 20), kept for the next attempt at the audit's finding
+        # (measured neutral in compiled mode: 1.61x vs 1.60x plain at batch 1, 1.07x both at batch 8;
+        # benchmarks/log/2026-11-26.md), kept for the next attempt at the audit's finding
         self.yields = YieldCalibration(enabled=os.environ.get("VLLM_ADASPEC_YIELD_CALIBRATION", "0") == "1")
         # Structured-output requests' candidates are checked against their grammar before any is chosen. Off only
         # to measure what that saves (benchmarks/bench_e2e.py --unpruned): forbidden nodes are then verified, and
@@ -99,9 +99,11 @@ class MultiBranchDrafter(Drafter):
         self._extra_rows = self.num_branches * self.cfg.branch_length
         self.vocab_size = hf.vocab_size
         self.poolset = self._make_pools() if self.medusa_folder is None else None  # medusa: once the heads load
-        # medusa reads the target's final hidden states; recycled the top-k at every verified row
-        self.needs = Needs(target_hidden="medusa" in pools, verified_logits=8 if "recycled" in pools else 0,
-                           trees=self.tree_mode)
+        # what the step must hand over, as the pools' specs declare it (medusa: the target's final hidden states;
+        # recycled: the top-k at every verified row)
+        specs = [POOLS[p] for p in pools]
+        self.needs = Needs(target_hidden=any(s.needs_hidden for s in specs),
+                           verified_logits=max((s.logits_k for s in specs), default=0), trees=self.tree_mode)
         self.stats.pool_nodes = self.poolset.nodes if self.poolset else {}
         self.stats.pool_accepted = {p: 0 for p in pools}
 

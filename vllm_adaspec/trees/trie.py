@@ -26,6 +26,8 @@ from vllm_adaspec.pools import Candidates
 # `Calibration.bit` first saw them), their best probability's tenth, competing siblings (at most 3), evidence (0-4)
 # and the request's streak state (0-2). Counts live in a dense table, so the compiled choice (trees/step_choice.py)
 # reads them as the Python one does.
+# MAX_POOLS: a bit of the calibration key per pool; the registry (pools.POOLS) holds 6, so it is full: a seventh
+# pool widens the key by one bit (tests/test_pool_interface.py checks the registry fits)
 MAX_POOLS, BUCKETS, SIBLINGS, EVIDENCE, STATES = 6, 10, 4, 5, 3
 KEY_CODES = (1 << MAX_POOLS) * BUCKETS * SIBLINGS * EVIDENCE * STATES
 
@@ -136,7 +138,7 @@ class YieldCalibration:
     """Accepted drafts against what the calibrated node probabilities promised them, per kind of proposal (chains,
     trees), learned online. Nodes are calibrated one at a time, but a proposal's nodes are the ones that scored
     highest (their errors do not cancel out) and a tree's siblings exclude each other: measured, chains commit more
-    than their probabilities say and trees less (benchmarks/RESULTS.md, session 20's audit). The ratio scales the
+    than their probabilities say and trees less (benchmarks/log/2026-11-26.md, the audit). The ratio scales the
     gains a step's choice of nodes weighs. Starts at 1 (`strength` drafts of pseudo-evidence), forgets slowly,
     clamped to [1/2, 2]."""
     strength: float = 20.0
@@ -336,7 +338,7 @@ def chains_where_cheaper(tries: list[Trie], chosen: list[list[int]], may_switch:
     For each request whose chosen nodes branch (and `may_switch`), keep the tree only if the batch's expected
     tokens per second beat those with the request's best chain instead: its trie's best path (up to its budget),
     as deep as pays (a tree spreads its rows over branches; the chain that replaces it takes them along one path:
-    cut to the tree's own nodes, batch 1 on this CPU ran 1.3-2.6% slower a round, RESULTS session 33).
+    cut to the tree's own nodes, batch 1 on this CPU ran 1.3-2.6% slower a round, benchmarks/log/2026-11-27.md).
     chosen[e] is replaced in place. tokens / rows / attention: the batch's expected tokens, rows and attention
     seconds with every choice as it stands (per_row[e]: what a row of request e adds to attention); tree_requests /
     tree_rows: tree rows that cannot switch (draft branches). yields: what a promised draft yields in a tree and in a
