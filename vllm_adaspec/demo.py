@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from vllm_adaspec.harness import FORWARDS, EngineSession
+from vllm_adaspec.harness import FORWARDS, EngineSession, wait_all
 from vllm_adaspec.models import resolve_model
 
 # Task types of the workload mix (data/mix.py + HumanEval, MT-Bench) in the order rounds draw them: each round takes
@@ -59,12 +59,12 @@ def run_demo(model: str, exit_layer: int | None, k: int, max_tokens: int, dtype:
     path = resolve_model(model)
     engine = {"dtype": dtype, "max_model_len": 2048, "seed": 0, **({"enforce_eager": True} if eager else {})}
     plan = demo_rounds(path, rounds)
-    print(f"[demo] starting {len(METHODS)} engines ...", file=sys.stderr, flush=True)
+    print(f"[demo] starting {len(METHODS)} engines side by side (vLLM's default mode compiles each model: a few "
+          "minutes on a CPU) ...", file=sys.stderr, flush=True)
     sessions = {name: EngineSession(path, {**engine, **extra})
                 for name, extra in demo_engines(proposer, k, exit_layer, exit_head).items()}
     try:
-        for s in sessions.values():
-            s.wait()
+        wait_all(sessions, lambda line: print(f"[demo] {line}", file=sys.stderr, flush=True))
         warm = {"prompts": ["Hello"], "params": [{"temperature": 0, "max_tokens": 8}]}
         for s in sessions.values():
             s.generate(warm)

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import traceback
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 MARK = "@@ADASPEC_RESULT@@"
 COUNTERS = (
@@ -82,7 +83,7 @@ _FORWARDS = [0]
 
 def count_forwards() -> None:
     """Wrap the scheduler class of this process so each step adds its requests that got new tokens (idempotent)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
+    Scheduler = vllm_object("Scheduler")
 
     original = Scheduler.update_from_output
     if getattr(original, "_adaspec_counted", False):
@@ -188,6 +189,57 @@ class EngineHost:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
+# vLLM's start-up milestones in its log, and what the start is doing after each (EngineSession.phase)
+START_PHASES = (("Initializing a V1 LLM engine", "building the engine"), ("Starting to load model", "loading the model"),
+                ("Loading weights took", "loading weights"), ("Warming up model for the compilation", "compiling"),
+                ("Compiling a graph", "compiling"), ("Initial profiling/warmup run", "profiling"),
+                ("Warming up done", "allocating the KV cache"), ("KV cache size", "warming up"),
+                ("init engine", "finishing"))
+
+
+def start_phase(log: str) -> str:
+    """What an engine's start is doing, from its log so far (the latest milestone of START_PHASES in it)."""
+    at, now = -1, "starting Python and vLLM"
+    for marker, phase in START_PHASES:
+        i = log.rfind(marker)
+        if i > at:
+            at, now = i, phase
+    return now
+
+
+def wait_all(sessions: dict, report, every: float = 10.0) -> None:
+    """Wait until every session's engine is built, calling report(line) every `every` seconds with how long it has
+    taken so far and what each engine is doing (engines start and compile for minutes; a silent wait looks hung)."""
+    import threading
+
+    errors: dict[str, BaseException] = {}
+
+    def wait(name, s):
+        try:
+            s.wait()
+        except BaseException as e:  # noqa: BLE001 (re-raised below, in the caller's thread)
+            errors[name] = e
+
+    threads = [threading.Thread(target=wait, args=(n, s), daemon=True) for n, s in sessions.items()]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    ready_at: dict[str, float] = {}
+    while any(t.is_alive() for t in threads):
+        for t in threads:
+            t.join(timeout=every / len(threads))
+        elapsed = time.perf_counter() - t0
+        for n, s in sessions.items():
+            if s.ready and n not in ready_at:
+                ready_at[n] = elapsed
+        if any(t.is_alive() for t in threads):
+            report(f"starting engines, {elapsed:.0f} s so far: " + "; ".join(
+                f"{n} ready ({ready_at[n]:.0f} s)" if n in ready_at else f"{n} {s.phase()}"
+                for n, s in sessions.items()))
+    if errors:
+        raise next(iter(errors.values()))
+
+
 class EngineSession:
     """One engine kept alive in its own child Python: built once, then `generate(batch)` as often as wanted (the
     same result as one batch's run of `run_engine`). Several sessions can stand side by side and take turns, so a
@@ -223,6 +275,17 @@ class EngineSession:
             self._receive()
             self.ready = True
 
+    def phase(self) -> str:
+        """What the engine's start is doing now, read off its log: the last of vLLM's start-up milestones seen."""
+        if self.ready:
+            return "ready"
+        self._log_file.flush()
+        try:
+            with open(self.log, errors="replace") as f:
+                return start_phase(f.read()[-20000:])
+        except OSError:
+            return "starting"
+
     def generate(self, batch: dict) -> dict:
         self.wait()
         self._send(batch)
@@ -247,7 +310,7 @@ class EngineSession:
 
 def _session_loop() -> None:
     """Child side of EngineSession: the first stdin line builds the engine, every further line is one batch."""
-    from vllm import LLM
+    LLM = vllm_object("LLM")
 
     spec = json.loads(sys.stdin.readline())
     count_forwards()
@@ -294,7 +357,7 @@ def _host_loop() -> None:
 
 
 def _child(job: dict) -> dict:
-    from vllm import LLM
+    LLM = vllm_object("LLM")
 
     count_forwards()
     engine = {"kv_cache_memory_bytes": 2**30, **job.get("engine", {})}
@@ -311,13 +374,13 @@ def _child(job: dict) -> dict:
 def sampling_params(p: dict):
     """SamplingParams from JSON: `structured_outputs` as a dict of StructuredOutputsParams fields, `logit_bias`
     keys as strings."""
-    from vllm import SamplingParams
+    SamplingParams = vllm_object("SamplingParams")
 
     p = dict(p)
     if p.get("logit_bias"):  # JSON object keys are strings
         p["logit_bias"] = {int(k): v for k, v in p["logit_bias"].items()}
     if isinstance(p.get("structured_outputs"), dict):
-        from vllm.sampling_params import StructuredOutputsParams
+        StructuredOutputsParams = vllm_object("StructuredOutputsParams")
 
         p["structured_outputs"] = StructuredOutputsParams(**p["structured_outputs"])
     return SamplingParams(**p)
