@@ -556,7 +556,7 @@ def mix_table(results: dict) -> str:
             lines += _paired_table(results, [n for n in names if n != "suffix"], "suffix", keys)
         ours = min((n for n in names if n.startswith("multibranch default")), key=len, default=None)
         parts = [n for n in names if n.startswith("multibranch") and n != ours]
-        if ours and parts:  # #42: the default never below one of its own parts beyond the spread
+        if ours and parts:  # the promise: the default never below one of its own parts beyond the spread
             lines += ["", f"batch {bs}: each of ours' other rows / ours' default ({ours}), paired by round (per type "
                           "and over the mix: median over rounds, range)", ""]
             lines += _paired_table(results, parts, ours, keys, mix=True)

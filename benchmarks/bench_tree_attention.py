@@ -2,7 +2,7 @@
 curves of whole decoder forwards captured in CUDA graphs.
 
     python benchmarks/bench_tree_attention.py --cost-curve --out benchmarks/out/tree_attention.json
-    python benchmarks/bench_tree_attention.py --summary benchmarks/device_runs/s28_h100/run3/tree_attention.json
+    python benchmarks/bench_tree_attention.py --summary benchmarks/device_runs/2026-11-27-h100-c/run3/tree_attention.json
 
 Per shape (heads, batch, prefix length, tree nodes): the kernel as each attention layer of an engine pays it
 (`launch` with the step's plan and the engine's tile for trees of that size; the plan's host cost apart), against
@@ -12,7 +12,7 @@ Per shape (heads, batch, prefix length, tree nodes): the kernel as each attentio
   D]: what a dense kernel pays for the same keys and rows;
 - one read of every request's K and V (prefix + tree) at the device's measured copy bandwidth.
 
-It prints kernel / anchor and kernel / one KV read per shape (issue targets: <= 1.2x the anchor at nodes <= 16,
+It prints kernel / anchor and kernel / one KV read per shape (the targets: <= 1.2x the anchor at nodes <= 16,
 <= 1.5x at 64; <= 1.5x one KV read for prefix >= 8192 at nodes <= 16). Outputs are checked against the float32
 reference first where the case is small. `--cost-curve`: milliseconds of one decoder forward (random weights, bf16,
 plain torch, captured in one CUDA graph: what a graphed engine pays, not Python's launches) over `rows` new tokens
@@ -221,9 +221,10 @@ def bench_shapes(args, copy_gbs: float, do_bench, gpu_time=None, device: str = "
 def verify_cost_curve(model: str, rows_list, batches, dtype, do_bench, ctx: int = 1024) -> dict:
     """{batch: {rows: ms}}: one decoder forward of `model`'s shape (random weights, plain torch) over `rows` new
     tokens per request on a `ctx`-token cached context (the new keys written into the cache in place, SDPA over the
-    cached keys), the LM head on every row, captured in one CUDA graph and replayed. (Session 26's run concatenated
-    the context with the new keys in every layer: a copy of the whole cache per layer, which made a batch of 8
-    one-row requests cost 1.57x one request on Llama-3-8B's shape; the issue's table, 1.08x.)"""
+    cached keys), the LM head on every row, captured in one CUDA graph and replayed. (An earlier version, run on an
+    H100 in benchmarks/device_runs/2026-11-27-h100-a, concatenated the context with the new keys in every layer: a
+    copy of the whole cache per layer, which made a batch of 8 one-row requests cost 1.57x one request on Llama-3-8B's
+    shape; the H100 reference table the GPU targets are stated against, 1.08x.)"""
     layers, h, hq, hkv, hd, inter, vocab = MODELS[model]
     torch.manual_seed(0)
     dev = "cuda"
@@ -275,11 +276,11 @@ def verify_cost_curve(model: str, rows_list, batches, dtype, do_bench, ctx: int 
 
 
 def summarize(results: list[dict], gpu: bool = False, column: str = "kernel") -> dict:
-    """#41's targets over one run's shapes: the geometric mean of kernel / anchor, and how many shapes meet each
-    target (<= 1.2x the anchor at nodes <= 16, <= 1.5x at 64 nodes, <= 1.5x one KV read at prefix >= 8192 and nodes
+    """The tree kernel's targets over one run's shapes: the geometric mean of kernel / anchor, and how many shapes meet
+    each target (<= 1.2x the anchor at nodes <= 16, <= 1.5x at 64 nodes, <= 1.5x one KV read at prefix >= 8192 and nodes
     <= 16), with the medians. `gpu`: over the GPU-alone times (CUDA graphs) of the shapes that have them. column:
-    "kernel", "cascade" (kernels/tree_cascade.py, where --cascade timed it) or "best" (the faster of the two per
-    shape: what an engine choosing per step would pay)."""
+    "kernel", "cascade" (kernels/tree_cascade.py, where --cascade timed it) or "best" (the faster of the two per shape:
+    what an engine choosing per step would pay)."""
     pre = "gpu_" if gpu else ""
     if column != "kernel":
         def pick(r):

@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vllm_adaspec.engine import tree_runtime  # noqa: E402
+from vllm_adaspec.runtime import cpu as tree_runtime  # noqa: E402
 from vllm_adaspec.trees import DraftTree  # noqa: E402
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 128
@@ -33,9 +33,13 @@ SHAPES = [(1, 150, 10), (1, 300, 8), (1, 400, 16), (1, 600, 10), (1, 600, 16), (
 
 
 def runtime_module(ref: str):
-    """engine/tree_runtime.py as it is at git `ref`, loaded as a module of its own."""
-    src = subprocess.run(["git", "show", f"{ref}:vllm_adaspec/engine/tree_runtime.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
+    """The CPU tree runtime as it is at git `ref` (runtime/cpu.py, or engine/tree_runtime.py before the runtime had
+    a package of its own), loaded as a module of its own."""
+    for rel in ("vllm_adaspec/runtime/cpu.py", "vllm_adaspec/engine/tree_runtime.py"):
+        got = subprocess.run(["git", "show", f"{ref}:{rel}"], cwd=ROOT, capture_output=True, text=True)
+        if got.returncode == 0:
+            break
+    src = got.stdout
     path = Path(tempfile.mkdtemp()) / "tree_runtime_ref.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("tree_runtime_ref", path)
@@ -52,12 +56,19 @@ def layer_us(mod, batch: int, prefix: int, nodes: int, iters: int, g: torch.Gene
     cache = torch.randn(batch * per, HKV, BLOCK, 2 * D, generator=g)
     table = torch.arange(batch * per).view(batch, per)
     n1 = nodes + 1
-    reqs = [mod.TreeRequest(b, f"r{b}", b * n1, prefix, tree) for b in range(batch)]
+    from vllm import _custom_ops as ops
+
+    from vllm_adaspec.runtime import base
+
+    request = getattr(mod, "TreeRequest", base.TreeRequest)  # (runtime/cpu.py imports it from runtime/base.py)
+    reqs = [request(b, f"r{b}", b * n1, prefix, tree) for b in range(batch)]
     step = mod.TreeStep(batch * n1, reqs)
     q = torch.randn(batch * n1, HQ, D, generator=g)
     k, v = torch.randn(batch * n1, HKV, D, generator=g), torch.randn(batch * n1, HKV, D, generator=g)
     out = torch.zeros(batch * n1, HQ, D)
-    rt = mod.TreeRuntime()
+    # the CPU runtime, handed vLLM's cache-write op (before the runtime package: a TreeRuntime that imported it)
+    rt = (mod.CPUTreeRuntime(cache_write=ops.cpu_attn_reshape_and_cache) if hasattr(mod, "CPUTreeRuntime")
+          else mod.TreeRuntime())
     rt.verify_attention(step, q, k, v, out, cache, table, "vec", D ** -0.5)  # the copies and masks made
     t0 = time.perf_counter()
     for _ in range(iters):

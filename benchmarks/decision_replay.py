@@ -1,5 +1,5 @@
 """What MultiBranchProposer's decisions make of the workload mix on this CPU, against vLLM's `suffix` and plain
-decoding, in seconds instead of an engine run (issue 42: judge an idea here before spending interleaved rounds).
+decoding, in seconds instead of an engine run (to judge an idea here before spending interleaved rounds on it).
 
 Each prompt's greedy continuation is known (transformers, float32, cached per type: `host_replay.continuations`), so
 greedy verification of any draft or tree is replayed exactly (feasibility.md's method). The real driver, pools,
@@ -12,10 +12,10 @@ method's host work a step (ours: the drafter, Medusa heads included; suffix: its
 Each type's prompts run as one queue of `--batch-size` (vLLM with max_num_seqs), the types one after another in one
 driver and one suffix cache (as the interleaved benchmark's engines see them).
 
-Checked against the engine (RESULTS, session 33): on session 32's batch-1 prompts the replay gives `suffix` the
-engine's tau on every type (2.78 / 1.44 / 1.96 / 1.67 / 1.63 against 2.78 / 1.44 / 1.96 / 1.68 / 1.63), ours
-2.98 / 1.70 / 2.25 / 2.13 / 2.03 (engine 2.98 / 1.62 / 2.25 / 2.10 / 1.91), and ours / `suffix` 1.092 on the mix
-(engine 1.09, per type within 0.04).
+Checked against the engine (benchmarks/log/2026-11-27.md): on an interleaved engine run's batch-1 prompts the replay
+gives `suffix` the engine's tau on every type (2.78 / 1.44 / 1.96 / 1.67 / 1.63 against 2.78 / 1.44 / 1.96 / 1.68 /
+1.63), ours 2.98 / 1.70 / 2.25 / 2.13 / 2.03 (engine 2.98 / 1.62 / 2.25 / 2.10 / 1.91), and ours / `suffix` 1.092 on the
+mix (engine 1.09, per type within 0.04).
 
     .venv/bin/python benchmarks/decision_replay.py --batch-size 8 --num-prompts 8 --offset 7
     .venv/bin/python benchmarks/decision_replay.py --batch-size 1 --settings '{}' '{"pools": ["suffix"]}'
@@ -24,10 +24,10 @@ engine's tau on every type (2.78 / 1.44 / 1.96 / 1.67 / 1.63 against 2.78 / 1.44
     .venv/bin/python benchmarks/decision_replay.py --warm 4 --settings '{}' '{"warm_calibration": true}'
     .venv/bin/python benchmarks/decision_replay.py --settings '{}' '{"oracle": true}'  # selection's ceiling
 
-`"oracle": true` scores every candidate node by the known continuation (on it: ~1, off it: ~0) instead of its
-calibrated chance: the pools' candidates as they are, picked perfectly. What better scoring could still gain over
-today's on the same candidates (session 34: batch 1 1.105 -> 1.269 `suffix`, batch 8 1.026 -> 1.158); a new
-candidate source is judged by what it adds to this ceiling as well as to the default.
+`"oracle": true` scores every candidate node by the known continuation (on it: ~1, off it: ~0) instead of its calibrated
+chance: the pools' candidates as they are, picked perfectly. What better scoring could still gain over today's on the
+same candidates (benchmarks/log/2026-11-28.md: batch 1 1.105 -> 1.269 `suffix`, batch 8 1.026 -> 1.158); a new candidate
+source is judged by what it adds to this ceiling as well as to the default.
 
 Prints per type: tau (tokens per target forward, every forward counted), drafted rows per forward, simulated
 speed over plain, and each of ours over `suffix`. Runs every replay in this process; ~20 s once the continuations
@@ -56,11 +56,11 @@ import host_replay as hr  # noqa: E402
 SUFFIX = {"k": 24, "depth": 24, "factor": 1.0, "min_prob": 0.1}  # vLLM's suffix decoding at its defaults
 
 
-# This machine's compiled-mode steps (the AMD EPYC of RESULTS from session 30 on; session 33, `verify_cost.py --batches
-# 1 8 --k 16 --rounds 8 --calls 4`): relative to a one-row step (30.9 ms) by the rows of a step in all, rows 1-17
-# from batch 1 (its matrix library is cheaper at 3-6 rows than at 1), 16-136 from batch 8 (34.0 ms at 8 rows: the 7
-# more requests' own share is under the noise); a tree request adds ~0.15 of a one-row step and each of its rows
-# ~0.005 (tree / chain 1.12-1.24 at batch 1 from 3 rows, 1.15-1.29 at batch 8 from 4 rows a request).
+# This machine's compiled-mode steps (the AMD EPYC of the measurements from 2026-11-27 on; benchmarks/log/2026-11-27.md,
+# `verify_cost.py --batches 1 8 --k 16 --rounds 8 --calls 4`): relative to a one-row step (30.9 ms) by the rows of a
+# step in all, rows 1-17 from batch 1 (its matrix library is cheaper at 3-6 rows than at 1), 16-136 from batch 8 (34.0
+# ms at 8 rows: the 7 more requests' own share is under the noise); a tree request adds ~0.15 of a one-row step and each
+# of its rows ~0.005 (tree / chain 1.12-1.24 at batch 1 from 3 rows, 1.15-1.29 at batch 8 from 4 rows a request).
 MEASURED = {1: 1.0, 2: 1.10, 3: 0.94, 4: 0.89, 5: 0.88, 6: 0.92, 7: 1.02, 8: 1.12, 10: 1.11, 12: 1.17, 14: 1.28,
             16: 1.40, 17: 1.41, 24: 1.90, 32: 2.24, 40: 2.61, 48: 3.39, 56: 3.54, 64: 3.76, 80: 4.44, 96: 5.21,
             112: 6.06, 128: 6.74, 136: 7.28}

@@ -13,7 +13,7 @@ bench_tree_attention.py; under 6 minutes on an H100). What it prints goes into b
    torch.cuda.set_sync_debug_mode("error") (a wait for the device raises) and timed (CUDA events, median); then
    the same pieces as a step runs them (one wait, at the end: the verification and compaction launched behind the
    forward's stand-in, every layer's attention), against the same steps without them: what the plan, the
-   verification and the compaction add to a step (the issue's 5%; `sequence_cost`).
+   verification and the compaction add to a step (the target: at most 5% of it; `sequence_cost`).
 
     python benchmarks/device_check.py            # on a GPU
     python benchmarks/device_check.py --cpu      # the same code on CPU tensors, tiny shapes, Triton interpreted
@@ -58,8 +58,8 @@ if ARGS.cpu:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_adaspec.engine import gpu_tree_runtime as gtr  # noqa: E402
-from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime  # noqa: E402
+from vllm_adaspec.runtime import gpu as gtr  # noqa: E402
+from vllm_adaspec.runtime.gpu import GPUTreeRuntime  # noqa: E402
 from vllm_adaspec.kernels import kv_compaction as kc  # noqa: E402
 from vllm_adaspec.kernels import row_draws as rd  # noqa: E402
 from vllm_adaspec.kernels import tree_attention as ta  # noqa: E402
@@ -115,11 +115,12 @@ def check_kernel() -> bool:
 
 def check_draws() -> bool:
     """The row-draw kernel (kernels/row_draws.py) on the device: every row's argmax torch's over Llama-3's vocabulary
-    in fp32 and bf16 logits (ties to the first), greedy trees' draws their argmax, and sampled draws' law (chi-square
-    of 4000 rows over 6 tokens at temperature 0.7), and its argmax and draws equal to session 36's kernel's under one
-    key (benchmarks/row_draws_s36.py: the same numbers, the same first maxima). Its GPU time at 8 trees x 17 and x 65
-    rows against session 36's kernel and torch's ops."""
-    import row_draws_s36  # the kernel as session 36 timed it (per-tile reductions, scalar loads): the baseline
+    in fp32 and bf16 logits (ties to the first), greedy trees' draws their argmax, and sampled draws' law (chi-square of
+    4000 rows over 6 tokens at temperature 0.7), and its argmax and draws equal to the block-reduction kernel's under
+    one key (benchmarks/baselines/row_draws_block_reductions.py, the kernel before each lane kept its own first maximum:
+    the same numbers, the same first maxima). Its GPU time at 8 trees x 17 and x 65 rows against that kernel's and
+    torch's ops."""
+    from baselines import row_draws_block_reductions as block_reductions  # the baseline: reductions in its loop
     from stats import chi2_pvalue
 
     vocab = 1000 if ARGS.cpu else 128256
@@ -139,10 +140,10 @@ def check_draws() -> bool:
     rows = torch.randperm(8 * per, generator=g).view(8, per).to(DEVICE)
     call = (rows, torch.arange(8, device=DEVICE), torch.full((8,), 0.8, device=DEVICE), 4)
     key = torch.tensor([(1 << 35) + 7], device=DEVICE)
-    now, then = rd.row_draws(logits, *call, seed=key), row_draws_s36.row_draws(logits, *call, seed=key)
+    now, then = rd.row_draws(logits, *call, seed=key), block_reductions.row_draws(logits, *call, seed=key)
     same = torch.equal(now[0], then[0]) and torch.equal(now[1], then[1])
-    say(f"row draws: argmax and draws (half the trees sampled) {'equal to' if same else 'DIFFERENT from'} session "
-        "36's kernel's under one key")
+    say(f"row draws: argmax and draws (half the trees sampled) {'equal to' if same else 'DIFFERENT from'} the "
+        "block-reduction kernel's under one key")
     ok &= same
     n = 100 if ARGS.cpu else 4000  # (interpreted: a smoke check; the law's own test is test_kernel_row_draws.py)
     x = torch.tensor([[1.0, 0.2, -0.5, 0.9, 2.0, -1.0]], device=DEVICE)
@@ -164,10 +165,10 @@ def check_draws() -> bool:
             out = torch.empty(2, 8, per, dtype=torch.long, device=DEVICE)
             for first, what in ((8, "greedy"), (4, "half sampled")):
                 torch_ops = graphed_time(lambda: rd.row_draws_reference(logits, rows, tree_rows, temperature, first))
-                before = graphed_time(lambda: row_draws_s36.row_draws(logits, rows, tree_rows, temperature, first,
-                                                                      seed=key, out=out))
-                say(f"row draws, 8 trees x {per} rows, {what}: session 36's kernel "
-                    f"({row_draws_s36.num_chunks(vocab)} chunks a row) GPU {before * 1e3:.1f} us; torch's ops "
+                before = graphed_time(lambda: block_reductions.row_draws(logits, rows, tree_rows, temperature, first,
+                                                                         seed=key, out=out))
+                say(f"row draws, 8 trees x {per} rows, {what}: the block-reduction kernel "
+                    f"({block_reductions.num_chunks(vocab)} chunks a row) GPU {before * 1e3:.1f} us; torch's ops "
                     f"{torch_ops * 1e3:.1f} us")
                 for tiles in sorted({chunk_tiles, 1000, 4, 2, 1} if per == 17 else {chunk_tiles}, reverse=True):
                     rd.CHUNK_TILES = tiles  # 1 chunk .. 16 a row
@@ -175,7 +176,7 @@ def check_draws() -> bool:
                                                              out=out))
                     say(f"row draws, 8 trees x {per} rows, {what}, {rd.num_chunks(vocab)} chunks a row"
                         f"{' (the default)' if tiles == chunk_tiles else ''}: GPU {kern * 1e3:.1f} us "
-                        f"({before / kern:.2f}x faster than session 36's)")
+                        f"({before / kern:.2f}x faster than the block-reduction kernel)")
                 rd.CHUNK_TILES = chunk_tiles
     return ok
 
@@ -295,7 +296,7 @@ def top_functions(prof, n: int, steps: int) -> list[str]:
 def plan_parts(rt, steps: int, make_step) -> dict:
     """Where the plan's host time goes, part by part (perf_counter around each, not cProfile, which charges a
     caller with what C code it calls does): ms a step, median over `steps` steps of make_step() (one plan each)."""
-    from vllm_adaspec.engine import tree_runtime
+    from vllm_adaspec.runtime import base as tree_runtime
 
     parts = [(tree_runtime, "plan_step", "plan_step (drafts matched to trees)"),
              (gtr.GPUTreeRuntime, "prepare", "prepare (the device step)"),
@@ -502,7 +503,7 @@ def check_step() -> bool:
                     f"tottime / cumtime ms a step, calls a step):")
                 for line in top_functions(prof, ARGS.profile, 1 if ARGS.cpu else 5):
                     say("    " + line)
-    # the pieces as a step runs them (one wait, at its end): what they add to the step, the issue's 5%
+    # the pieces as a step runs them (one wait, at its end): what they add to the step, the target's 5%
     for nodes in ((4,) if ARGS.cpu else (16, 64)):
         got = sequence_cost(rt, trees, nodes, prefix, g, layers_kv, table, heads, vocab, dtype, 1 if ARGS.cpu else 9)
         for label, ms in got.items():

@@ -8,10 +8,11 @@
 # ran before is kept if the 600 s run out). What it prints goes into benchmarks/RESULTS.md.
 #   bash benchmarks/device_check.sh            # results also under $OUT (the device tool's folder) if set
 set -uo pipefail
-# python -u: what a script printed before a timeout stops it is kept (block-buffered output to a file or a pipe is
-# lost with the process: session 27 lost two device_check.py runs that way, each stopped at 100 s). device_check.py
-# compiles every kernel variant of 6 head shapes x 3 dtypes on a bare machine: 157 s in session 28 (11 s with
-# Triton's cache warm), stopped there once at 150 s: 240 s now
+# python -u: what a script printed before a timeout stops it is kept (block-buffered output to a file or a pipe is lost
+# with the process: two device_check.py runs on an H100 were lost that way, each stopped at 100 s:
+# benchmarks/device_runs/2026-11-27-h100-b). device_check.py compiles every kernel variant of 6 head shapes x 3 dtypes
+# on a bare machine: 157 s on an H100 (11 s with Triton's cache warm; benchmarks/device_runs/2026-11-27-h100-c), stopped
+# there once at 150 s: 240 s now
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/out}"
 mkdir -p "$out"

@@ -30,8 +30,8 @@ HERE = Path(__file__).resolve().parent
 # (the frame's function, its file): where the critical path enters our code, and what is kept apart
 CRITICAL = [("Driver.propose", "vllm_adaspec/proposers/driver.py"),
             ("Driver.on_schedule", "vllm_adaspec/proposers/driver.py"),
-            ("plan_step", "vllm_adaspec/engine/tree_runtime.py"),
-            ("GPUTreeRuntime.prepare", "vllm_adaspec/engine/gpu_tree_runtime.py")]
+            ("plan_step", "vllm_adaspec/runtime/base.py"),
+            ("GPUTreeRuntime.prepare", "vllm_adaspec/runtime/gpu.py")]
 BEHIND = ("Driver.while_forward", "vllm_adaspec/proposers/driver.py")
 DEVICE = "ranked_on_device"  # host_replay's stand-in for the Medusa heads' device work
 FRAME = re.compile(r"^(?P<func>.+?) \((?P<file>.+?):(?P<line>\d+)\)$")

@@ -1,19 +1,20 @@
-"""The host side of a GPU tree step, measured on this CPU without this CPU's forward in between (issue 41, item 5).
+"""The host side of a GPU tree step, measured on this CPU without this CPU's forward in between (the host side's target:
+at most 10% of the H100 Llama-3-8B step).
 
-In the CPU engine (`profile_step.py --gpu-plan`) two things make the drafter's time unlike a GPU host's: every
-forward streams ~540 MB of weights through the caches, so the drafter always starts cache-cold
-(`host_cache_cold.py`: 2.7-3.2x), and this CPU's dear rows make the cost model pick chains, so the GPU runtime's
-planning of a tree step (`plan_cost.py`: 0.2-0.5 ms) almost never runs. This replays decoding instead: the real
-driver, MultiBranchDrafter, pools, cost model and the GPU runtime's planning (`GPUTreeRuntime.prepare` on CPU
-tensors), every step, with the target replaced by an oracle that knows its greedy continuation of every prompt
-(computed once with transformers, float32, with the final hidden states the Medusa pool reads): greedy verification
-is lossless, so each tree or chain accepts exactly what the target would. The forward is simulated: the clock the
-cost model learns from advances by the H100 Llama-3-8B step of issue 41's table for the step's rows, so decisions are
-the ones a GPU engine's cost model would make (more rows, trees). Requests run as vLLM runs a queue with
-max_num_seqs = the batch size (a finished request's place goes to the next prompt). Each replay runs in a process
-of its own. `--evict-mb` streams that many MB before each propose, as this CPU's forward does to the caches. The
-Medusa heads are device work on a GPU: their results at every position are computed before the replay and handed
-over when the pool asks (`--heads-on-host` runs them on this CPU between the host's parts, as before session 24).
+In the CPU engine (`profile_step.py --gpu-plan`) two things make the drafter's time unlike a GPU host's: every forward
+streams ~540 MB of weights through the caches, so the drafter always starts cache-cold (`host_cache_cold.py`: 2.7-3.2x),
+and this CPU's dear rows make the cost model pick chains, so the GPU runtime's planning of a tree step (`plan_cost.py`:
+0.2-0.5 ms) almost never runs. This replays decoding instead: the real driver, MultiBranchDrafter, pools, cost model and
+the GPU runtime's planning (`GPUTreeRuntime.prepare` on CPU tensors), every step, with the target replaced by an oracle
+that knows its greedy continuation of every prompt (computed once with transformers, float32, with the final hidden
+states the Medusa pool reads): greedy verification is lossless, so each tree or chain accepts exactly what the target
+would. The forward is simulated: the clock the cost model learns from advances by the H100 Llama-3-8B step of the
+reference table for the step's rows, so decisions are the ones a GPU engine's cost model would make (more rows, trees).
+Requests run as vLLM runs a queue with max_num_seqs = the batch size (a finished request's place goes to the next
+prompt). Each replay runs in a process of its own. `--evict-mb` streams that many MB before each propose, as this CPU's
+forward does to the caches. The Medusa heads are device work on a GPU: their results at every position are computed
+before the replay and handed over when the pool asks (`--heads-on-host` runs them on this CPU between the host's parts,
+as the replay first did).
 
     .venv/bin/python benchmarks/host_replay.py --batch-size 1 8 --evict-mb 0 600
     .venv/bin/python benchmarks/host_replay.py --digest   # decisions unchanged by a host-side change? (~1 min)
@@ -47,9 +48,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from vllm_adaspec.trees import DraftTree, verify_greedy  # noqa: E402
 
-from profile_step import STEP_8B_MS  # noqa: E402 (issue 41's H100 Llama-3-8B step by batch size)
+from profile_step import STEP_8B_MS  # noqa: E402 (the reference H100 Llama-3-8B step by batch size)
 
-# issue 41's table: the same forward's cost with r rows per request over one row
+# the same reference table: the same forward's cost with r rows per request over one row
 ROWS_8B = {1: {1: 1.0, 4: 1.11, 16: 1.15, 64: 1.18}, 8: {1: 1.0, 4: 1.18, 16: 1.28, 64: 2.25},
            32: {1: 1.0, 4: 1.69, 16: 2.56, 64: 7.71}}
 
@@ -65,7 +66,7 @@ FINE = [
     ("fine: the node choice, Python (draft)", "vllm_adaspec.proposers.multi_branch:choose_reference", None),
     ("fine: route (driver)", "vllm_adaspec.proposers.driver:Driver", "_route"),
     ("fine: account (driver)", "vllm_adaspec.proposers.driver:Driver", "_account"),
-    ("fine: plan_step (GPU plan)", "vllm_adaspec.engine.tree_runtime:plan_step", None),
+    ("fine: plan_step (GPU plan)", "vllm_adaspec.runtime.base:plan_step", None),
     # arctic-inference's suffix trees besides the suffix pool's speculation (propose, above)
     ("fine: suffix pool extend (observe)", "vllm_adaspec.pools.suffix:SuffixPool", "extend"),
     ("fine: suffix pool start (while_forward)", "vllm_adaspec.pools.suffix:SuffixPool", "start"),
@@ -354,8 +355,8 @@ def replay(data: list[dict], batch_size: int, settings_json: dict, model_path: s
     torch's inference mode, as vLLM's GPU worker runs execute_model and sample_tokens (the drafter's propose and the
     tree plan inside them): tensors made there skip autograd's bookkeeping (a view ~0.8 us, not ~1.3)."""
     import vllm_adaspec.proposers.driver as driver_mod
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
-    from vllm_adaspec.engine.tree_runtime import plan_step
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
+    from vllm_adaspec.runtime.base import plan_step
     from vllm_adaspec.kernels import tree_attention
     from vllm_adaspec.kernels.tree_attention import tile_rows
     try:
@@ -632,7 +633,7 @@ def main() -> None:
              lambda c: f"{c['overlapped']:.3f}" if "overlapped" in c else "-"),
             ("host side less the Medusa heads' tensor work", lambda c: f"**{c['host'][1]:.3f}**"),
             ("... spread over repeats", lambda c: f"{c['spread'][0]:.2f}-{c['spread'][1]:.2f}"),
-            ("... of the H100 Llama-3-8B step (issue 41)", lambda c: f"{100 * c['host'][1] / c['ref']:.1f}%"),
+            ("... of the H100 Llama-3-8B step (reference)", lambda c: f"{100 * c['host'][1] / c['ref']:.1f}%"),
             ("the same, steady state: steps after the cost model's first 31 (ms)",
              lambda c: f"{c['steady'][0]:.3f} ({c['steady'][1]} steps)" if "steady" in c else "-"),
             ("... of the H100 Llama-3-8B step",

@@ -4,8 +4,9 @@ real launch gets, and read the prefix loop's software pipelining off the TTGIR.
 
 Why: a loop whose K / V addresses depend on a load of the same iteration (the page table) is compiled with an
 `async_wait {num = 0}` at its top: every copy waited on before each tile, one tile in flight, the loop bound by memory
-latency (session 27: the kernel at 1.4-3.5x FlashAttention on an H100). Loading a tile's pages a tile ahead
-(PREFETCH) lets the pipeliner keep num_stages - 1 tiles in flight (`num = 2` at 3 stages). This tool shows which.
+latency (the kernel at 1.4-3.5x FlashAttention on an H100: benchmarks/device_runs/2026-11-27-h100-b). Loading a tile's
+pages a tile ahead (PREFETCH) lets the pipeliner keep num_stages - 1 tiles in flight (`num = 2` at 3 stages). This tool
+shows which.
 
     python benchmarks/kernel_ir.py                       # the engine's default variant, 8 trees x 16 nodes
     python benchmarks/kernel_ir.py --no-prefetch --stages 2 --heads 9,3,64

@@ -1,7 +1,7 @@
 """Where the tree-attention kernel's time goes on a GPU, and which launch options cut it: one run a session lent a
 device can afford (about 3 minutes on an H100).
 
-Per shape (a subset of bench_tree_attention.py's: the ones issue 41's targets are furthest from):
+Per shape (a subset of bench_tree_attention.py's: the ones furthest from the kernel's targets):
 - the kernel as bench_tree_attention.py times it (eager launches back to back: Python's launch cost included where
   it exceeds the GPU's), its host cost per launch (launches queued without a wait), and its GPU time alone (ten
   launches captured in one CUDA graph, replayed), beside the FlashAttention anchor captured the same way;
@@ -35,17 +35,19 @@ SHAPES = [  # (heads, batch, prefix, nodes)
     ((32, 8, 128), 1, 8192, 16), ((32, 8, 128), 1, 32768, 16), ((32, 8, 128), 8, 2048, 16),
     ((32, 8, 128), 8, 8192, 16), ((32, 8, 128), 8, 8192, 64), ((32, 8, 128), 64, 2048, 16),
     ((9, 3, 64), 8, 8192, 16), ((9, 3, 64), 1, 2048, 16)]
-# BLOCK_N, num_warps, num_stages, whole prefix tiles without masks (`even`), pages loaded a tile ahead (`prefetch`):
-# the defaults' neighbours (BLOCK_N 64, 3 stages, even, prefetch; warps by tile) and the loop before session 27.
-# Session 26's run: pages in the tile's own iteration, stages 2-4, no `even` (2 stages best). Session 27's first
-# sweep: without prefetch 2 stages, with it 2-4 stages x BLOCK_N 64 / 128 x 4 / 8 warps, and `even` at 3 stages
-# (benchmarks/device_runs/s27_h100/run2/kernel_sweep.txt): prefetch at 3 stages 0.85x the old loop's time. Last:
-# fused, the split programs' own reduction (no second launch: eager time too, where the host may be what counts)
+# BLOCK_N, num_warps, num_stages, whole prefix tiles without masks (`even`), pages loaded a tile ahead (`prefetch`): the
+# defaults' neighbours (BLOCK_N 64, 3 stages, even, prefetch; warps by tile) and the earlier loop (pages in the tile's
+# own iteration). An H100's first run (benchmarks/device_runs/2026-11-27-h100-a): pages in the tile's own iteration,
+# stages 2-4, no `even` (2 stages best). A second H100's first sweep: without prefetch 2 stages, with it 2-4 stages x
+# BLOCK_N 64 / 128 x 4 / 8 warps, and `even` at 3 stages
+# (benchmarks/device_runs/2026-11-27-h100-b/run2/kernel_sweep.txt): prefetch at 3 stages 0.85x the old loop's time.
+# Last: fused, the split programs' own reduction (no second launch: eager time too, where the host may be what counts)
 OPTIONS = [(64, 8, 3, True, True, False), (64, 4, 3, True, True, False), (64, 8, 4, True, True, False),
            (128, 8, 3, True, True, False), (64, 8, 3, False, True, False), (64, 8, 2, False, False, False),
            (64, 4, 2, False, False, False),
            # the split programs combining their partials themselves (the default at 2 .. FUSED_MAX_SPLITS chunks since
-           # session 28's sweep; the plain options above are the split kernel and the reduce launch)
+           # an H100 sweep, benchmarks/device_runs/2026-11-27-h100-c; the plain options above are the split kernel and
+           # the reduce launch)
            (64, 8, 3, True, True, True), (64, 4, 3, True, True, True)]
 
 
@@ -171,8 +173,9 @@ def sweep_shape(heads, b, prefix, nodes, dtype, deadline: float) -> dict:
             except Exception as e:  # e.g. out of shared memory: this option does not exist for the shape
                 options[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
     # half the tile (64 rows x heads where the plan's is 128): more programs of fewer registers and less shared
-    # memory each, so several share an SM (session 30: the 128 x 128 tile's 236 registers a thread at 8 warps and
-    # 131 KB leave one program an SM; 4 warps spill). Each key tile is then read by twice the programs.
+    # memory each, so several share an SM (an H200, benchmarks/device_runs/2026-11-27-h200: the 128 x 128 tile's 236
+    # registers a thread at 8 warps and 131 KB leave one program an SM; 4 warps spill). Each key tile is then read by
+    # twice the programs.
     m = ta.tile_m(plan.block_q, hq // hkv)
     if m >= ta.MAX_TILE_M and plan.block_q > 1:
         half = plan.block_q // 2

@@ -1,5 +1,5 @@
-"""The host's share of one layer's tree-attention launch on the ready path (issue 41): what every layer of a GPU tree
-step spends in Python before Triton's launcher, measured on any machine.
+"""The host's share of one layer's tree-attention launch on the ready path: what every layer of a GPU tree step
+spends in Python before Triton's launcher, measured on any machine.
 
 A GPU engine's step launches the tree kernel once per attention layer; after the step's first layer each launch
 takes the compiled kernels the plan holds (`kernels/tree_attention.launch`, `_launch_ready`). Here the compiled
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 def main() -> None:
     import vllm_adaspec.kernels.tree_attention as ta
     from test_kernel_tree_attention import _Jit, make_case
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
 
     class Discard(list):
         def append(self, x):

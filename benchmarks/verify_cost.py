@@ -1,12 +1,12 @@
 """What verifying r rows per request costs this engine: step time against proposal size, chains vs trees.
 
 Two engines with vllm_adaspec.ProbeProposer stand side by side (harness.EngineSession): one drafts chains, one binary
-trees verified through the tree path; each proposes 0..K never-accepted drafts per request in turn and times every
-step against the size it verified. The engines take turns, `--calls` generate calls each, the order alternating, so
-the machine's drift hits both alike (one engine after the other differed by 3 ms at no drafts on this CPU, session
-29: drift, not the tree path). Reported per size: the median step time relative to the chain engine's size 0 (no
-drafts), at each batch size, and tree / chain at equal rows: what tree verification adds over vLLM's own chain
-verification. Run alone (it times steps).
+trees verified through the tree path; each proposes 0..K never-accepted drafts per request in turn and times every step
+against the size it verified. The engines take turns, `--calls` generate calls each, the order alternating, so the
+machine's drift hits both alike (one engine after the other differed by 3 ms at no drafts on this CPU,
+benchmarks/log/2026-11-27.md: drift, not the tree path). Reported per size: the median step time relative to the chain
+engine's size 0 (no drafts), at each batch size, and tree / chain at equal rows: what tree verification adds over vLLM's
+own chain verification. Run alone (it times steps).
 
     .venv/bin/python benchmarks/verify_cost.py --batches 1 8 --k 16 --rounds 8      # vLLM's compiled mode
     .venv/bin/python benchmarks/verify_cost.py --batches 1 --eager                   # enforce_eager

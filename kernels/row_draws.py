@@ -17,12 +17,13 @@ not depend on the chunking. Sampled trees with top-k / top-p are not drawn here 
 
 The torch ops this replaces: an argmax over every logits row and its gather, then for the sampled trees a gather
 of their rows' logits, the division by temperature, an exponential draw, its log, negation and sum, an argmax and a
-concatenation (about ten launches and three [rows, V] buffers a step). Session 36's H200, 8 trees x 17 rows over 128k
-tokens: the verification's host time 0.62 -> 0.25 ms; GPU time 36 us against torch's 47 (greedy), 69 against 205
-(half the trees sampled), with the reductions in the loop and scalar loads (session 43's per-lane form compiles
-for sm_90 to a greedy loop of 4 vector loads, no barrier, where it had 16 scalar loads, 16 barriers and 32 shuffles
-a tile: `benchmarks/kernel_ir.py --row-draws`; its GPU time is not yet measured: benchmarks/device_check.py times it
-against session 36's, benchmarks/row_draws_s36.py). Contents: `_row_draws_kernel`, `row_draws` (launcher),
+concatenation (about ten launches and three [rows, V] buffers a step). An H200, 8 trees x 17 rows over 128k
+tokens (benchmarks/device_runs/2026-11-28-h200/): the verification's host time 0.62 -> 0.25 ms; GPU time 36 us
+against torch's 47 (greedy), 69 against 205 (half the trees sampled), with the reductions in the loop and scalar
+loads (the per-lane form compiles for sm_90 to a greedy loop of 4 vector loads, no barrier, where that one had 16
+scalar loads, 16 barriers and 32 shuffles a tile: `benchmarks/kernel_ir.py --row-draws`; its GPU time is not yet
+measured: benchmarks/device_check.py times it against the kernel with block reductions in its loop, kept as
+benchmarks/baselines/row_draws_block_reductions.py). Contents: `_row_draws_kernel`, `row_draws` (launcher),
 `row_draws_reference` (torch).
 """
 
@@ -42,9 +43,10 @@ __all__ = ["BLOCK_V", "row_draws", "row_draws_reference", "new_seed"]
 
 BLOCK_V = 4096  # logits a program reads per iteration (four Philox streams of BLOCK_V / 4)
 NUM_WARPS = 8
-# A row's vocabulary in chunks of at least CHUNK_TILES tiles, each its own program, at most MAX_CHUNKS. Session 36's
-# H200, 8 trees x 17 rows over Llama-3's 128k tokens, GPU alone: 1 chunk 67.8 us greedy / 160.1 us half sampled,
-# 7 chunks 39.0 / 76.2, 15 chunks 35.9 / 69.4, 16 chunks 38.2 / 70.9; torch's ops 47.0 / 205.3
+# A row's vocabulary in chunks of at least CHUNK_TILES tiles, each its own program, at most MAX_CHUNKS. An H200
+# (benchmarks/device_runs/2026-11-28-h200/run3), 8 trees x 17 rows over Llama-3's 128k tokens, GPU alone: 1 chunk 67.8
+# us greedy / 160.1 us half sampled, 7 chunks 39.0 / 76.2, 15 chunks 35.9 / 69.4, 16 chunks 38.2 / 70.9; torch's ops
+# 47.0 / 205.3
 CHUNK_TILES = 2
 MAX_CHUNKS = 16
 

@@ -69,25 +69,25 @@ MAX_SPLITS = 64  # key chunks of one request
 # registers a thread for sm_90 (benchmarks/kernel_ir.py --reduce)
 REDUCE_BLOCK_S = 16
 BLOCK_N = 64  # keys per tile
-# Software-pipelining stages of the split kernel's key loop, and whether a prefix tile's pages are loaded a tile
-# ahead. Compiled for sm_90 (Triton 3.6, benchmarks/kernel_ir.py): with the pages loaded in the tile's own iteration
-# the loop waits for every copy at its top whatever num_stages is (one tile in flight); loaded a tile ahead, 3 stages
-# keep two tiles in flight, 4 three. Session 26's H100 sweep (pages in the iteration) found 2 stages 0.95x the GPU
-# time of 3: with nothing in flight either way, the smaller shared-memory footprint won.
+# Software-pipelining stages of the split kernel's key loop, and whether a prefix tile's pages are loaded a tile ahead.
+# Compiled for sm_90 (Triton 3.6, benchmarks/kernel_ir.py): with the pages loaded in the tile's own iteration the loop
+# waits for every copy at its top whatever num_stages is (one tile in flight); loaded a tile ahead, 3 stages keep two
+# tiles in flight, 4 three. An H100 sweep (benchmarks/device_runs/2026-11-27-h100-a/, pages in the iteration) found 2
+# stages 0.95x the GPU time of 3: with nothing in flight either way, the smaller shared-memory footprint won.
 NUM_STAGES = 3
 PREFETCH = True
-# Whole prefix tiles loaded and scored without masks, the rest (at most one tile) with them. Session 27's H100 sweep,
-# 8 warps, 3 stages, pages a tile ahead: 0.91-0.98x the masked loop's GPU time on 5 of 6 shapes (1.08x at batch 1
-# over an 8k prefix)
+# Whole prefix tiles loaded and scored without masks, the rest (at most one tile) with them. An H100 sweep
+# (benchmarks/device_runs/2026-11-27-h100-b/), 8 warps, 3 stages, pages a tile ahead: 0.91-0.98x the masked loop's GPU
+# time on 5 of 6 shapes (1.08x at batch 1 over an 8k prefix)
 EVEN = True
 # Where the keys are split into 2 .. FUSED_MAX_SPLITS chunks, each tile's last split program to finish combines the
-# partials (an atomic count per tile) instead of a second launch: one launch a layer. Session 28's H100 sweeps
-# (benchmarks/device_runs/s28_h100/, bf16): at 2 chunks of up to 4k keys 0.49-0.92x the GPU time of the split kernel
-# plus the reduce launch on every shape of the benchmark (the reduce launch, one program per row and head, costs
+# partials (an atomic count per tile) instead of a second launch: one launch a layer. H100 sweeps
+# (benchmarks/device_runs/2026-11-27-h100-c/, bf16): at 2 chunks of up to 4k keys 0.49-0.92x the GPU time of the split
+# kernel plus the reduce launch on every shape of the benchmark (the reduce launch, one program per row and head, costs
 # most where the rows are many), at 4-5 chunks 0.71-0.94x, at 7-16 chunks 1.2-1.9x (one program per tile reads every
-# partial alone while the rest of the device idles: batch 1); at 2 chunks of 16k keys (batch 8, 32k prefixes, as
-# many tiles as SMs or fewer) 1.08-1.18x: chunks longer than FUSED_MAX_CHUNK are reduced by the second launch unless
-# the tiles outnumber the SMs (there: 0.74x). FUSED_MAX_SPLITS 0: never fused.
+# partial alone while the rest of the device idles: batch 1); at 2 chunks of 16k keys (batch 8, 32k prefixes, as many
+# tiles as SMs or fewer) 1.08-1.18x: chunks longer than FUSED_MAX_CHUNK are reduced by the second launch unless the
+# tiles outnumber the SMs (there: 0.74x). FUSED_MAX_SPLITS 0: never fused.
 FUSED_MAX_SPLITS = 4
 FUSED_MAX_CHUNK = 8192
 # Output columns the reducing program sums at a time. Its whole [BLOCK_M, BLOCK_D] sum live beside a partial's tile
@@ -95,26 +95,28 @@ FUSED_MAX_CHUNK = 8192
 # benchmarks/kernel_ir.py --fused), where the two-launch variant spills none; 64 columns at a time: 252, none
 FUSED_TAIL_D = 64
 # More tiles than SMs (one 128-row tile per SM): the keys are cut into up to FUSED_MAX_SPLITS chunks of at least
-# REFILL_MIN_CHUNK keys where that fills the last wave better (session 28, H100, fused: 0.74-0.82x at batch 8 over
-# 8k-32k prefixes with 64 nodes; 1.07-1.52x with chunks of 0.7-2.7k keys, and with SmolLM2's 64-row tiles, several to
-# an SM, 1.27-1.61x: not cut there)
+# REFILL_MIN_CHUNK keys where that fills the last wave better (an H100, device_runs/2026-11-27-h100-c, fused: 0.74-0.82x
+# at batch 8 over 8k-32k prefixes with 64 nodes; 1.07-1.52x with chunks of 0.7-2.7k keys, and with SmolLM2's 64-row
+# tiles, several to an SM, 1.27-1.61x: not cut there)
 REFILL_MIN_CHUNK = 4096
 # Tiles smaller than FlashAttention's 128 x 128 leave an SM room for more than one program, and a kernel that streams
 # the keys needs them in flight: the slots `choose_splits` fills are SMs x `programs_per_sm`, SLOT_ELEMS / (M x head
-# size) of them, 1 to MAX_PROGRAMS_PER_SM. Session 30's H200 sweep (benchmarks/device_runs/s30_h200/run3, GPU alone):
-# Llama-3-8B's heads, 5 rows (32 x 128) at batch 8 over 32k: 4 chunks 298 us against 2 (one per SM) 435 us; over 8k
-# 91 against 122; SmolLM2's, 5 rows (16 x 64) over 32k: 20 chunks 62 us against 5 124, 21 rows (64 x 64) over 8k: 10
-# chunks 34 us against 5 38 (and 20: 45). 128-row tiles of head size 128: one program per SM (session 26: two per SM
-# cost 7-18%)
+# size) of them, 1 to MAX_PROGRAMS_PER_SM. An H200 sweep (benchmarks/device_runs/2026-11-27-h200/run3, GPU alone):
+# Llama-3-8B's heads, 5 rows (32 x 128) at batch 8 over 32k: 4 chunks 298 us against 2 (one per SM) 435 us; over 8k 91
+# against 122; SmolLM2's, 5 rows (16 x 64) over 32k: 20 chunks 62 us against 5 124, 21 rows (64 x 64) over 8k: 10 chunks
+# 34 us against 5 38 (and 20: 45). 128-row tiles of head size 128: one program per SM (an H100,
+# device_runs/2026-11-27-h100-a: two per SM cost 7-18%)
 SLOT_ELEMS = 8192
 MAX_PROGRAMS_PER_SM = 4
-# No chunk shorter than MIN_CHUNK_TILES key tiles (each chunk's partials cost a reduction). Session 30's H200 sweep,
-# SmolLM2's heads, batch 1, 64 nodes over 512 keys (6 tiles): 2 chunks 29 us, 4 21 us, 22 20 us (4 tiles a chunk: 2)
+# No chunk shorter than MIN_CHUNK_TILES key tiles (each chunk's partials cost a reduction). An H200 sweep
+# (device_runs/2026-11-27-h200), SmolLM2's heads, batch 1, 64 nodes over 512 keys (6 tiles): 2 chunks 29 us, 4 21 us, 22
+# 20 us (4 tiles a chunk: 2)
 MIN_CHUNK_TILES = 2
-# The split programs reduce their own partials only where the tiles are at least FUSED_MIN_TILES_PER_SM of the SMs:
-# with fewer, the last program of a tile reads every partial while the device idles. Session 30's H200 sweep: 6 tiles
-# (batch 1) fused 1.0-1.4x the reduce launch's time, 24 tiles (SmolLM2 at batch 8) 1.25-1.5x, 64 tiles (Llama-3-8B
-# at batch 8) 0.91-1.04x (session 28, H100, 64 tiles at 2k-8k keys: 0.63-0.88x)
+# The split programs reduce their own partials only where the tiles are at least FUSED_MIN_TILES_PER_SM of the SMs: with
+# fewer, the last program of a tile reads every partial while the device idles. An H200 sweep
+# (device_runs/2026-11-27-h200): 6 tiles (batch 1) fused 1.0-1.4x the reduce launch's time, 24 tiles (SmolLM2 at batch
+# 8) 1.25-1.5x, 64 tiles (Llama-3-8B at batch 8) 0.91-1.04x (an H100, device_runs/2026-11-27-h100-c, 64 tiles at 2k-8k
+# keys: 0.63-0.88x)
 FUSED_MIN_TILES_PER_SM = 0.25
 # Integer arguments that change from step to step, kept out of Triton's specialization (a new value would compile a
 # new kernel): per kernel, the names given to `do_not_specialize` and read by `_arg_key`
@@ -532,9 +534,10 @@ def plan_launch(prefix_lens, cu_rows, bits, q_rows, bt_rows, num_heads: int, num
     tiles = batch * num_kv_heads * q_blocks
     if splits is None:
         # the slots filled once, rounded down: on an H100 (benchmarks/kernel_sweep.py) one 128-row program per SM
-        # rounded up cut the GPU time of two per SM 7-18% (session 26); rounded down (132 SMs: 16 splits for 8 kv
-        # heads, not 17) cut it another 15-22% at batch 1 and 8 over 2k-32k prefixes (session 27); smaller tiles:
-        # several programs to an SM (`programs_per_sm`, session 30)
+        # rounded up cut the GPU time of two per SM 7-18% (device_runs/2026-11-27-h100-a); rounded down (132 SMs: 16
+        # splits for 8 kv heads, not 17) cut it another 15-22% at batch 1 and 8 over 2k-32k prefixes
+        # (device_runs/2026-11-27-h100-b); smaller tiles: several programs to an SM (`programs_per_sm`,
+        # device_runs/2026-11-27-h200)
         m = tile_m(block_q, num_heads // num_kv_heads)
         splits = choose_splits(batch, num_kv_heads, q_blocks, longest, block_n,
                                sms * programs_per_sm(m, head_size), refill=m >= MAX_TILE_M)
@@ -841,7 +844,7 @@ def warm_up(device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_
     try:
         # one chunk, fused, partials and the reduction: `fused` named, not left to `fuse_reduction`, whose choice
         # for this small case's 2 tiles depends on the device's SMs (on 132 it would not fuse, and a step's first
-        # fused launch compiled mid-request: session 36's H200 run)
+        # fused launch compiled mid-request: an H200 run, device_runs/2026-11-28-h200)
         for splits, fused in ((1, False), (2, True), (FUSED_MAX_SPLITS + 1, False)):
             got = tree_attention_triton(q, k, v, wide, plen, cu, bits, scale, max_rows=max(nodes) + 1,
                                         longest=longest, block_n=block_n, splits=splits, block_q=block_q,

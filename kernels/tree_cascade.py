@@ -1,9 +1,9 @@
-"""Tree attention as a cascade (issue 41's design (b)): the tree rows' attention over the prefix by a dense kernel
-that returns its log-sum-exp, their attention among the tree's own keys (the ancestor mask, at most 65 keys) by the
-tree kernel writing partials, and one small launch merging the two per row and head.
+"""Tree attention as a cascade (the alternative to one tree kernel over all keys): the tree rows' attention over the
+prefix by a dense kernel that returns its log-sum-exp, their attention among the tree's own keys (the ancestor mask, at
+most 65 keys) by the tree kernel writing partials, and one small launch merging the two per row and head.
 
 Where the tree kernel's own pass over the prefix is slower than a dense kernel's (short prefixes, many trees,
-64-node trees: up to 2.5x FlashAttention on session 36's H200, `benchmarks/device_runs/s36_h200/`), the prefix part
+64-node trees: up to 2.5x FlashAttention on an H200, `benchmarks/device_runs/2026-11-28-h200/`), the prefix part
 of a cascade costs what the dense kernel costs; the tree part reads only the trees' own keys, in place (a partials
 plan: `plan_launch(partials=True)`, keys prefix .. prefix + tree of each request's pages). In a vLLM CUDA engine the
 dense kernel is vLLM's FlashAttention over the paged cache (`flash_attn_varlen_func(..., causal=False,

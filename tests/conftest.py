@@ -409,7 +409,7 @@ def triton_interpret(monkeypatch):
 def gpu_kernels(triton_interpret, monkeypatch):
     """The GPU tree runtime's three kernels (tree attention, verification, KV compaction) under the interpreter;
     returns the tree-attention module."""
-    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+    import vllm_adaspec.runtime.gpu as gtr
 
     ta = load_interpreted("tree_attention")
     monkeypatch.setattr(gtr, "kernels", ta)

@@ -43,7 +43,7 @@ def test_paired_ratios_need_every_round():
 
 def test_merged_rounds_divide_each_round_by_its_own_plain_run():
     """Round 1's rows become the merged rows: plain's median must not replace its round-1 rate before the other
-    methods' round-1 ratios are taken (it did until session 35: round 1 was divided by plain's median)."""
+    methods' round-1 ratios are taken (it once did: round 1 was divided by plain's median)."""
     def row(tok_s):
         return {"tok_s": tok_s, "identical": 2}
     per_round = [{"plain": {"rag|1": row(p)}, "ours": {"rag|1": row(1.5 * p)}} for p in (2.0, 4.0, 3.0)]
@@ -63,7 +63,7 @@ def test_mix_table_reports_the_paired_ratio_and_the_worst_type():
 
 
 def test_mix_table_pairs_each_of_ours_rows_with_ours_default():
-    """#42's "never below one of its own parts": every other multibranch row over the default, paired by round."""
+    """The promise "never below one of its own parts": every other multibranch row over the default, paired by round."""
     r = results()
     r["multibranch default B=16"], r["multibranch suffix B=16"] = r.pop("ours"), r.pop("suffix")
     r["suffix"] = r["multibranch suffix B=16"]
@@ -73,12 +73,13 @@ def test_mix_table_pairs_each_of_ours_rows_with_ours_default():
     assert f"| **mix** | {1 / math.sqrt(1.1):.2f}x ({1 / math.sqrt(1.1 * 1.05):.2f}-{1 / math.sqrt(1.1 * 0.95):.2f}) |" in part
 
 
-def test_the_tree_kernel_summary_counts_the_issue_targets_of_a_saved_device_run():
-    """bench_tree_attention.py --summary, on a device run kept in the repository (session 27's last): the counts
-    RESULTS quotes (13 of 46 shapes within 1.2x FlashAttention at nodes <= 16, ...), recomputed from the file."""
+def test_the_tree_kernel_summary_counts_the_targets_of_a_saved_device_run():
+    """bench_tree_attention.py --summary, on a device run kept in the repository (an H100's last, 2026-11-27-h100-b):
+    the counts RESULTS quotes (13 of 46 shapes within 1.2x FlashAttention at nodes <= 16, ...), recomputed from the
+    file."""
     import bench_tree_attention
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks/device_runs/s27_h100/run3/tree_attention.json"
+    path = Path(__file__).resolve().parents[1] / "benchmarks/device_runs/2026-11-27-h100-b/run3/tree_attention.json"
     import json
     s = bench_tree_attention.summarize(json.loads(path.read_text())["results"])
     assert (s["shapes"], s["small"], s["big"], s["long"]) == (69, 46, 23, 22)
@@ -87,19 +88,19 @@ def test_the_tree_kernel_summary_counts_the_issue_targets_of_a_saved_device_run(
 
 
 def test_the_tree_kernel_summary_over_gpu_alone_times_of_a_saved_device_run():
-    """--summary over the GPU-alone (CUDA graph) columns of session 30's last H200 run, the counts RESULTS quotes;
-    a run saved without them (session 27's) has no GPU-alone summary."""
+    """--summary over the GPU-alone (CUDA graph) columns of an H200's last run (2026-11-27-h200), the counts RESULTS
+    quotes; a run saved without them (2026-11-27-h100-b) has no GPU-alone summary."""
     import json
 
     import bench_tree_attention
 
     root = Path(__file__).resolve().parents[1] / "benchmarks/device_runs"
-    results = json.loads((root / "s30_h200/run4/tree_attention.json").read_text())["results"]
+    results = json.loads((root / "2026-11-27-h200/run4/tree_attention.json").read_text())["results"]
     s = bench_tree_attention.summarize(results, gpu=True)
     assert (s["small_within_1.2"], s["big_within_1.5"], s["long_kv_within_1.5"]) == (28, 10, 6)
     assert round(s["geomean_over_anchor"], 2) == 1.25 and round(s["small_median"], 2) == 1.07
     assert bench_tree_attention.summarize(results)["small_within_1.2"] == 30  # the eager column differs
-    old = json.loads((root / "s27_h100/run3/tree_attention.json").read_text())["results"]
+    old = json.loads((root / "2026-11-27-h100-b/run3/tree_attention.json").read_text())["results"]
     assert bench_tree_attention.summarize(old, gpu=True) == {}
 
 
@@ -132,7 +133,7 @@ def test_the_summary_of_the_cascade_and_of_the_faster_of_the_two_per_shape():
 def test_the_host_profile_counts_the_critical_path_and_keeps_the_rest_apart():
     import host_profile
 
-    d, t, s = "vllm_adaspec/proposers/driver.py", "vllm_adaspec/engine/tree_runtime.py", "vllm_adaspec/pools/suffix.py"
+    d, t, s = "vllm_adaspec/proposers/driver.py", "vllm_adaspec/runtime/base.py", "vllm_adaspec/pools/suffix.py"
     raw = [
         f"replay (host_replay.py:400);Driver.propose ({d}:233);SuffixPool.speculate ({s}:86) 6",
         f"replay (host_replay.py:400);Driver.propose ({d}:233);Driver._propose ({d}:349) 2",

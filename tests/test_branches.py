@@ -4,7 +4,7 @@ add and the pool they feed (no vLLM, no model)."""
 import pytest
 
 from vllm_adaspec.observers import BranchSlotCheck
-from vllm_adaspec.engine.tree_runtime import plan_step
+from vllm_adaspec.runtime.base import plan_step
 from vllm_adaspec.step import DraftPlan
 from vllm_adaspec.pools.branches import (GramCache, append_branches, branch_grams, harvest, init_branches,
                                          propose_branches, update_branch)

@@ -216,7 +216,8 @@ def test_the_tree_paths_faults_count_on_the_same_guard_and_stop_drafting():
 
 
 def test_tree_planning_writes_no_position_unless_every_tree_is_planned():
-    from vllm_adaspec.engine.tree_runtime import TreeRuntime, plan_step
+    from vllm_adaspec.runtime.base import plan_step
+    from vllm_adaspec.runtime.cpu import CPUTreeRuntime as TreeRuntime
 
     positions = torch.arange(10)
     query_start = np.array([0, 4, 8, 10])

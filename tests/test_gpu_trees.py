@@ -30,8 +30,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ENGINE, PROMPTS, load_interpreted
-from vllm_adaspec.engine.gpu_kv import compaction_moves, kv_views, move_slots
-from vllm_adaspec.engine.tree_runtime import masked_attention_batch, plan_step
+from vllm_adaspec.runtime.gpu_kv import compaction_moves, kv_views, move_slots
+from vllm_adaspec.runtime.base import plan_step
+from vllm_adaspec.runtime.cpu import masked_attention_batch
 from vllm_adaspec.step import DraftPlan
 from vllm_adaspec.trees import DraftTree, verify_greedy
 
@@ -47,13 +48,16 @@ ROOTS = np.array([40, 23, 70, 0, 5])  # computed tokens: the position of each re
 
 
 def planned(device="cpu", plain=None):
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
 
     qs = np.concatenate([[0], np.cumsum(ROWS)])
     spec = {r: list(PLANS[r].tokens) for r in REQ_IDS if r in PLANS}
     step = plan_step(REQ_IDS, qs, ROOTS, spec, PLANS, int(qs[-1]))
     # tree_c: verified one by one (the tree sampler), the others in the device batch
-    rt = GPUTreeRuntime(device, plain=plain or (lambda req_id: None if req_id == "tree_c" else "greedy"))
+    rt = GPUTreeRuntime(device, plain=plain or (lambda req_id: None if req_id == "tree_c" else "greedy"),
+                        top_k_top_p=apply_top_k_top_p)  # vLLM's op, as the worker hands it in
     rt.heads = (HQ, HKV, D)
     return rt, step, qs
 
@@ -78,7 +82,7 @@ def test_the_gpu_runtime_computes_what_the_cpu_path_computes(triton_interpret, m
     """all_batched: every tree verified in the device batch (the usual step; compaction takes the verdict's own
     tensors); else tree_c is verified one by one on the host and its path copied in."""
     ta = load_interpreted("tree_attention")
-    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+    import vllm_adaspec.runtime.gpu as gtr
 
     monkeypatch.setattr(gtr, "kernels", ta)  # the kernel under the interpreter
 
@@ -191,7 +195,7 @@ def test_the_gpu_plan_is_the_trees_packed_as_the_reference_packers_pack_them():
     nodes: one and two ancestor words, equal siblings, greedy / sampled / other requests, batch rows without drafts)
     its ancestor bits, node positions and padded trees equal trees.tree.ancestor_words, the trees' depths and
     trees.batch.pack_trees, and the logit rows and the batched trees' rows are where vLLM lays them out."""
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
     from vllm_adaspec.trees.batch import pack_trees
     from vllm_adaspec.trees.tree import ancestor_words
 
@@ -268,7 +272,7 @@ def test_the_compiled_gpu_plan_equals_the_python_one_array_for_array():
     three ancestor words; few tokens, so equal siblings; draft-branch rows; greedy, sampled and other requests; batch
     rows with chains or no drafts) every array and host value of the step's device side is the same: dtype, shape and
     contents."""
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
     from vllm_adaspec.trees import step_plan
 
     assert step_plan.compiled()  # numba comes with vLLM
@@ -307,7 +311,7 @@ def test_a_runtime_planning_step_after_step_reuses_views_and_reads_each_steps_da
     """The staging buffer hands arrays of a place and shape seen before their device views again
     (GPUTreeRuntime._plan_views, by groups of one size): one runtime planning 80 steps of few sizes, each equal to a
     fresh runtime's Python plan of the same step, and most groups' views reused."""
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
 
     g = np.random.default_rng(11)
     rt = GPUTreeRuntime("cpu", plain=lambda r: "greedy", max_rows=65)
@@ -360,7 +364,7 @@ def test_a_malformed_plan_raises_instead_of_writing_past_its_buffers():
 def test_without_numba_or_when_it_fails_the_gpu_plan_is_the_python_one(monkeypatch, caplog):
     """numba comes with vLLM; where it cannot be imported, or its plan fails to compile at start-up, prepare plans in
     Python (the same arrays, slower), said once in the log: the engine starts and serves."""
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
     from vllm_adaspec.trees import step_plan
 
     calls = []
@@ -395,7 +399,7 @@ def test_nothing_in_the_gpu_step_reads_a_device_value(monkeypatch):
     runs them on a GPU under sync debug mode)."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+    import vllm_adaspec.runtime.gpu as gtr
     from vllm_adaspec.engine.tree_sampler import chains_only
 
     ref = gtr.tree_verify.verify_trees_reference
@@ -458,8 +462,8 @@ def test_tree_drafting_steps_attend_over_the_gpu_layout(triton_interpret, monkey
     ancestors-or-self among the nodes already run (step.DraftMask, built by the drafter on the host, staged to the
     device once per step as a launch plan of the tree kernel, which reads vLLM's GPU paged layout in place: no
     gathered prefix): equal to causal attention along each row's path."""
-    import vllm_adaspec.engine.gpu_tree_runtime as gtr
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    import vllm_adaspec.runtime.gpu as gtr
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
     from vllm_adaspec.proposers.early_exit import EarlyExitDrafter
     from vllm_adaspec.trees import GrowingTree, add_children
 
@@ -529,7 +533,7 @@ def test_a_layers_kv_views_are_made_once_per_cache():
     """The runtime keeps each layer's K, V views (half a layer's launch on the host to make): the same views for the
     same cache tensor, equal to kv_views' and seeing its writes; another tensor (even one reusing a freed one's
     address) gets its own."""
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
 
     rt = GPUTreeRuntime("cpu")
     cache = torch.randn(4, HKV, BS, 2 * D)
@@ -558,8 +562,8 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
 from vllm_adaspec.engine import tree_backend
 from vllm_adaspec.engine.gpu_tree_backend import (TreeFlashAttentionBackend, TreeTritonAttentionBackend,
                                                   TreeTritonAttentionImpl)
-from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
-from vllm_adaspec.engine.tree_runtime import plan_step
+from vllm_adaspec.runtime.gpu import GPUTreeRuntime
+from vllm_adaspec.runtime.base import plan_step
 from vllm_adaspec.step import DraftPlan
 out = {}
 tree_backend.register_gpu()
@@ -761,8 +765,8 @@ def test_no_kernel_variant_compiles_after_start_up(triton_interpret, monkeypatch
     launch none other (on a GPU: no compile inside a forward), and the host's plan (numba) is compiled there too.
     Triton specializes on pointer alignment: with the
     staged index arrays at unaligned offsets (as before), steps meet variants start-up never compiled."""
-    import vllm_adaspec.engine.gpu_tree_runtime as gtr
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    import vllm_adaspec.runtime.gpu as gtr
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
 
     ta = load_interpreted("tree_attention")
     monkeypatch.setattr(gtr, "kernels", ta)
@@ -802,7 +806,7 @@ def test_no_kernel_variant_compiles_after_start_up(triton_interpret, monkeypatch
 def test_a_failed_kernel_launch_is_contained_and_the_layer_computed_in_torch(triton_interpret, monkeypatch):
     """A launch that raises (a resource limit, a driver error) is a contained fault: the layer's tree rows come from
     the torch fallback (the same attention), the fault is counted, the step goes on."""
-    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+    import vllm_adaspec.runtime.gpu as gtr
 
     ta = load_interpreted("tree_attention")
     monkeypatch.setattr(gtr, "kernels", ta)
@@ -835,7 +839,7 @@ def test_failed_verification_and_compaction_launches_are_contained(triton_interp
     """The step's other two kernels fail alike: a verification launch that raises leaves the batch to the torch ops
     and a compaction launch that raises to the per-layer moves, each a counted fault, and vLLM's sampled tokens and
     every layer's cache end as the kernels leave them (greedy and sampled trees in the batch)."""
-    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+    import vllm_adaspec.runtime.gpu as gtr
 
     tv, kc = load_interpreted("tree_verify"), load_interpreted("kv_compaction")
     monkeypatch.setattr(gtr, "tree_verify", tv)
@@ -879,7 +883,7 @@ def test_a_failed_row_draw_launch_is_contained(triton_interpret, monkeypatch):
     """The rows' argmax and draws (kernels/row_draws.py, on as on a GPU) from a launch that raises: a counted fault,
     the torch ops instead, vLLM's sampled tokens as the kernel writes them (greedy trees); with top-k set the torch
     ops draw and the kernel is not launched."""
-    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+    import vllm_adaspec.runtime.gpu as gtr
 
     rd = load_interpreted("row_draws")
     monkeypatch.setattr(gtr, "tree_verify", load_interpreted("tree_verify"))

@@ -147,8 +147,9 @@ def test_a_sampled_rows_draw_is_the_first_maximum_of_its_race(triton_interpret, 
 def test_the_compiled_loop_reduces_nothing_and_loads_in_vectors():
     """The kernel compiled for an H100 (sm_90; Triton lowers it without a GPU) as a launch over Llama-3's logits
     specializes it (benchmarks/kernel_ir.py): the loop over a chunk's whole tiles holds no reduction (each was a trip
-    through shared memory with barriers, 16 a tile before session 43) and its loads are 16-byte vectors (the rows'
-    stride and the chunk known multiples of 16). In a fresh process: this one's Triton library is interpreted."""
+    through shared memory with barriers, 16 a tile in benchmarks/baselines/row_draws_block_reductions.py) and its loads
+    are 16-byte vectors (the rows' stride and the chunk known multiples of 16). In a fresh process: this one's Triton
+    library is interpreted."""
     import json
     import os
     import subprocess

@@ -101,9 +101,9 @@ def test_loop_variants_match_the_reference(triton_interpret, prefix_lens, tree_s
 
 
 def test_matches_the_cpu_tree_paths_attention(triton_interpret):
-    """The CPU engine's tree attention (engine/tree_runtime.masked_attention_batch: the prefix visible, among the
+    """The CPU engine's tree attention (runtime/cpu.masked_attention_batch: the prefix visible, among the
     tree rows ancestors-or-self) on the same tree, keys and values: the two paths compute the same rows."""
-    from vllm_adaspec.engine.tree_runtime import masked_attention_batch
+    from vllm_adaspec.runtime.cpu import masked_attention_batch
 
     q, k_cache, v_cache, table, plen, cu, mask = make_case([45], [9], 9, 3, 64, 16, torch.float32, seed=2)
     scale = 0.125
@@ -158,9 +158,9 @@ def test_the_split_programs_reduce_their_own_partials_where_the_device_measured_
 
 
 def test_smaller_tiles_fill_more_programs_per_sm():
-    """Slots for `choose_splits`: one 128 x 128 program per SM, two of 32 x 128 or 64 x 64, four of 16 x 64 (session
-    30's H200 sweep); a plan of 5-row trees of Llama-3-8B's heads at batch 8 over 32k keys on 132 SMs: 4 chunks, not
-    2; SmolLM2's 21-row tiles at batch 8 over 8k: 11, not 5."""
+    """Slots for `choose_splits`: one 128 x 128 program per SM, two of 32 x 128 or 64 x 64, four of 16 x 64 (an H200
+    sweep, benchmarks/device_runs/2026-11-27-h200); a plan of 5-row trees of Llama-3-8B's heads at batch 8 over 32k keys
+    on 132 SMs: 4 chunks, not 2; SmolLM2's 21-row tiles at batch 8 over 8k: 11, not 5."""
     assert [ta.programs_per_sm(m, d) for m, d in ((128, 128), (128, 64), (64, 128), (32, 128), (64, 64), (16, 64),
                                                   (16, 128))] == [1, 1, 1, 2, 2, 4, 4]
     assert ta.choose_splits(8, 8, 1, 32768 + 5, 64, 132 * ta.programs_per_sm(32, 128)) == 4
@@ -265,7 +265,7 @@ def test_a_plan_on_kept_scratch_computes_the_same_and_allocates_nothing_a_step(t
 
 
 def test_the_start_up_check_passes_here_and_catches_a_wrong_kernel(triton_interpret, monkeypatch):
-    """What the GPU tree runtime runs once on its device when the model is built (engine/gpu_tree_runtime.py): the
+    """What the GPU tree runtime runs once on its device when the model is built (runtime/gpu.py): the
     kernel on a small case against the reference, in the model's dtype. A kernel that computes wrong fails it."""
     for dtype in (torch.float32, torch.bfloat16):
         assert ta.check_on_device("cpu", dtype, 9, 3, 64) <= ta.TOLERANCE[dtype]
@@ -277,8 +277,9 @@ def test_the_start_up_check_passes_here_and_catches_a_wrong_kernel(triton_interp
 def test_start_up_compiles_every_variant_a_step_can_launch_whatever_the_devices_sms(triton_interpret, monkeypatch,
                                                                                   sms):
     """The fused reduction is chosen by the step's tiles against the device's SMs (`fuse_reduction`): start-up must
-    compile it whatever its own small case would choose. Session 36's H200 (132 SMs) found the fused variant
-    compiled inside a step, where this machine's 8 interpreter slots had always fused the small case."""
+    compile it whatever its own small case would choose. An H200 (132 SMs, benchmarks/device_runs/2026-11-28-h200) found
+    the fused variant compiled inside a step, where this machine's 8 interpreter slots had always fused the small
+    case."""
     monkeypatch.setattr(ta, "device_programs", lambda device: sms)
     monkeypatch.setattr(ta, "VARIANTS", ta.KernelVariants())
     ta.warm_up("cpu", torch.float32, 9, 3, 64, max_rows=6)
@@ -309,7 +310,7 @@ def test_the_device_script_runs_here_on_cpu_tensors(tmp_path):
     assert proc.returncode == 0 and "device check: PASS" in proc.stdout, tail
     assert "0 cold launches (ok)" in proc.stdout and "no device wait" in proc.stdout
     assert "row-draw kernel after start-up: on (ok)" in proc.stdout and "argmax equal to torch's" in proc.stdout
-    assert "equal to session 36's kernel's under one key" in proc.stdout, tail  # today's draws are its draws
+    assert "equal to the block-reduction kernel's under one key" in proc.stdout, tail  # today's draws are its draws
     assert "the step's plan: compiled (numba)" in proc.stdout and "plan's arrays, Python" in proc.stdout, tail
     assert "plan part, 8 trees x 4 nodes: the whole plan (begin_step)" in proc.stdout, tail  # where its time goes
     # the pieces as a step runs them, against the same steps without verification and compaction (the 5%)
@@ -430,7 +431,7 @@ def test_the_compiled_prefix_loop_keeps_tiles_in_flight():
     """The split kernel compiled for an H100 (sm_90; Triton lowers it without a GPU) with a real launch's
     specialization (benchmarks/kernel_ir.py): with the engine's defaults every prefix loop waits at its top for all
     but the newest num_stages - 1 tiles' copies (async_wait num 2 at 3 stages), its K / V copies asynchronous. With
-    the pages loaded in the tile's own iteration (the loop before session 27) it waits for every copy: one tile in
+    the pages loaded in the tile's own iteration (the earlier loop) it waits for every copy: one tile in
     flight, which on the H100 cost 1.25x the GPU time. And the reduction fits in few registers (ptxas). In a fresh
     process: this one's Triton library is interpreted (conftest.py)."""
     import json

@@ -5,7 +5,7 @@ compaction over every layer (kernels/kv_compaction.py: one launch for the caches
 import torch
 
 from conftest import load_interpreted, random_trees
-from vllm_adaspec.engine.gpu_kv import compaction_moves, move_slots
+from vllm_adaspec.runtime.gpu_kv import compaction_moves, move_slots
 from vllm_adaspec.trees import pack_trees
 
 
@@ -37,7 +37,7 @@ def test_the_verification_kernel_equals_the_batched_torch_walk(triton_interpret)
 
 def test_the_compaction_kernel_moves_what_the_per_layer_moves_move(triton_interpret):
     """Layers allocated apart (as vLLM allocates them), in vLLM's GPU layout, paths from real verifications: the one
-    launch over every layer leaves each cache as the per-layer gathers and scatters (engine/gpu_kv.py) leave it,
+    launch over every layer leaves each cache as the per-layer gathers and scatters (runtime/gpu_kv.py) leave it,
     also given the paths in another order than the step's trees (`trees`)."""
     kc = load_interpreted("kv_compaction")
     tv = load_interpreted("tree_verify")

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from conftest import load_interpreted
-from vllm_adaspec.engine.tree_runtime import TreeRuntime, plan_step
+from vllm_adaspec.runtime.base import plan_step
+from vllm_adaspec.runtime.cpu import CPUTreeRuntime as TreeRuntime
 from vllm_adaspec.faults import FaultGuard
 from vllm_adaspec.step import DraftPlan
 
@@ -158,9 +159,9 @@ def test_a_row_draw_kernel_fault_on_one_rank_leaves_both_ranks_committing_the_sa
     """The GPU runtime on CPU tensors (its row-draw and verification kernels interpreted), unseeded sampled trees
     verified in one batch (each launch keyed by one draw from the default generator): rank 1's row-draw launch
     fails on three steps of twelve. Both ranks commit the same tokens at every step and keep one default stream."""
-    import vllm_adaspec.engine.gpu_tree_runtime as gtr
+    import vllm_adaspec.runtime.gpu as gtr
     import vllm_adaspec.engine.tree_sampler as ts
-    from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime
+    from vllm_adaspec.runtime.gpu import GPUTreeRuntime
     from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler
 
     ranks = Ranks()

@@ -7,15 +7,23 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_adaspec.engine.cpu_kv import compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at, paged_index
-from vllm_adaspec.engine.tree_runtime import TreeRequest, TreeRuntime, TreeStep, masked_attention_batch, plan_step
-from vllm_adaspec.engine.tree_runtime import shrink_tree_seq_lens
+from vllm_adaspec.runtime.cpu_kv import compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at, paged_index
+from vllm_adaspec.runtime.base import TreeRequest, TreeStep, plan_step
+from vllm_adaspec.runtime.cpu import CPUTreeRuntime as TreeRuntime, masked_attention_batch
+from vllm_adaspec.runtime.base import shrink_tree_seq_lens
 from vllm_adaspec.engine.tree_sampler import (RowSampling, chain_indices, needs_own_sampler, row_histories, row_logits,
                                               tree_verifiable, verify_tree_request)
 from vllm_adaspec.step import DraftPlan
 from vllm_adaspec.trees import DraftTree, ancestor_mask, paths
 
 BS, HKV, HQ, D = 32, 2, 6, 64
+
+
+def write_op():
+    """vLLM's CPU cache-write op: the runtime discovers vLLM's CPU KV layout with it (the worker hands it in)."""
+    from vllm import _custom_ops as ops
+
+    return ops.cpu_attn_reshape_and_cache
 
 
 def _paged_cache(seq: int, g: torch.Generator, isa: str = "vec", bs: int = BS, d: int = D):
@@ -46,7 +54,7 @@ def _causal(q, k, v, scale):  # q [Hq, D] one query over k, v [L, Hkv, D]
 def test_gather_reads_the_paged_cpu_layout(isa, bs, d):
     g = torch.Generator().manual_seed(0)
     cache, row, k, v = _paged_cache(77, g, isa, bs, d)
-    gk, gv = gather_cpu_kv(cache, row, 77, isa)
+    gk, gv = gather_cpu_kv(cache, row, 77, isa, write_op())
     assert torch.equal(gk, k) and torch.equal(gv, v)
 
 
@@ -54,14 +62,14 @@ def test_gather_reads_the_paged_cpu_layout(isa, bs, d):
 def test_tree_rows_equal_causal_attention_along_each_path(root_pos):
     """verify_attention for one request: its rows' keys and values come from the layer's inputs, the prefix from
     the paged cache; each row must equal causal attention over the prefix, the root and its own path (from 512
-    prefix tokens on, the query heads folded into the rows: tree_runtime.FOLD_FROM)."""
+    prefix tokens on, the query heads folded into the rows: runtime/cpu.FOLD_FROM)."""
     g = torch.Generator().manual_seed(root_pos)
     tree = DraftTree(torch.arange(7), torch.tensor([-1, -1, 0, 0, 1, 2, 4]))
     n1 = len(tree) + 1
     cache, row, k, v = _paged_cache(root_pos + n1, g)
     q = torch.randn(n1, HQ, D, generator=g)
     req = TreeRequest(0, "r", 0, root_pos, tree)
-    runtime = TreeRuntime()
+    runtime = TreeRuntime(cache_write=write_op())
     output = torch.zeros(n1, HQ, D)
     runtime.verify_attention(TreeStep(n1, [req]), q, k[root_pos:], v[root_pos:], output, cache, row[None], "vec",
                              1 / math.sqrt(D))
@@ -100,10 +108,10 @@ def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_atten
     sizes packed between other rows; each request's prefix copied once and extended step by step (a second step
     must see what changed after the first, and must not re-read final positions), the rows' own keys and values
     taken from the layer's inputs; vLLM's seq_lens of tree requests cut to their rows. With the query heads folded
-    into the rows and without (fold_from: tree_runtime.FOLD_FROM)."""
-    import vllm_adaspec.engine.tree_runtime as tree_runtime
+    into the rows and without (fold_from: runtime/cpu.FOLD_FROM)."""
+    import vllm_adaspec.runtime.cpu as cpu_runtime
 
-    monkeypatch.setattr(tree_runtime, "FOLD_FROM", fold_from)
+    monkeypatch.setattr(cpu_runtime, "FOLD_FROM", fold_from)
     g = torch.Generator().manual_seed(11)
     trees = [DraftTree(torch.arange(7), torch.tensor([-1, -1, 0, 0, 1, 2, 4])),
              DraftTree(torch.arange(2), torch.tensor([-1, -1])),
@@ -118,7 +126,7 @@ def test_tree_rows_of_several_requests_over_consecutive_steps_equal_causal_atten
         k, v = torch.randn(n + 20, HKV, D, generator=g), torch.randn(n + 20, HKV, D, generator=g)
         _write(cache, table[batch_rows[b]], torch.arange(n), k[:n], v[:n])
         kv.append((k, v))
-    runtime = TreeRuntime()
+    runtime = TreeRuntime(cache_write=write_op())
     for step_no in range(2):
         reqs = [TreeRequest(row, f"req-{row}", start, rp, tree)
                 for row, start, rp, tree in zip(batch_rows, starts, root_pos, trees)]
@@ -164,8 +172,8 @@ def test_compaction_moves_accepted_nodes_to_consecutive_slots():
     root = 40
     src = [slot(root + 1 + 1), slot(root + 1 + 4)]
     dst = [slot(root + 1), slot(root + 2)]
-    compact_kv_cpu([(cache, "vec")], src, dst)
-    gk, gv = gather_cpu_kv(cache, row, 100, "vec")
+    compact_kv_cpu([(cache, "vec")], src, dst, write_op())
+    gk, gv = gather_cpu_kv(cache, row, 100, "vec", write_op())
     assert torch.equal(gk[root + 1], k[root + 2]) and torch.equal(gk[root + 2], k[root + 5])
     assert torch.equal(gv[root + 1], v[root + 2]) and torch.equal(gv[root + 2], v[root + 5])
     untouched = [p for p in range(100) if p not in (root + 1, root + 2)]
@@ -287,7 +295,7 @@ def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():
     pos2 = torch.arange(r2 + 2)
     ops.cpu_attn_reshape_and_cache(k2, v2, kc, vc, block_rows[1][pos2 // BS] * BS + pos2 % BS, "vec",
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-    k, v = gather_cpu_kv(cache, block_row, r + 5, "vec")  # tree 0 as the cache holds it now
+    k, v = gather_cpu_kv(cache, block_row, r + 5, "vec", write_op())  # tree 0 as the cache holds it now
     prefix = EarlyExitDrafter._draft_prefix(np.array([r, r2]), block_rows)
     assert prefix.positions.shape == (2, r + 1) and prefix.positions[1, r2 + 1:].eq(0).all()
     mask = EarlyExitDrafter._draft_mask(feed, [t, t2], slot_of, np.array([r, r2]), prefix)
@@ -303,8 +311,10 @@ def test_draft_mask_shows_each_node_its_prefix_and_own_ancestors():
     want[1, 0, p] = True  # X: itself (row 1 of tree 1 is padding: prefix only)
     assert torch.equal(mask.visible, want)
     # Through the paged cache (as the attention patch runs it), each row equals causal attention over its path.
-    pk, pv = gather_cpu_kv_at(cache, *paged_index(prefix.block_rows, prefix.positions, BS), "vec")
-    nk, nv = gather_cpu_kv_at(cache, *paged_index(prefix.block_rows[mask.trees], mask.node_pos, BS), "vec")
+    pk, pv = gather_cpu_kv_at(cache, *paged_index(prefix.block_rows, prefix.positions, BS), "vec",
+                              write_op())
+    nk, nv = gather_cpu_kv_at(cache, *paged_index(prefix.block_rows[mask.trees], mask.node_pos, BS), "vec",
+                              write_op())
     kk, vv = torch.cat([pk[mask.trees], nk], 1), torch.cat([pv[mask.trees], nv], 1)
     q = torch.randn(3, HQ, D, generator=g)
     got = masked_attention_batch(q[mask.rows], kk, vv, mask.visible, 0.125)
@@ -357,7 +367,7 @@ def _tree_only_case(sampling_params=None):
     from vllm import SamplingParams
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    from vllm_adaspec.engine.tree_runtime import TreeRuntime
+    from vllm_adaspec.runtime.cpu import CPUTreeRuntime as TreeRuntime
     from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler
 
     V = 16
@@ -430,7 +440,7 @@ def test_vllms_dummy_sampler_run_at_start_up_passes_through_the_tree_sampler_and
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from vllm_adaspec.engine.runner_hooks import LogitsTap
-    from vllm_adaspec.engine.tree_runtime import TreeRuntime
+    from vllm_adaspec.runtime.cpu import CPUTreeRuntime as TreeRuntime
     from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler
 
     num_reqs, V = 4, 32

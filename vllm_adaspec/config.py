@@ -149,7 +149,7 @@ class AdaspecConfig:
     # How drafts are sized against their verification cost (COST_MODELS). `speed_guard` is its older name:
     # true = "online", false = "prior" (MultiBranchProposer) / "off" (early exit), what it meant before.
     cost_model: str = "online"
-    # Token-tree drafting (engine/tree_runtime.py): {"budget": nodes per tree, "top_k": children per chain
+    # Token-tree drafting (runtime/): {"budget": nodes per tree, "top_k": children per chain
     # node, "depth": chain depth (default ceil(budget / top_k))}. None = chains.
     tree: "TreeSettings | None" = None
     # MultiBranchProposer: the candidate pools that feed its trees.
@@ -208,7 +208,7 @@ class TreeSettings:
     budget: int  # nodes per tree (verified rows besides the root)
     top_k: int = 2  # candidates per depth (the chain's token and top_k - 1 alternatives)
     depth: int | None = None  # chain depth drafted; None = ceil(budget / top_k)
-    # Most KV positions the tree path may hold in its per-request contiguous copies (engine/tree_runtime.py),
+    # Most KV positions the tree path may hold in its per-request contiguous copies (runtime/),
     # all requests together; requests past it draft chains. None = an eighth of the KV cache's token capacity.
     kv_copy_tokens: int | None = None
     # Which nodes enter the tree: "joint" (the `budget` most probable by joint probability) or "c2t" (paper 004:

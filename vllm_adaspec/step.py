@@ -1,7 +1,7 @@
 """The step contract between a drafter and the engine glue: what a drafter needs, what it proposes, what it learns.
 
 One trip each way per step. Drafting: the drafter returns a `DraftPlan` per request; the glue hands the plans'
-tokens to vLLM's scheduler and, for trees, to the tree runtime (engine/tree_runtime.py). Feedback: after
+tokens to vLLM's scheduler and, for trees, to the tree runtime (runtime/). Feedback: after
 verification the glue builds one `Outcome` per decoding request and hands them, with the target outputs the
 drafter asked for (`Taps`), to the drafter in one `observe` call before the next propose. Plain Python and torch: no vLLM.
 """
@@ -130,7 +130,7 @@ class Taps:
 
 
 # Tree drafting (a drafter that runs the target's own layers over tree nodes, proposers/early_exit.py) hands the
-# runtime one DraftMask per draft step (engine/tree_runtime.TreeRuntime.drafting).
+# runtime one DraftMask per draft step (runtime/base.TreeRuntime.drafting).
 
 @dataclass
 class DraftPrefix:

@@ -1,7 +1,7 @@
 """The GPU tree path inside a real vLLM engine on this CPU machine (tests only): with ADASPEC_EMULATE_GPU=1 and this
 folder on PYTHONPATH, an engine process runs vLLM's Triton attention backend, on its GPU paged KV layout, in place
 of the CPU one, and an adaspec worker with trees takes the GPU tree path: the tree subclass of that backend
-(engine/gpu_tree_backend.py), the GPU tree runtime (engine/gpu_tree_runtime.py, the Triton kernel run by Triton's
+(engine/gpu_tree_backend.py), the GPU tree runtime (runtime/gpu.py, the Triton kernel run by Triton's
 interpreter), batched greedy verification and compaction on the GPU layout.
 
 What stands in for the GPU, and why: Triton has no CPU backend (the interpreter runs kernels on CPU tensors, and
@@ -83,11 +83,14 @@ if os.environ.get("ADASPEC_EMULATE_GPU") == "1":
     def tree_runtime(self, observers, faults):
         from vllm.v1.attention import selector
 
-        from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime, tree_kernel_shape
+        from vllm_adaspec.runtime.gpu import GPUTreeRuntime, tree_kernel_shape
         from vllm_adaspec.engine.tree_backend import GPU_TREE_BACKENDS
 
         register_backend(AttentionBackendEnum.CPU_ATTN, dict(GPU_TREE_BACKENDS)["TRITON_ATTN"])
         selector._cached_get_attn_backend.cache_clear()
-        return GPUTreeRuntime(self.model_runner.device, observers, faults=faults, **tree_kernel_shape(self.vllm_config))
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+        return GPUTreeRuntime(self.model_runner.device, observers, faults=faults, top_k_top_p=apply_top_k_top_p,
+                              **tree_kernel_shape(self.vllm_config))
 
     cpu_worker.AdaspecCPUWorker.tree_runtime = tree_runtime

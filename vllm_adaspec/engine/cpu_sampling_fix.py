@@ -17,6 +17,7 @@ import logging
 import sys
 
 import torch
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 logger = logging.getLogger("vllm_adaspec")
 
@@ -35,7 +36,7 @@ def expand_reference(output: torch.Tensor, input_val: torch.Tensor, cu_num_token
 
 def installed_expand_is_correct() -> bool:
     """Run vLLM's `expand_batch_to_tokens` (whatever op backs it now) on float and int32 inputs."""
-    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+    expand_batch_to_tokens = vllm_object("expand_batch_to_tokens")
 
     cu = torch.tensor([2, 2, 5], dtype=torch.int32)
     temps = torch.tensor([0.7, 1.3, 0.0], dtype=torch.float32)
@@ -48,7 +49,7 @@ def installed_expand_is_correct() -> bool:
 
 def register_fix() -> bool:
     """Replace the broken op by `expand_reference`; True when a replacement was made."""
-    from vllm.triton_utils.dispatcher import register_kernels
+    register_kernels = vllm_object("register_kernels")
 
     if installed_expand_is_correct():
         return False
@@ -65,7 +66,7 @@ def guard_empty_top_k() -> None:
     carries spec-decode metadata but no draft rows (vLLM skips drafting for a whole batch once any request nears
     max_model_len) and a request uses top_k, the torch top-k path calls `k.max()` on an empty tensor and the engine
     dies. Rows to constrain: none, so the logits are returned as they are (idempotent)."""
-    from vllm.v1.sample import rejection_sampler
+    rejection_sampler = vllm_object("rejection_sampler")
 
     original = rejection_sampler.apply_top_k_top_p
     if getattr(original, "_adaspec_fix", False):

@@ -3,15 +3,17 @@ on the CPU platform (vLLM's CPU worker module patches torch process-wide when im
 
 from __future__ import annotations
 
-from vllm.v1.worker.cpu_worker import CPUWorker
-
+from vllm_adaspec.engine.vllm_surface import vllm_object
 from vllm_adaspec.engine.worker import AdaspecWorkerMixin
+
+CPUWorker = vllm_object("CPUWorker")
 
 
 class AdaspecCPUWorker(AdaspecWorkerMixin, CPUWorker):
     def tree_runtime(self, observers, faults):
         from vllm_adaspec.engine.tree_backend import register_cpu
-        from vllm_adaspec.engine.tree_runtime import TreeRuntime
+        from vllm_adaspec.runtime.cpu import CPUTreeRuntime
 
         register_cpu()
-        return TreeRuntime(observers, faults=faults)
+        # vLLM's CPU cache-write op: the runtime discovers vLLM's CPU KV layout with it (runtime/cpu_kv.py)
+        return CPUTreeRuntime(observers, faults=faults, cache_write=vllm_object("custom_ops").cpu_attn_reshape_and_cache)

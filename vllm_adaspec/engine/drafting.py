@@ -12,10 +12,12 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from vllm.forward_context import set_forward_context
-from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_adaspec.config import AdaspecConfigError
+from vllm_adaspec.engine.vllm_surface import vllm_object
+
+set_forward_context = vllm_object("set_forward_context")
+CommonAttentionMetadata = vllm_object("CommonAttentionMetadata")
 
 
 class TargetPrefix:
@@ -38,7 +40,7 @@ class TargetPrefix:
             self.layer_names += trained_exit.layer_names
         self.vllm_config = vllm_config
         self.runner = None
-        self.runtime = None  # engine/tree_runtime.TreeRuntime: tree drafting's mask goes there
+        self.runtime = None  # runtime/base.TreeRuntime: tree drafting's mask goes there
         self.gid = None  # the KV-cache group of our layers, once found
 
     @property
@@ -80,7 +82,7 @@ class TargetPrefix:
         blocks [B, max_blocks] (from block_rows), tokens [B], positions [B] (RoPE); max_seq_len: an upper bound
         on the rows' slot positions + 1, passed in so no device->host sync is needed. Tree drafting: the rows'
         KV go to `slot_positions` [B] (default: positions) and attention follows `tree_mask`
-        (tree_runtime.DraftMask). Returns (hidden, residual), each [B, H].
+        (step.DraftMask). Returns (hidden, residual), each [B, H].
         """
         b = tokens.shape[0]
         at = positions if slot_positions is None else slot_positions

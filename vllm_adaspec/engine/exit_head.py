@@ -19,6 +19,7 @@ import logging
 import torch
 
 from vllm_adaspec.config import AdaspecConfigError
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 logger = logging.getLogger("vllm_adaspec")
 
@@ -34,10 +35,10 @@ def _new_decoder_layer(target_model, vllm_config, index: int):
     model, when the default is float32 again, and a layer built then keeps float32 weights in a bfloat16 / float16
     model. On CPU its GEMMs are then prepared for float32 weights and fed half-precision activations, which gives
     garbage (the shipped head accepted 1 draft in 249 in bfloat16)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.models.llama import LlamaDecoderLayer
-    from vllm.model_executor.models.qwen2 import Qwen2DecoderLayer
-    from vllm.utils.torch_utils import set_default_torch_dtype
+    set_current_vllm_config = vllm_object("set_current_vllm_config")
+    LlamaDecoderLayer = vllm_object("LlamaDecoderLayer")
+    Qwen2DecoderLayer = vllm_object("Qwen2DecoderLayer")
+    set_default_torch_dtype = vllm_object("set_default_torch_dtype")
 
     cls = type(target_model.model.layers[0])
     hf = copy.copy(vllm_config.model_config.hf_text_config)
@@ -84,8 +85,8 @@ class TrainedExit:
     """Exit layers + norm + draft-vocabulary head, and the hook that keeps the exit layers' KV current."""
 
     def __init__(self, target_model, vllm_config, folder: str, exit_layer: int):
-        from vllm.model_executor.layers.layernorm import RMSNorm
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        RMSNorm = vllm_object("RMSNorm")
+        process_weights_after_loading = vllm_object("process_weights_after_loading")
 
         from vllm_adaspec.heads import check_against_model, load_exit_head
 

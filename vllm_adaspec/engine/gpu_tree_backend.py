@@ -1,7 +1,7 @@
 """Tree attention on vLLM's GPU backends: FlashAttention and Triton, the backends vLLM picks on CUDA for Llama,
 Qwen2 and Mistral models (FlashAttention where it is available, Triton otherwise). Each is a subclass of vLLM's
 whose impl runs vLLM's kernel for every row (chain requests' rows are vLLM's own result, untouched), then lets the
-worker's GPU tree runtime (engine/gpu_tree_runtime.py) write the rows of tree requests with the tree-attention
+worker's GPU tree runtime (runtime/gpu.py) write the rows of tree requests with the tree-attention
 kernel (kernels/tree_attention.py). Registered in place of FLASH_ATTN and TRITON_ATTN by
 engine/tree_backend.register_gpu; the metadata builders are vLLM's.
 
@@ -13,13 +13,14 @@ own backends that lack full-graph support): steps without drafts lose FULL_AND_P
 
 from __future__ import annotations
 
-from vllm.v1.attention.backend import AttentionCGSupport
-from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
-                                                   FlashAttentionMetadataBuilder)
-from vllm.v1.attention.backends.triton_attn import (TritonAttentionBackend, TritonAttentionImpl,
-                                                    TritonAttentionMetadataBuilder)
-
 from vllm_adaspec.engine.tree_backend import TreeAttentionMixin
+from vllm_adaspec.engine.vllm_surface import vllm_object
+
+AttentionCGSupport = vllm_object("AttentionCGSupport")
+FlashAttentionBackend, FlashAttentionImpl, FlashAttentionMetadataBuilder = (
+    vllm_object(n) for n in ("FlashAttentionBackend", "FlashAttentionImpl", "FlashAttentionMetadataBuilder"))
+TritonAttentionBackend, TritonAttentionImpl, TritonAttentionMetadataBuilder = (
+    vllm_object(n) for n in ("TritonAttentionBackend", "TritonAttentionImpl", "TritonAttentionMetadataBuilder"))
 
 TREE_CG_SUPPORT = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 

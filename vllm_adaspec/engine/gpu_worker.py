@@ -11,14 +11,16 @@ fail start-up naming the key, as on a platform without trees."""
 
 from __future__ import annotations
 
-from vllm.v1.worker.gpu_worker import Worker
-
+from vllm_adaspec.engine.vllm_surface import vllm_object
 from vllm_adaspec.engine.worker import AdaspecWorkerMixin
+
+Worker = vllm_object("GPUWorker")
 
 
 class AdaspecGPUWorker(AdaspecWorkerMixin, Worker):
     def tree_runtime(self, observers, faults):
-        from vllm_adaspec.engine.gpu_tree_runtime import GPUTreeRuntime, tree_kernel_shape
+        from vllm_adaspec.runtime.gpu import GPUTreeRuntime, tree_kernel_shape
 
-        return GPUTreeRuntime(self.model_runner.device, observers, faults=faults, **tree_kernel_shape(self.vllm_config))
+        return GPUTreeRuntime(self.model_runner.device, observers, faults=faults,
+                              top_k_top_p=vllm_object("apply_top_k_top_p"), **tree_kernel_shape(self.vllm_config))
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 logger = logging.getLogger("vllm_adaspec")
 
@@ -44,7 +45,7 @@ class GrammarCopies:
 
     def _manager(self):
         if self.manager is None:
-            from vllm.v1.structured_output import StructuredOutputManager
+            StructuredOutputManager = vllm_object("StructuredOutputManager")
 
             self.manager = StructuredOutputManager(self.vllm_config)
         return self.manager
@@ -59,7 +60,7 @@ class GrammarCopies:
         False: no copy (unsupported, or compilation failed; the request drafts chains)."""
         if req_id in self.copies:
             return self.copies[req_id] is not None
-        from vllm.v1.structured_output.request import StructuredOutputRequest
+        StructuredOutputRequest = vllm_object("StructuredOutputRequest")
 
         copy = None
         so = StructuredOutputRequest.from_sampling_params(sampling_params)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 
 @dataclass
@@ -31,7 +32,7 @@ class MedusaHeads:
 
         if self.onednn is None:
             return head_logits(h.to(self.w.dtype), self.w, self.b, self.lm_rows, None if e is None else e.to(self.w.dtype))
-        from vllm import _custom_ops as ops
+        ops = vllm_object("custom_ops")
 
         blocks, lm = self.onednn
         k, hidden = self.b.shape
@@ -61,7 +62,7 @@ def load_medusa_heads(target_model, vllm_config, folder: str) -> MedusaHeads:
 
 def _onednn_handlers(heads: MedusaHeads, device) -> tuple | None:
     """vLLM's oneDNN GEMM handlers for the heads' blocks [K * H, in] and LM rows [V', H] in bfloat16 (CPU only)."""
-    from vllm import _custom_ops as ops
+    ops = vllm_object("custom_ops")
 
     if device.type != "cpu" or not getattr(ops, "_supports_onednn", False):
         return None

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import logging
 
-from vllm.v1.metrics.loggers import StatLoggerBase
-
+from vllm_adaspec.engine.vllm_surface import vllm_object
 from vllm_adaspec.metrics import read_snapshots, summary_line
 from vllm_adaspec.policies.cost_model import STEP_COST_ROWS
+
+StatLoggerBase = vllm_object("StatLoggerBase")
 
 logger = logging.getLogger("vllm_adaspec")
 _REGISTERED = []  # one collector per process, however many loggers vLLM builds

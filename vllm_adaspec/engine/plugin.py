@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from vllm_adaspec.config import AdaspecConfigError
 from vllm_adaspec.engine.startup import check_engine, proposer_kind
+from vllm_adaspec.engine.vllm_surface import SUPPORTED, supported, vllm_object
 from vllm_adaspec.metrics import ensure_stats_dir
 
 STOCK_WORKERS = {
@@ -29,8 +30,6 @@ OLD_WORKERS = {"cpu": "vllm_adaspec.engine.worker.AdaspecCPUWorker", "gpu": "vll
 OUR_SCHEDULER = "vllm_adaspec.engine.scheduler.AdaspecScheduler"
 
 
-# The vLLM releases whose internals the plugin is written against (major.minor): on another, it patches nothing.
-SUPPORTED_VLLM = ("0.32",)
 _state = {"disabled": None}  # why the plugin is off in this process (one warning said so), or None
 
 
@@ -78,22 +77,20 @@ def disabled() -> str | None:
 
 
 def unsupported_vllm() -> str | None:
-    import vllm
-
-    version = str(getattr(vllm, "__version__", "unknown"))
-    if any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
+    """Why this vLLM is not one the plugin supports (engine/vllm_surface.SUPPORTED: on another release it patches
+    nothing), or None."""
+    if supported():
         return None
-    return f"it supports vLLM {', '.join(SUPPORTED_VLLM)}, this is vLLM {version}"
+    version = getattr(vllm_object("vllm"), "__version__", "unknown")
+    return f"it supports vLLM {', '.join(SUPPORTED)}, this is vLLM {version}"
 
 
 def patch_targets() -> tuple:
     """Every object `register` patches, resolved before anything is patched (an AttributeError or ImportError
     names the one missing): VllmConfig (its __post_init__), SamplingParams (its _validate_spec_decode) and, on CPU,
     the platform class (its register_triton_kernel_overrides)."""
-    from vllm.config import VllmConfig
-    from vllm.platforms import current_platform
-    from vllm.sampling_params import SamplingParams
-
+    VllmConfig, SamplingParams = vllm_object("VllmConfig"), vllm_object("SamplingParams")
+    current_platform = vllm_object("current_platform")
     for cls, name in ((VllmConfig, "__post_init__"), (SamplingParams, "_validate_spec_decode")):
         if not callable(getattr(cls, name, None)):
             raise AttributeError(f"{cls.__name__}.{name}")
@@ -119,7 +116,7 @@ def install_request_checks(sampling_cls) -> None:
     def _validate_spec_decode(self, speculative_config):
         if not _is_adaspec(speculative_config):
             return original(self, speculative_config)
-        from vllm.exceptions import VLLMValidationError
+        VLLMValidationError = vllm_object("VLLMValidationError")
 
         from vllm_adaspec.controls import ControlError, parse_controls
 
@@ -147,8 +144,7 @@ def configure(vllm_config) -> None:
 
 
 def _install(vllm_config) -> None:
-    from vllm.platforms import current_platform
-
+    current_platform = vllm_object("current_platform")
     kind = "cpu" if current_platform.is_cpu() else "gpu"
     parallel = vllm_config.parallel_config
     if parallel.worker_cls in (STOCK_WORKERS[kind], "auto", OLD_WORKERS[kind]):

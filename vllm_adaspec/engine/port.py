@@ -15,12 +15,13 @@ from vllm_adaspec.controls import ControlError, parse_controls
 from vllm_adaspec.engine.grammar import GrammarCopies
 from vllm_adaspec.engine.tree_sampler import needs_own_sampler, plain_rows, tree_verifiable
 from vllm_adaspec.step import BatchView, RequestTraits, Taps
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 
 class EnginePort:
     def __init__(self, runner, runtime=None, observers=()):
         self.runner = runner
-        self.runtime = runtime  # engine/tree_runtime.TreeRuntime when trees can be verified, else None
+        self.runtime = runtime  # runtime/base.TreeRuntime when trees can be verified, else None
         self.observers = list(observers)  # vllm_adaspec/observers.py (tests, C2T training data)
         self.taps = Taps()
         self.verified_rows: list[int] | None = None  # drafts each batch row took in the last verification
@@ -153,7 +154,7 @@ class EnginePort:
     # --- tensor parallelism ---
     @staticmethod
     def from_rank0(value):
-        from vllm.distributed import get_tp_group
+        get_tp_group = vllm_object("get_tp_group")
 
         return get_tp_group().broadcast_object(value, src=0)
 
@@ -162,7 +163,7 @@ class EnginePort:
         """Each value's largest over the tensor-parallel ranks (one all-reduce on the host's group: no device
         wait)."""
         import torch.distributed as dist
-        from vllm.distributed import get_tp_group
+        get_tp_group = vllm_object("get_tp_group")
 
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
@@ -170,7 +171,7 @@ class EnginePort:
 
     @staticmethod
     def tp_rank() -> int:
-        from vllm.distributed import get_tp_group
+        get_tp_group = vllm_object("get_tp_group")
 
         return get_tp_group().rank_in_group
 

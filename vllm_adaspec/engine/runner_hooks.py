@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler, dummy_batch
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 
 def install(runner, drafter, port) -> None:
@@ -96,8 +97,8 @@ def install(runner, drafter, port) -> None:
 
 
 def install_builtin_logits_processors(runner) -> None:
-    from vllm.utils.torch_utils import PIN_MEMORY
-    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+    PIN_MEMORY = vllm_object("PIN_MEMORY")
+    BUILTIN_LOGITS_PROCESSORS, LogitsProcessors = vllm_object("BUILTIN_LOGITS_PROCESSORS"), vllm_object("LogitsProcessors")
 
     batch = runner.input_batch
     have = {type(p) for p in batch.logitsprocs.all}

@@ -24,7 +24,9 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from vllm.v1.core.sched.scheduler import Scheduler
+from vllm_adaspec.engine.vllm_surface import vllm_object
+
+Scheduler = vllm_object("Scheduler")
 
 logger = logging.getLogger("vllm_adaspec")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 
 def _version_with_build_alias(lookup):
@@ -34,7 +35,7 @@ def serve(argv: list[str]) -> int:
     """Run `vllm serve *argv` in this process (the server's own processes are started by vLLM)."""
     if not getattr(importlib.metadata.version, "_adaspec_alias", False):
         importlib.metadata.version = _version_with_build_alias(importlib.metadata.version)
-    from vllm.entrypoints.cli.main import main
+    main = vllm_object("cli_main")
 
     sys.argv = ["vllm", "serve", *argv]
     main()

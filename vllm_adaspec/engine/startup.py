@@ -23,6 +23,7 @@ from typing import Mapping
 from vllm_adaspec.config import (K_KEY, SECTION, AdaspecConfigError, MultiBranchSettings, ResolvedConfig,
                                  carried_settings, keep_settings, key_name, one_line, parse_adaspec_config,
                                  resolve_config, show)
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 logger = logging.getLogger("vllm_adaspec")
 
@@ -372,13 +373,13 @@ FILE_FINDERS = {"corpus": _corpus_file, "medusa": _medusa_folder}
 # --- helpers ------------------------------------------------------------------------------------------------------
 
 def _vllm_version() -> str:
-    import vllm
+    vllm = vllm_object("vllm")
 
     return vllm.__version__
 
 
 def _platform():
-    from vllm.platforms import current_platform
+    current_platform = vllm_object("current_platform")
 
     return current_platform
 

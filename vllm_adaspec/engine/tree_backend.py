@@ -7,6 +7,7 @@ This module imports no backend of vLLM's (each platform's module imports its own
 """
 
 from __future__ import annotations
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 CPU_TREE_BACKEND = "vllm_adaspec.engine.cpu_tree_backend.TreeCPUAttentionBackend"
 # vLLM's backend -> its tree subclass (the backends vLLM picks on CUDA for the models trees support)
@@ -32,7 +33,7 @@ class TreeAttentionMixin:
 
 def register_cpu() -> None:
     """Make vLLM's CPU platform pick the tree backend in this process (before the model is built)."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    AttentionBackendEnum, register_backend = vllm_object("AttentionBackendEnum"), vllm_object("register_backend")
 
     if AttentionBackendEnum.CPU_ATTN.get_path() != CPU_TREE_BACKEND:
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_TREE_BACKEND)
@@ -41,7 +42,7 @@ def register_cpu() -> None:
 
 def register_gpu() -> None:
     """Make vLLM's CUDA platform pick a tree subclass wherever it would pick FlashAttention or Triton."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    AttentionBackendEnum, register_backend = vllm_object("AttentionBackendEnum"), vllm_object("register_backend")
 
     changed = False
     for name, path in GPU_TREE_BACKENDS:
@@ -55,7 +56,7 @@ def register_gpu() -> None:
 def _forget_choices() -> None:
     # vLLM caches its backend choice per process; an engine built earlier in this process (tests run several)
     # would otherwise keep the stock class.
-    from vllm.v1.attention import selector
+    selector = vllm_object("attention_selector")
 
     selector._cached_get_attn_backend.cache_clear()
 
@@ -64,8 +65,8 @@ def gpu_tree_support(vllm_config) -> str | None:
     """After `register_gpu`, in the worker before the model is built: the backend vLLM's selector gives the model's
     decoder attention layers (their head size, dtype and KV-cache dtype, under this config). None when it is a tree
     backend; else why trees cannot run here."""
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.selector import get_attn_backend
+    set_current_vllm_config = vllm_object("set_current_vllm_config")
+    get_attn_backend = vllm_object("get_attn_backend")
 
     mc = vllm_config.model_config
     with set_current_vllm_config(vllm_config):

@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import Collection
 
 import numpy as np
 import torch
 
+from vllm_adaspec.engine.vllm_surface import vllm_object
+from vllm_adaspec.runtime.base import chain_indices
 from vllm_adaspec.trees import DraftTree, verify_greedy, verify_sample_match, verify_typical
 
 
@@ -95,8 +96,8 @@ def row_logits(logits: torch.Tensor, tree: DraftTree, s: RowSampling) -> torch.T
         logits.masked_fill_(~s.grammar[:logits.shape[0]], -math.inf)
     if s.plain:
         return logits
-    from vllm.v1.sample.ops.bad_words import apply_bad_words
-    from vllm.v1.sample.ops.penalties import apply_all_penalties
+    apply_bad_words = vllm_object("apply_bad_words")
+    apply_all_penalties = vllm_object("apply_all_penalties")
 
     hist = row_histories(tree, s.output)
     rows = logits.shape[0]
@@ -154,7 +155,7 @@ def top_k_top_p(x: torch.Tensor, k: int | None, p: float | None) -> torch.Tensor
     probs = torch.exp(vals - lse)  # [rows, c]: the candidates' share of the (top-k masked) row
     before = probs.cumsum(dim=-1) - probs  # mass of the more probable candidates
     if k is None and bool((before[:, -1] + probs[:, -1] < p).any()):  # the candidates hold less than p: sort
-        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+        apply_top_k_top_p = vllm_object("apply_top_k_top_p")
 
         return apply_top_k_top_p(x, None, torch.full((x.shape[0],), p, dtype=torch.float32))
     kept = (before < p).sum(dim=-1, keepdim=True)  # [rows, 1] >= 1: the most probable always stays
@@ -190,33 +191,13 @@ def accept_one_more(tree: DraftTree, path: list[int], bonus: int, logits: torch.
     return path + [kids[0]], int(logits[kids[0] + 1].argmax())
 
 
-def chain_indices(num_draft_tokens, tree_rows: Collection[int]) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Host side of `chains_only` (known when the step is planned): (the draft rows kept [D], drafts per batch row
-    with the tree rows' taken out, their cumulative sums for drafts and for sampled rows). Python lists: a step's
-    batch is a few rows, where each numpy call costs more than the loop."""
-    drafts = num_draft_tokens.tolist() if hasattr(num_draft_tokens, "tolist") else list(num_draft_tokens)
-    trees = set(tree_rows)
-    keep, num, cu_draft, cu_sampled = [], [], [], []
-    at = d = s = 0
-    for i, n in enumerate(drafts):
-        m = 0 if i in trees else int(n)  # a tree row's drafts leave vLLM's chain verification
-        keep += range(at, at + m)  # the chain rows' draft rows, in order
-        at += int(n)
-        d += m
-        s += m + 1
-        num.append(m)
-        cu_draft.append(d)
-        cu_sampled.append(s)
-    return keep, num, cu_draft, cu_sampled
-
-
 def chains_only(metadata, sampling_metadata, tree_rows: set[int], staged=None) -> tuple:
     """(SpecDecodeMetadata, draft_probs, SamplingMetadata) for vLLM's rejection sampler with the drafts of the
     batch rows `tree_rows` taken out: such a row keeps one output row, its root's (the first row it scheduled), as
     vLLM's bonus row. The output keeps the original width (max_spec_len), where the tree rows' tokens go.
     staged: `chain_indices`' arrays already on the device (keep, cu drafts, cu sampled, tree rows, their roots'
     draft rows) with the host list of drafts per row: no copy to the device here."""
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    SpecDecodeMetadata = vllm_object("SpecDecodeMetadata")
 
     device = metadata.target_logits_indices.device
     if staged is None:
@@ -285,7 +266,7 @@ class TreeRejectionSampler:
 
     def __init__(self, stock, runtime, acceptance=None, on_logits=None, port=None, tree_only=None):
         self.stock = stock
-        self.runtime = runtime  # engine/tree_runtime.TreeRuntime, or None (chains only)
+        self.runtime = runtime  # runtime/base.TreeRuntime, or None (chains only)
         self.acceptance = acceptance  # config.Acceptance: "exact" (lossless) or "typical" (lossy, opt-in)
         self.on_logits = on_logits
         self.port = port
@@ -347,7 +328,7 @@ class TreeRejectionSampler:
             failed = self._first_tokens_of_chains(sorted(roots), out, metadata, logits, sm)
             if step is not None:
                 self._first_tokens_only(step, tokens, firsts)
-        elif step is not None and step.broken:  # the forward did not run the planned step (tree_runtime.attend)
+        elif step is not None and step.broken:  # the forward did not run the planned step (runtime/base.TreeRuntime.attend)
             failed = {r.row for r in step.requests}
             self._first_tokens_only(step, tokens, firsts)
         elif step is not None:
@@ -448,7 +429,7 @@ class TreeRejectionSampler:
         faults = self.runtime.faults
         want_logprobs = out.logprobs_tensors is not None and sampling_metadata.max_num_logprobs is not None
         results, logprob_rows, committed = {}, [], {}
-        # plain trees verified together on the device (engine/gpu_tree_runtime.py; the CPU runtime batches none)
+        # plain trees verified together on the device (runtime/gpu.py; the CPU runtime batches none)
         batched, verdict = set(self.runtime.batched(step)), None
         if batched:
             try:

@@ -35,10 +35,11 @@ import numpy as np
 __all__ = ["GPU_VERIFY_COST", "GPU_VERIFY_COST_BY_CARD", "VERIFY_COST", "DraftCost", "Prior", "StepCostModel",
            "TreeExtra", "attention_load", "prior_curve", "prior_for"]
 
-# Relative time of a verification step by the rows it verifies in all (the batch's requests + their drafts; 1 = a
-# plain decoding step of one request), SmolLM2-135M float32 on the 2-core CPU of benchmarks/RESULTS.md
-# (benchmarks/verify_cost.py, session 13: batch 1, 1-17 rows; batch 8, 8-136 rows less PER_REQUEST_PRIOR * 7),
-# smoothed to a rising curve (this CPU's matrix library is even cheaper at 3-6 rows than at 1: the fit finds that).
+# Relative time of a verification step by the rows it verifies in all (the batch's requests + their drafts; 1 = a plain
+# decoding step of one request), SmolLM2-135M float32 on the 2-core CPU of benchmarks/RESULTS.md
+# (benchmarks/verify_cost.py, benchmarks/log/2026-11-25.md: batch 1, 1-17 rows; batch 8, 8-136 rows less
+# PER_REQUEST_PRIOR * 7), smoothed to a rising curve (this CPU's matrix library is even cheaper at 3-6 rows than at 1:
+# the fit finds that).
 # The prior every engine starts from, scaled to its own plain step, then refitted online.
 VERIFY_COST = {1: 1.0, 2: 1.05, 4: 1.05, 8: 1.08, 12: 1.15, 16: 1.3, 24: 1.65, 32: 1.95, 48: 2.9, 64: 3.7,
                96: 5.1, 136: 6.4}
@@ -50,7 +51,7 @@ ANCHORS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128,
 STEP_COST_ROWS = (1, 2, 4, 8, 16, 32)  # the table's points: 1 + drafted rows above the batch's own
 UNIT_STEPS = 31  # steps whose median sets the prior's scale in seconds
 # Tree verification over chain verification, prior: per tree request a fifth of a plain step, per tree row 1%
-# (session 13: the CPU tree path's attention over each tree request's prefix, 30 layers).
+# (benchmarks/log/2026-11-25.md: the CPU tree path's attention over each tree request's prefix, 30 layers).
 TREE_REQUEST_PRIOR, TREE_ROW_PRIOR = 0.2, 0.01
 ATTENTION_PRIOR = 0.03  # attention per row and 1000 tokens of its context, relative (30 layers at ~50 us)
 EXTRA = 4  # features past the anchors: requests - 1, attention load, tree requests, tree rows
@@ -63,12 +64,12 @@ REFIT_STEPS = 8
 
 # GPU: one decoder forward over R rows in all, relative to a forward over 1 row (bf16, random weights, captured in a
 # CUDA graph, a 1024-token context whose new keys are written into the cache in place; one H100, torch 2.11:
-# `bench_tree_attention.py --cost-curve`, session 27's device run, benchmarks/device_runs/s27_h100/, made monotone
-# where 8 rows timed under 4). Rows up to 64 from batch 1, 128-512 from batch 8, 1024-2048 from batch 32 (the batch
-# sizes a step of that many rows has). Measured for two model sizes; a model's prior lies between them by the log of
-# its parameter count (`prior_for`). Nearly flat until the matrix products turn compute-bound: on a GPU extra rows
-# are almost free. (Issue 41's table, the prior until session 27, agrees within 0.1 up to 512 rows: 8B 1.11-1.18 up
-# to 64 rows, 2.44 at 512.)
+# `bench_tree_attention.py --cost-curve`, benchmarks/device_runs/2026-11-27-h100-b/, made monotone where 8 rows timed
+# under 4). Rows up to 64 from batch 1, 128-512 from batch 8, 1024-2048 from batch 32 (the batch sizes a step of that
+# many rows has). Measured for two model sizes; a model's prior lies between them by the log of its parameter count
+# (`prior_for`). Nearly flat until the matrix products turn compute-bound: on a GPU extra rows are almost free. (The
+# H100 reference table the GPU targets are stated against, the prior before that run, agrees within 0.1 up to 512 rows:
+# 8B 1.11-1.18 up to 64 rows, 2.44 at 512.)
 GPU_VERIFY_COST = {
     1.5e9: {1: 1.0, 2: 1.21, 4: 1.21, 8: 1.22, 16: 1.24, 32: 1.24, 64: 1.28, 128: 1.39, 256: 1.63, 512: 2.26,
             1024: 4.10, 2048: 6.88},  # Qwen2.5-1.5B (28 x 1536, GQA 12 / 2): 2.15 ms at 1 row
@@ -76,8 +77,8 @@ GPU_VERIFY_COST = {
             1024: 4.84, 2048: 8.99},  # Llama-3-8B (32 x 4096, GQA 32 / 8): 6.35 ms at 1 row
 }
 # The same forwards on other cards, by a name their CUDA device name contains (any other card: the H100's). An H200
-# (session 36's device run 1, benchmarks/device_runs/s36_h200/bench_tree_attention.txt, the same batches): its
-# one-row step is faster (8B: 4.92 ms) and its extra rows cost relatively more (8 x 16 rows 1.59x, not 1.31x).
+# (benchmarks/device_runs/2026-11-28-h200/bench_tree_attention.txt, run 1, the same batches): its one-row step is
+# faster (8B: 4.92 ms) and its extra rows cost relatively more (8 x 16 rows 1.59x, not 1.31x).
 GPU_VERIFY_COST_BY_CARD = {
     "H200": {
         1.5e9: {1: 1.0, 2: 1.24, 4: 1.26, 8: 1.27, 16: 1.28, 32: 1.31, 64: 1.33, 128: 1.43, 256: 1.73, 512: 2.42,

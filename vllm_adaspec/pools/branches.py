@@ -1,7 +1,7 @@
 """Self-Draft branches (paper 003): draft n-grams the target writes for free inside its verification forwards.
 
 Each request keeps N branches of at most L tokens. Every verification forward that carries the request's tree also
-carries its branches as extra rows (engine/tree_runtime.py): each branch is a chain hanging off the root (the
+carries its branches as extra rows (runtime/): each branch is a chain hanging off the root (the
 last committed token), so under the tree's ancestor mask it sees the committed prefix, the root and its own earlier
 tokens only, and no other branch or tree node. Those rows are never verified; their outputs are harvested:
 

@@ -218,7 +218,7 @@ class EarlyExitDrafter(Drafter):
     def _draft_trees(self, view: BatchView, rows, budgets, policies, plans) -> float:
         """Draft a token tree per row, depth by depth. Depth 1 runs each root (the last committed token); at
         depth d the chosen depth d - 1 nodes of every tree run together in one batched step, each attending to
-        the prefix and its own ancestors only (a tree mask over draft nodes, engine/tree_runtime.DraftMask),
+        the prefix and its own ancestors only (a tree mask over draft nodes, step.DraftMask),
         and their top-k candidates are new nodes. Which nodes enter and run is the builder's choice:
           joint  every candidate enters; the `top_k` most probable depth d - 1 nodes (among the tree's `budget`
                  most probable so far) run; the proposal is the `budget` most probable nodes (best_subtree)

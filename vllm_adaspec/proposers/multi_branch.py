@@ -5,7 +5,7 @@ rooted at the request's last token; the candidates go into one trie with calibra
 (trees/trie.py). Nodes are then chosen across the whole batch by path probability, as many as the verification
 cost curve says pay for themselves (`best_prefix`: expected tokens per unit of step time), at most the request's
 budget (its policy's, capped by `tree.budget` and the speed guard). The chosen nodes of a request are verified as
-one tree (engine/tree_runtime.py, engine/gpu_tree_runtime.py) or, where trees cannot be verified (an attention
+one tree (runtime/, runtime/gpu.py) or, where trees cannot be verified (an attention
 backend without a tree path, a request whose sampling needs vLLM's own per-request state), as a chain along the best
 path. Verification outcomes calibrate the pools.
 

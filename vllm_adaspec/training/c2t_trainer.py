@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from vllm_adaspec.trees.c2t import classifier_logits, confidence, init_classifier
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 __all__ = ["fit_classifier", "recall_and_positive_rate", "replay_trees", "joint_top", "c2t_keep", "C2TSettings",
            "collect_trees", "train_c2t"]
@@ -162,7 +163,7 @@ def collect_trees(st: C2TSettings, progress: bool = True) -> list[list[tuple[np.
     os.environ["VLLM_ADASPEC_RECORD_TREES"] = "1"
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # records come back through get_stats in-process
     from tqdm import tqdm
-    from vllm import LLM, SamplingParams
+    LLM, SamplingParams = vllm_object("LLM"), vllm_object("SamplingParams")
 
     from vllm_adaspec.training.distill import load_shards
 

@@ -29,6 +29,7 @@ import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from vllm_adaspec.engine.vllm_surface import vllm_object
 
 __all__ = ["DistillSettings", "generate_distill_data", "load_shards", "Sequences"]
 
@@ -140,7 +141,7 @@ def _free_node_memory() -> int:
     """Free memory (bytes) of the memory node vLLM's CPU worker allocates the KV cache on; a large number where
     that is not knowable (a GPU build)."""
     try:
-        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+        get_allowed_cpu_list, get_memory_node_info = vllm_object("get_allowed_cpu_list"), vllm_object("get_memory_node_info")
 
         return int(get_memory_node_info(get_allowed_cpu_list()[0].numa_node).available_memory)
     except Exception:  # not the CPU build: the GPU engine sizes its cache itself
@@ -159,7 +160,7 @@ def generate_distill_data(settings: DistillSettings, out: str, progress: bool = 
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoConfig, AutoTokenizer
-    from vllm import LLM, SamplingParams
+    LLM, SamplingParams = vllm_object("LLM"), vllm_object("SamplingParams")
 
     from vllm_adaspec.data.prompts import load_humaneval, load_mtbench_first_turns
 

@@ -123,7 +123,7 @@ def best_subtree(t: GrowingTree, budget: int, max_depth: int | None = None) -> t
 
 
 def copy_capacity(length: int) -> int:
-    """Positions a tree request's contiguous KV copy holds once it reaches `length` (engine/tree_runtime.py): room
+    """Positions a tree request's contiguous KV copy holds once it reaches `length` (runtime/): room
     for a few steps, at most ~1.25x its KV."""
     return length + length // 4 + 64
 

@@ -5,7 +5,7 @@ MultiBranchProposer's choice, after the pools proposed: each request's candidate
 bought best first while they pay for their rows (`best_prefix` against the step's cost curve), trees that do not pay
 for their extra cost turned into chains (`chains_where_cheaper`), and each request's choice laid out breadth first
 (`subtree`). In Python that is ~60-80 us a request on the project's CPU, most of a GPU step's host side at batch 8
-(issue 41: 10% of a Llama-3-8B step is ~0.72 ms). The Python functions stay the definition (`choose_reference`, used
+(the target: 10% of a Llama-3-8B step, ~0.72 ms). The Python functions stay the definition (`choose_reference`, used
 where numba is missing or a step needs what only Python does: a grammar's pruning, a replay's own scores); the
 tests compare both, and the decisions (`benchmarks/host_replay.py --digest`) are the same.
 

@@ -3,10 +3,10 @@
 
 The same arrays built per tree in Python (`GPUTreeRuntime.prepare_reference`, kept as the definition the tests
 compare with, and the plan where numba is missing) cost the host ~20-30 us a tree: at 8 trees x 16 nodes the plan
-was 0.3 ms on the project's CPU (0.14 compiled: benchmarks/plan_cost.py) and 0.6 ms on an H200's host (issue 41,
-whose target for plan, verification and compaction together is 5% of an 8B step: ~0.35 ms at batch 8). A step of R
-trees (N nodes in all, T = N + R rows) over B batch rows, Rb of its trees verified in one batch (`batched`), the
-most nodes of a tree `width`, `words` 32-bit words of ancestor bits a row, the arrays by their part number:
+was 0.3 ms on the project's CPU (0.14 compiled: benchmarks/plan_cost.py) and 0.6 ms on an H200's host (the target
+for plan, verification and compaction together: 5% of an 8B step, ~0.35 ms at batch 8). A step of R trees (N nodes
+in all, T = N + R rows) over B batch rows, Rb of its trees verified in one batch (`batched`), the most nodes of a
+tree `width`, `words` 32-bit words of ancestor bits a row, the arrays by their part number:
 
     int64: node_rows [N], node_pos [N], rows [R], starts [R], sizes [R], batched [Rb], logit_rows [Rb, width + 1],
         keep [D], cu_draft [B], cu_sampled [B], firsts [R], batched_rows [Rb], and where Rb > 0 the padded trees:

@@ -1,7 +1,7 @@
 """Token-tree verification on vLLM's GPU paged KV layout, with nothing in a step's path waiting for the device.
 
-The same step as the CPU runtime (engine/tree_runtime.py: planning, node positions at root + depth, tree attention
-per layer, the tree sampler, KV compaction), done on the device:
+The same step as the CPU runtime (runtime/base.py and runtime/cpu.py: planning, node positions at root + depth, tree
+attention per layer, the tree sampler, KV compaction), done on the device:
 
 1. `prepare` (host, once per step, after planning): every index the step needs (the trees' rows and ancestor
    bits for the kernel, the node positions and the cut seq_lens, the padded trees of plain greedy requests, where
@@ -32,11 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_adaspec.engine.gpu_kv import compaction_moves, gather_kv_at, kv_views, move_slots
-from vllm_adaspec.engine.tree_runtime import TreeRuntime, TreeStep
-from vllm_adaspec.engine.tree_sampler import chain_indices
 from vllm_adaspec.kernels import kv_compaction, row_draws, tree_verify
 from vllm_adaspec.kernels import tree_attention as kernels
+from vllm_adaspec.runtime.base import TreeRuntime, TreeStep, chain_indices
+from vllm_adaspec.runtime.gpu_kv import compaction_moves, gather_kv_at, kv_views, move_slots
 from vllm_adaspec.trees import step_plan
 from vllm_adaspec.trees.batch import TreeBatch, draw_rows, pack_words, representative_rows, walk_order
 from vllm_adaspec.trees.tree import ancestor_rows, split_words
@@ -197,11 +196,13 @@ class GPUTreeRuntime(TreeRuntime):
         return kernels.VARIANTS.cold
 
     def __init__(self, device, observers=(), faults=None, plain=None, max_rows: int = 6, block_size: int = 16,
-                 max_blocks: int | None = None):
+                 max_blocks: int | None = None, top_k_top_p=None):
         """max_rows: the most rows of one tree (K + 1), block_size: the KV cache's page, max_blocks: the width of
-        vLLM's block table: what fixes the kernel variants the engine launches (compiled at start-up)."""
+        vLLM's block table: what fixes the kernel variants the engine launches (compiled at start-up). top_k_top_p:
+        vLLM's `apply_top_k_top_p` (sampled trees with top-k / top-p draw from what it keeps)."""
         super().__init__(observers, faults)
         self.device = torch.device(device)
+        self.top_k_top_p = top_k_top_p
         self.plain = plain or (lambda req_id: None)
         self._plan = StagingBuffer(self.device, torch.int64)  # the compiled plan's arrays, the int32 ones after
         self._long = StagingBuffer(self.device, torch.int64)  # the Python plan's and other uploads
@@ -620,8 +621,7 @@ class GPUTreeRuntime(TreeRuntime):
             path, count, bonus = tree_verify.verify_trees_reference(dev.trees, draws, tokens, dev.batched_rows)
         return BatchVerdict(path, count, bonus, argmax)
 
-    @staticmethod
-    def _draws(dev: DeviceStep, logits: torch.Tensor, sm, generator: torch.Generator | None = None) -> torch.Tensor:
+    def _draws(self, dev: DeviceStep, logits: torch.Tensor, sm, generator: torch.Generator | None = None) -> torch.Tensor:
         """[Rs, N + 1]: one draw from vLLM's processed distribution at every row of the sampled trees (from
         `generator`, default the device's default generator)."""
         g = dev.greedy
@@ -631,10 +631,10 @@ class GPUTreeRuntime(TreeRuntime):
         temperature = sm.temperature[rows].to(torch.float32).repeat_interleave(per_row)[:, None]
         x = logits[logit_rows.flatten()].to(torch.float32).div_(temperature)  # [Rs * (N + 1), V], a new tensor
         if sm.top_k is not None or sm.top_p is not None:
-            from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-
-            x = apply_top_k_top_p(x, None if sm.top_k is None else sm.top_k[rows].repeat_interleave(per_row),
-                                  None if sm.top_p is None else sm.top_p[rows].repeat_interleave(per_row))
+            if self.top_k_top_p is None:
+                raise RuntimeError("sampled trees with top-k / top-p need vLLM's apply_top_k_top_p (top_k_top_p)")
+            x = self.top_k_top_p(x, None if sm.top_k is None else sm.top_k[rows].repeat_interleave(per_row),
+                                 None if sm.top_p is None else sm.top_p[rows].repeat_interleave(per_row))
         return draw_rows(x, generator).view(len(rows), per_row)
 
     def fail_step(self, step: TreeStep, first_tokens: torch.Tensor) -> None:

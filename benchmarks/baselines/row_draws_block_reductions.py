@@ -1,6 +1,8 @@
-"""The row-draw kernel as session 36 timed it on an H200 (kernels/row_draws.py before session 43: a block reduction
-per quarter tile inside the loop, masked scalar loads), kept only as the baseline benchmarks/device_check.py times
-today's kernel against in the same run (not part of the package). Its own docstring: that file's history."""
+"""The row-draw kernel as it was before each lane kept its own first maximum: a block reduction per quarter tile
+inside its loop, masked scalar loads (the kernel an H200 timed in benchmarks/device_runs/2026-11-28-h200/). Kept only
+as the baseline benchmarks/device_check.py times kernels/row_draws.py's kernel against in the same run, not part of
+the package; it imports what did not change since (the tile, the chunking, the key) from kernels/row_draws.py. Its
+own docstring: that file's history."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""Token-tree verification inside vLLM's V1 runner: one `TreeRuntime` per worker owns a step's tree plan, the
-per-request contiguous KV copies and the draft mask of tree drafting (no module state). The tree algorithms live
-in `vllm_adaspec.trees`; the runtime is driven by the runner hooks (engine/runner_hooks.py), the tree attention
-backend (engine/tree_backend.py) and the tree sampler (engine/tree_sampler.py).
+"""What a worker keeps for token-tree verification, whatever its device: one `TreeRuntime` per worker owns a step's
+tree plan and the draft mask of tree drafting (no module state), and is driven by the runner hooks
+(engine/runner_hooks.py), the tree attention backends (engine/tree_backend.py) and the tree sampler
+(engine/tree_sampler.py). The device's part (how tree rows attend, how accepted nodes' KV move) is a subclass's:
+runtime/cpu.py on vLLM's CPU KV layout, runtime/gpu.py on its GPU layout with the Triton kernels. No vLLM here: the
+glue hands in the few vLLM ops a runtime calls.
 
 A tree request hands vLLM its n nodes as ordinary draft tokens (breadth-first), so the scheduler allocates
 n + 1 contiguous slots (root + nodes) and verifies n + 1 rows. Per step:
@@ -10,35 +12,26 @@ n + 1 contiguous slots (root + nodes) and verifies n + 1 rows. Per step:
    drafter planned, rewrite its node rows' positions to root + depth (RoPE at depth; slots stay contiguous, they
    were computed before) and cut its seq_len to its own rows (vLLM's kernel then skips the prefix for them).
 2. `attend` (every attention layer, exit layers included, after vLLM's kernel): the rows of each tree request are
-   recomputed in one SDPA call: the prefix fully visible (a contiguous copy of the request's KV that each step
-   extends) and, among the rows, only ancestors-or-self (their keys and values straight from the layer's inputs).
+   recomputed over the prefix (fully visible) and, among the rows, their ancestors-or-self only (`verify_layer`).
 3. the tree sampler verifies tree rows node by node and calls `finish_step` with the accepted paths: the accepted
-   nodes' KV moves to root + 1 .. root + a in every attention layer (and in the copies), so the next step sees a
-   plain sequence; vLLM's own rollback (num_computed_tokens -= rejected) is then right.
+   nodes' KV moves to root + 1 .. root + a in every attention layer, so the next step sees a plain sequence; vLLM's
+   own rollback (num_computed_tokens -= rejected) is then right.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import zlib
 from dataclasses import dataclass, field
+from typing import Collection
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from vllm_adaspec.config import DEFAULT_FAULT_LIMIT
-from vllm_adaspec.engine.cpu_kv import compact_kv_cpu, gather_cpu_kv, gather_cpu_kv_at, paged_index
 from vllm_adaspec.faults import FaultGuard
 from vllm_adaspec.step import DraftMask
-from vllm_adaspec.trees import DraftTree, ancestor_mask, copy_capacity
-
-
-# Prefix length from which a tree request's query heads are folded into its rows (verify_attention): measured on
-# the project's CPU with SmolLM2's heads (9 / 3), 8-16 nodes: unfolded 0.91-0.95 of the old path's time at 200-400
-# keys (folded 0.91-1.07), folded 0.85-0.90 from 600 keys on (unfolded 0.94-0.96).
-FOLD_FROM = 512
+from vllm_adaspec.trees import DraftTree, ancestor_mask
 
 
 @dataclass
@@ -92,18 +85,6 @@ class TreeStep:
         return np.concatenate(rows), np.concatenate(pos)
 
 
-@dataclass
-class SequenceKV:
-    """One tree request's K, V in one attention layer, contiguous: positions 0..final-1 are final (committed and
-    compacted: never written again), so a step gathers from the paged cache only what came after them (nothing when
-    the request's last step was a tree: `advance_copies` kept its accepted rows); the rows of the current forward
-    (root + nodes) are written right after the prefix, as scratch. Head-major: each kv head's keys are one matrix,
-    as SDPA reads them (a [capacity, H, D] copy made SDPA gather them, ~5% of its time)."""
-    k: torch.Tensor  # [H, capacity, D]
-    v: torch.Tensor
-    final: int = 0
-
-
 def plan_step(req_ids: list[str], query_start: np.ndarray, roots: np.ndarray, spec_tokens: dict,
               plans: dict, num_tokens: int) -> TreeStep | None:
     """Match the scheduled drafts against the planned trees (host data only: nothing waits for the device).
@@ -144,20 +125,6 @@ def shrink_tree_seq_lens(step: TreeStep, seq_lens: torch.Tensor) -> None:
         seq_lens[r.row] = len(r.tree) + 1
 
 
-def masked_attention_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """q [R, rows, Hq, D], k, v [R, seq, Hkv, D], visible [R, rows, seq] bool -> [R, rows, Hq, D] in q's dtype.
-    Query head h reads kv head h // (Hq / Hkv); every row must see at least one key."""
-    r, rows, hq, d = q.shape
-    hkv = k.shape[2]
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qg = q.to(acc).view(r, rows, hkv, hq // hkv, d)
-    scores = torch.einsum("bnkgd,bskd->bkgns", qg, k.to(acc)) * scale  # [R, Hkv, G, rows, seq]
-    scores = scores.masked_fill(~visible[:, None, None], -math.inf)
-    out = torch.einsum("bkgns,bskd->bnkgd", torch.softmax(scores, dim=-1), v.to(acc))
-    return out.reshape(r, rows, hq, d).to(q.dtype)
-
-
 def compaction_slots(step: TreeStep, paths: dict[int, list[int]]) -> tuple[list[int], list[int]]:
     """For each tree request's accepted path (node indices, root to deepest): node at depth d moves from its
     verification slot (root + 1 + node) to root + d. Returns (src, dst) slot lists, only moves that change."""
@@ -171,14 +138,33 @@ def compaction_slots(step: TreeStep, paths: dict[int, list[int]]) -> tuple[list[
     return src, dst
 
 
-class TreeRuntime:
-    """A worker's tree path: the step being verified, the draft mask while a drafter grows trees, and the
-    contiguous KV copies of the requests in tree mode, keyed (request id, cache address). Observers (tests'
-    instrumentation, vllm_adaspec/observers.py) see each forward's plan before it runs. This class is the CPU
-    path (vLLM's CPU KV layout, per-request copies, SDPA); engine/gpu_tree_runtime.py is the GPU one."""
+def chain_indices(num_draft_tokens, tree_rows: Collection[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Host side of `chains_only` (known when the step is planned): (the draft rows kept [D], drafts per batch row
+    with the tree rows' taken out, their cumulative sums for drafts and for sampled rows). Python lists: a step's
+    batch is a few rows, where each numpy call costs more than the loop."""
+    drafts = num_draft_tokens.tolist() if hasattr(num_draft_tokens, "tolist") else list(num_draft_tokens)
+    trees = set(tree_rows)
+    keep, num, cu_draft, cu_sampled = [], [], [], []
+    at = d = s = 0
+    for i, n in enumerate(drafts):
+        m = 0 if i in trees else int(n)  # a tree row's drafts leave vLLM's chain verification
+        keep += range(at, at + m)  # the chain rows' draft rows, in order
+        at += int(n)
+        d += m
+        s += m + 1
+        num.append(m)
+        cu_draft.append(d)
+        cu_sampled.append(s)
+    return keep, num, cu_draft, cu_sampled
 
-    gather_at = staticmethod(gather_cpu_kv_at)  # K, V of (block, offset) pairs in this runtime's KV layout
-    keeps_copies = True  # each tree request's KV copied contiguously (capped by tree.kv_copy_tokens)
+
+class TreeRuntime:
+    """A worker's tree path, the part every device shares: the step being verified (its plan, its results), the draft
+    mask while a drafter grows trees, the requests a verification could give no allowed token. Observers (tests'
+    instrumentation, vllm_adaspec/observers.py) see each forward's plan before it runs. A device's runtime adds how
+    tree rows attend (`verify_layer`, `_attend_draft`) and how accepted nodes' KV move (`finish_step`)."""
+
+    keeps_copies = False  # each tree request's KV copied contiguously (the CPU runtime: capped by tree.kv_copy_tokens)
     kernel_cold = kernel_fallbacks = 0  # a device kernel's launches of a variant not compiled at start-up, fallbacks
 
     def __init__(self, observers=(), faults: FaultGuard | None = None):
@@ -186,7 +172,6 @@ class TreeRuntime:
         # the driver's fault guard (faults.py): planning and verification faults are contained and counted there
         self.faults = faults if faults is not None else FaultGuard(DEFAULT_FAULT_LIMIT)
         self.draft: DraftMask | None = None
-        self.copies: dict[tuple[str, int], SequenceKV] = {}
         self.observers = list(observers)
         # the last verification's tree results {batch row: (accepted nodes, bonus, branch-row argmax)} and the KV
         # slots compaction moved, until the drafter's next propose reads them (take_results)
@@ -241,21 +226,14 @@ class TreeRuntime:
         shrink_tree_seq_lens(step, seq_lens)
 
     def drop(self, req_ids) -> None:
-        """Finished or aborted requests: their KV copies go."""
-        gone = set(req_ids)
-        for key in [key for key in self.copies if key[0] in gone]:
-            del self.copies[key]
+        """Finished or aborted requests: whatever the runtime keeps of them goes."""
 
     def retain(self, keep: set[str], stale: set[str] = frozenset()) -> None:
-        for key in [key for key in self.copies if key[0] not in keep or key[0] in stale]:
-            del self.copies[key]
+        """Keep what the runtime holds for `keep` only, and nothing of `stale` requests (their KV was recomputed)."""
 
     def held_copy_tokens(self) -> int:
-        """Positions held by all requests' copies, counted once per request (every layer holds the same)."""
-        held: dict[str, int] = {}
-        for (req_id, _), seq in self.copies.items():
-            held[req_id] = max(held.get(req_id, 0), seq.k.shape[1])
-        return sum(held.values())
+        """Positions held in KV copies outside vLLM's cache (none here)."""
+        return 0
 
     # --- attention (the tree backend, every layer) ---
     @contextlib.contextmanager
@@ -296,74 +274,12 @@ class TreeRuntime:
 
     def verify_layer(self, step: TreeStep, isa: str, scale: float, query, key, value, kv_cache, block_table,
                      output) -> None:
-        """The tree rows of one attention layer of the verification forward; the layer's cache is kept for
-        compaction."""
-        step.kv_caches.append((kv_cache, isa))
-        self.verify_attention(step, query, key, value, output, kv_cache, block_table, isa, scale)
+        """The tree rows of one attention layer of the verification forward, written into `output`."""
+        raise NotImplementedError
 
     def _attend_draft(self, draft: DraftMask, isa: str, scale: float, query, kv_cache, output) -> None:
-        bs, pre = kv_cache.shape[2], draft.prefix
-        if kv_cache.data_ptr() not in pre.kv:
-            pre.kv[kv_cache.data_ptr()] = self.gather_at(kv_cache, *paged_index(pre.block_rows, pre.positions, bs),
-                                                         isa)
-        pk, pv = pre.kv[kv_cache.data_ptr()]
-        nk, nv = self.gather_at(kv_cache, *paged_index(pre.block_rows[draft.trees], draft.node_pos, bs), isa)
-        k, v = torch.cat([pk[draft.trees], nk], dim=1), torch.cat([pv[draft.trees], nv], dim=1)
-        new = masked_attention_batch(query[draft.rows], k, v, draft.visible, scale)
-        output[draft.rows[draft.valid]] = new[draft.valid].to(output.dtype)
-
-    def sequence_kv(self, cache: torch.Tensor, block_row: torch.Tensor, req_id: str, root: int, rows: int,
-                    isa: str) -> SequenceKV:
-        """The request's copy with positions 0..root-1 final and room for `rows` more (gathering from the paged
-        cache only positions not yet copied)."""
-        key = (req_id, cache.data_ptr())
-        seq = self.copies.get(key)
-        start = 0 if seq is None else min(seq.final, root)
-        if seq is None or seq.k.shape[1] < root + rows:
-            _, h, _, d2 = cache.shape
-            cap = copy_capacity(root + rows)
-            k = cache.new_empty((h, cap, d2 // 2))
-            v = cache.new_empty((h, cap, d2 // 2))
-            if seq is not None:
-                k[:, :start], v[:, :start] = seq.k[:, :start], seq.v[:, :start]
-            seq = self.copies[key] = SequenceKV(k, v)
-        if start < root:
-            k, v = gather_cpu_kv(cache, block_row, root, isa, start=start)  # [root - start, H, D]
-            seq.k[:, start:root], seq.v[:, start:root] = k.transpose(0, 1), v.transpose(0, 1)
-        seq.final = root
-        return seq
-
-    def verify_attention(self, step: TreeStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         output: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, isa: str,
-                         scale: float) -> None:
-        """The tree rows of one attention layer of a verification forward, written into `output` [T, Hq, D]: for
-        each tree request, its rows' queries (query [T, Hq, D]) attend to the prefix (its contiguous copy) and to
-        the rows' own keys and values of this forward (key, value [T, Hkv, D]) under the ancestor mask, in one SDPA
-        call. Over a long prefix the query heads of a kv head are folded into its rows (each key read once for all
-        of them, not once a head: 10-15% less time from 600 keys on, slower under ~400: FOLD_FROM)."""
-        _, hq, d = query.shape
-        hkv = key.shape[1]
-        group = hq // hkv
-        for r in step.requests:
-            n1 = len(r.tree) + 1
-            rows = slice(r.start, r.start + n1)
-            seq = self.sequence_kv(cache, block_table[r.row], r.req_id, r.root_pos, n1, isa)
-            end = r.root_pos + n1
-            seq.k[:, r.root_pos:end], seq.v[:, r.root_pos:end] = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
-            fold = group > 1 and r.root_pos >= FOLD_FROM
-            if r.visible is None:  # the whole prefix, then ancestors-or-self among the rows (an additive mask)
-                bias = torch.zeros(n1, end, dtype=query.dtype)
-                bias[:, r.root_pos:].masked_fill_(~r.mask, -math.inf)
-                r.visible = (bias.repeat_interleave(group, 0) if fold else bias)[None, None]
-            k, v = seq.k[None, :, :end], seq.v[None, :, :end]  # [1, Hkv, end, D]
-            if fold:  # [1, Hkv, n1 * group, D]: row i * group + j is row i's query head j of the kv head
-                q = query[rows].view(n1, hkv, group, d).transpose(0, 1).reshape(1, hkv, n1 * group, d)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=r.visible, scale=scale)
-                output[rows] = out.view(hkv, n1, group, d).transpose(0, 1).reshape(n1, hq, d).to(output.dtype)
-            else:
-                out = F.scaled_dot_product_attention(query[rows].transpose(0, 1)[None], k, v, attn_mask=r.visible,
-                                                     scale=scale, enable_gqa=group > 1)  # [1, Hq, n1, D]
-                output[rows] = out[0].transpose(0, 1).to(output.dtype)
+        """The tree nodes of a draft step, written into `output`."""
+        raise NotImplementedError
 
     # --- after sampling (the tree sampler) ---
     def take_step(self) -> TreeStep | None:
@@ -388,23 +304,16 @@ class TreeRuntime:
         return None
 
     def fail_step(self, step: TreeStep, first_tokens: torch.Tensor) -> None:
-        """Compaction failed: every tree request of the step keeps only its first token (first_tokens [B], by batch
-        row); positions past root + 1 are scratch, and the copies are rebuilt from the paged cache."""
-        self.drop([r.req_id for r in step.requests])
+        """Every tree request of the step keeps only its first token (first_tokens [B], by batch row); positions past
+        root + 1 are scratch."""
         firsts = first_tokens.tolist()
         self.results = {r.row: ([], int(firsts[r.row]), []) for r in step.requests}
         self.kv_moves = 0
 
     def finish_step(self, step: TreeStep, results: dict[int, tuple], verdict=None) -> None:
-        """results {batch row: (accepted nodes, bonus, branch-row argmax)}: compact the accepted paths' KV in the
-        paged cache and in the copies, and keep the results for the drafter. (`verdict`: a device runtime's
-        batched verification; none here.)"""
-        paths = {row: path for row, (path, *_) in results.items()}
-        src, dst = compaction_slots(step, paths)
-        compact_kv_cpu(step.kv_caches, src, dst)
-        self.faults.point("compaction")
-        self.advance_copies(step, paths)
-        self.results, self.kv_moves = results, len(src)
+        """results {batch row: (accepted nodes, bonus, branch-row argmax)}: move the accepted paths' KV into place and
+        keep the results for the drafter (`verdict`: a device runtime's batched verification)."""
+        raise NotImplementedError
 
     def take_failed(self) -> dict[str, str]:
         """The requests the last verification failed (`failed`), once."""
@@ -416,20 +325,3 @@ class TreeRuntime:
         out = (self.results, self.kv_moves)
         self.results, self.kv_moves = {}, 0
         return out
-
-    def advance_copies(self, step: TreeStep, paths: dict[int, list[int]]) -> None:
-        """In every tree request's contiguous copies, the accepted nodes' K, V move to root + 1 .. root + a, as
-        compaction moves them in the paged cache, and root .. root + a become final. The next step of a request that
-        stays a tree then gathers nothing from the paged cache (the copy already holds what it committed)."""
-        for r in step.requests:
-            path = paths.get(r.row, ())
-            moves = [(r.root_pos + 1 + node, r.root_pos + d) for d, node in enumerate(path, start=1) if node + 1 != d]
-            src = torch.tensor([a for a, _ in moves]) if moves else None
-            dst = torch.tensor([b for _, b in moves]) if moves else None
-            for cache, _ in step.kv_caches:
-                seq = self.copies.get((r.req_id, cache.data_ptr()))
-                if seq is None or seq.final != r.root_pos:
-                    continue
-                if moves:
-                    seq.k[:, dst], seq.v[:, dst] = seq.k[:, src], seq.v[:, src]
-                seq.final = r.root_pos + 1 + len(path)
