@@ -163,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--seed", type=int, default=0, help="the faults' random passes")
+    p.add_argument("--settings", default="{}", help="adaspec settings over the defaults, JSON (e.g. "
+                   "'{\"suffix_cache_requests\": 24}': the suffix cache bounded early, to see memory level off)")
     p.add_argument("--out", default="benchmarks/out/soak_faults.json")
     args = p.parse_args(argv)
 
@@ -189,7 +191,8 @@ def main(argv=None) -> int:
         with serving(model, Path(work) / "plain", None, eager=False) as (base, _):
             want = references(base, jobs)
         print(f"plain server: {len(want)} greedy references in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        settings = {"adaspec": {"fault_limit": 10 ** 6}}  # faults stay contained; drafting never stops for them
+        # faults stay contained; drafting never stops for them
+        settings = {"adaspec": {"fault_limit": 10 ** 6, **json.loads(args.settings)}}
         env = {"VLLM_ADASPEC_INJECT_FAULTS": faults}
         with serving(model, Path(work) / "spec", spec, settings, env=env, eager=False) as (base, proc):
             results, lock = [], threading.Lock()
@@ -271,7 +274,7 @@ def main(argv=None) -> int:
         k["p50_s"], k["max_s"] = s[len(s) // 2], s[-1]
     warm = [x["rss_mib"] for x in memory[len(memory) // 3:]] or [0]
     summary = {
-        "minutes": args.minutes, "clients": args.clients, "requests": len(results), "wrong": len(problems),
+        "minutes": args.minutes, "settings": json.loads(args.settings), "clients": args.clients, "requests": len(results), "wrong": len(problems),
         "hung_threads": hung, "vanished_clients": len(vanished), "vanished_ok": sum(vanished),
         "malformed": malformed, "malformed_4xx": sum(1 for x in malformed if x["status"] and 400 <= x["status"] < 500),
         "faults_contained": total(m, "vllm:adaspec_drafter_faults_total"),

@@ -86,7 +86,7 @@ def disabled_runs(smollm2, tmp_path_factory) -> dict:
 def test_on_an_unsupported_vllm_the_plugin_patches_nothing_and_warns_once(disabled_runs):
     got = disabled_runs["version"]
     assert got["patched"] == {"config": False, "sampling": False, "platform": False}, got
-    assert "supports vLLM 0.32, this is vLLM 0.99.0" in got["disabled"], got
+    assert "supports vLLM 0.32, 0.33, this is vLLM 0.99.0" in got["disabled"], got
     assert len(got["warnings"]) == 1 and got["warnings"][0].startswith("vllm_adaspec is disabled"), got
 
 

