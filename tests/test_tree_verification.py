@@ -428,6 +428,15 @@ def test_when_even_taking_the_drafts_out_fails_the_root_row_is_resampled_or_the_
     out = sampler(metadata, None, logits, sm)
     assert out.sampled_token_ids.tolist() == [[-1, -1, -1], [7, 8, -1]]
     assert list(sampler.runtime.take_failed()) == ["a"] and sampler.runtime.failed == {}
+    # the same with a's drafts planned as a tree (root -> 3, root -> 4): the step's tree requests keep the first
+    # token sampled again with the bias (9), not vLLM's chain verdict's first token (3), and their results say so
+    sampler, calls, metadata, logits, sm = _tree_only_case()
+    sampler.runtime.step = plan_step(["a", "b"], np.array([0, 3, 5]), np.array([10, 20]), {"a": [3, 4], "b": [7]},
+                                     {"a": DraftPlan((3, 4), (-1, -1))}, 5)
+    assert sampler.runtime.step is not None
+    out = sampler(metadata, None, logits, sm)
+    assert out.sampled_token_ids.tolist() == [[9, -1, -1], [7, 8, -1]]
+    assert sampler.runtime.take_results()[0] == {0: ([], 9, [])}
 
 
 def test_vllms_dummy_sampler_run_at_start_up_passes_through_the_tree_sampler_and_the_logits_tap():

@@ -325,10 +325,11 @@ class TreeRejectionSampler:
         failed: set[int] = set()
         compacted = False
         if chains is None:
+            # (their first tokens as _first_tokens_of_chains left them: vLLM's, or sampled again with every setting)
             failed = self._first_tokens_of_chains(sorted(roots), out, metadata, logits, sm)
             if step is not None:
-                self._first_tokens_only(step, tokens, firsts)
-        elif step is not None and step.broken:  # the forward did not run the planned step (runtime/base.TreeRuntime.attend)
+                self.runtime.fail_step(step, tokens[:, 0])
+        elif step is not None and step.broken:  # the forward did not run the planned step (TreeRuntime.attend)
             failed = {r.row for r in step.requests}
             self._first_tokens_only(step, tokens, firsts)
         elif step is not None:
