@@ -138,9 +138,10 @@ def test_the_training_split_never_holds_an_evaluation_prompt():
     train = sharegpt_training_prompts(2000)
     assert len(train) == 2000 and all(p[-1]["role"] == "user" for p in train)
     # (requests of a few words, "continue" and the like, are in both: none of them longer than 40 characters)
-    asked = {m["content"] for p in load_chat() for m in p if m["role"] == "user" and len(m["content"]) > 40}
+    chats = load_chat()
+    asked = {m["content"] for p in chats for m in p if m["role"] == "user" and len(m["content"]) > 40}
     assert not any(m["content"] in asked for p in train for m in p if m["role"] == "user")
-    assert not any(p == e for p in train for e in load_chat())
+    assert not any(p == e for p in train for e in chats)
     mixed = training_prompts(400, 0, EchoTokenizer(), exclude=set(load_humaneval()))
     assert len(mixed) == 400 and training_prompts(400, 0, EchoTokenizer()) == mixed  # deterministic
     assert 250 <= sum(p.startswith("user:") for p in mixed) < 400  # ShareGPT's three quarters + templates
