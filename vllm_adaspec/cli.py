@@ -155,6 +155,20 @@ def add_train(sub) -> None:
                    help="also write the heads in the layout vLLM's built-in `medusa` method loads (needs "
                         "--no-token-input)")
     m.set_defaults(func=cmd_train_medusa)
+    d = tsub.add_parser("draft-layer", help="a draft layer on the target's own features (EAGLE-style, or an "
+                                            "attention-free MLP speculator), by self-distillation")
+    d.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
+    d.add_argument("--data", default=None, help="`adaspec distill` folder (default: its default for --model, seed 0)")
+    d.add_argument("--out", required=True, help="checkpoint folder to write")
+    d.add_argument("--family", choices=("layer", "mlp"), default="layer")
+    d.add_argument("-N", "--feature-layer", type=int, default=0, help="target layers the features come from (0: all)")
+    d.add_argument("--depth", type=int, default=3, help="draft steps trained on the layer's own outputs")
+    d.add_argument("--draft-vocab", type=int, default=8192)
+    d.add_argument("--epochs", type=float, default=1.0)
+    d.add_argument("--lr", type=float, default=3e-4)
+    d.add_argument("--max-tokens", type=int, default=0, help="train on at most this many corpus tokens (0: all)")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_train_draft_layer)
     c = tsub.add_parser("calibration", help="acceptance predictor of the thompson-cali policy, for one exit head")
     c.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
     c.add_argument("--data", default=None, help="`adaspec distill` folder (default: its default for --model, seed 0)")
@@ -237,6 +251,29 @@ def _train_model(name: str) -> str | None:
     except ValueError as e:
         print(f"adaspec train: {e}", file=sys.stderr)
         return None
+
+
+def cmd_train_draft_layer(args) -> int:
+    from vllm_adaspec.training.draft_layer import DraftTrainSettings, train_draft_layer
+
+    model = _train_model(args.model)
+    if model is None:
+        return 2
+    data = args.data or default_distill_dir(args.model, 0)
+    if args.depth < 1 or args.feature_layer < 0 or args.draft_vocab < 1 or args.max_tokens < 0:
+        print("adaspec train draft-layer: --depth and --draft-vocab must be >= 1, --feature-layer and --max-tokens "
+              ">= 0", file=sys.stderr)
+        return 2
+    st = DraftTrainSettings(model=model, data=data, out=args.out, family=args.family, feature_layer=args.feature_layer,
+                            depth=args.depth, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
+                            max_tokens=args.max_tokens, seed=args.seed)
+
+    def train(s):
+        report = train_draft_layer(s)
+        report.pop("model"), report.pop("vocab_ids")
+        return report
+
+    return _run_trainer(train, st)
 
 
 def cmd_train_exit(args) -> int:

@@ -1,0 +1,103 @@
+"""The learned draft on the target's features (training/draft_layer.py), without an engine, on a small random Llama:
+the training-time test's attention is a draft chain's, so the replay's batched chains equal chains drafted one step
+at a time with each step's own keys; both families train (loss down, held-out agreement up) on a corpus the target
+wrote."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_adaspec.training.draft_layer import build, chain_drafts, ttt_mask
+
+
+def test_the_training_time_mask_is_a_draft_chains_attention():
+    m = ttt_mask(6, 3, "cpu")  # step 3, 6 positions: true rows, step-2 rows, step-3 rows
+    assert m.shape == (6, 18)
+    p = 4  # the chain starting at 2: true rows 0..2, its step-2 row at 3, itself at 4
+    assert m[p, :6].nonzero().flatten().tolist() == [0, 1, 2]
+    assert m[p, 6:12].nonzero().flatten().tolist() == [3]
+    assert m[p, 12:].nonzero().flatten().tolist() == [4]
+
+
+@pytest.fixture(scope="module")
+def layer(tiny_llama):
+    torch.manual_seed(0)
+    m = build("layer", tiny_llama, np.arange(300), depth=3)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)  # away from the identity start: chains that differ
+    return m.eval()
+
+
+def test_batched_chains_equal_chains_drafted_one_step_at_a_time(layer):
+    """chain_drafts drafts from every position at once with the training-time mask; one chain at a time, each step
+    attends to the true rows up to its start and its own earlier steps' keys, as a drafter with a KV cache does."""
+    g = torch.Generator().manual_seed(1)
+    t, k, h = 12, 3, layer.s.hidden
+    feats = torch.randn(t, h, generator=g)
+    tokens = torch.randint(0, 300, (t,), generator=g)
+    layer.vocab = torch.arange(300)
+    got = chain_drafts(layer, "layer", feats, tokens, k)
+    with torch.no_grad():
+        pos = torch.arange(t)[None]
+        g1, true_kv = layer.attend(layer.inputs(feats[None], tokens[None]), pos, [], None)
+        for start in range(t - k + 1):
+            keys = [(true_kv[0][:, :, :start + 1], true_kv[1][:, :, :start + 1])]
+            cur_g, cur_tok = g1[:, start:start + 1], int(layer.logits(g1[0, start]).argmax())
+            want = [cur_tok]
+            for d in range(1, k):
+                u = layer.inputs(cur_g, torch.tensor([[cur_tok]]))
+                mask = torch.ones(1, start + 1 + d, dtype=torch.bool)
+                cur_g, kv = layer.attend(u, torch.tensor([[start + d]]), [(torch.cat([a for a, _ in keys], 2),
+                                                                          torch.cat([b for _, b in keys], 2))], mask)
+                keys.append(kv)
+                cur_tok = int(layer.logits(cur_g[0, 0]).argmax())
+                want.append(cur_tok)
+            assert got[start].tolist() == want, (start, got[start].tolist(), want)
+
+
+def _corpus(folder, model, sequences=24, prompt=8, length=48, seed=0):
+    """A corpus in `adaspec distill`'s layout: random prompts over 300 tokens, each continued greedily by the target
+    (as `adaspec distill` has the target write its own text)."""
+    from vllm_adaspec.training.layers import read_hf_tensors, rms_norm, target_prefix_layers
+
+    stack = target_prefix_layers(model, 4)
+    t = read_hf_tensors(model, ["model.norm.weight", "model.embed_tokens.weight"])
+    rng = np.random.default_rng(seed)
+    seqs = [list(rng.integers(0, 300, prompt)) for _ in range(sequences)]
+    with torch.no_grad():
+        for _ in range(length - prompt):
+            ids = torch.tensor(seqs)
+            h = stack(ids, torch.arange(ids.shape[1])[None].expand_as(ids), (4,))[4][:, -1]
+            nxt = (rms_norm(h, t["model.norm.weight"], 1e-6) @ t["model.embed_tokens.weight"].T).argmax(-1)
+            for s_, x in zip(seqs, nxt.tolist()):
+                s_.append(x)
+    tokens = np.asarray([x for s_ in seqs for x in s_], np.int32)
+    offsets = np.arange(0, len(tokens) + 1, length, dtype=np.int64)
+    gen = sequences * (length - prompt)
+    folder.mkdir()
+    np.savez(folder / "shard-00000.npz", tokens=tokens, offsets=offsets, prompt_lens=np.full(sequences, prompt, np.int32),
+             sampled=np.zeros(sequences, bool), topk_ids=np.zeros((gen, 1), np.int32),
+             topk_logp=np.zeros((gen, 1), np.float16))
+    return seqs
+
+
+@pytest.mark.parametrize("family", ["layer", "mlp"])
+def test_both_families_learn_the_targets_next_tokens(tiny_llama, tmp_path, family):
+    from vllm_adaspec.training.draft_layer import DraftTrainSettings, replay, train_draft_layer
+
+    seqs = _corpus(tmp_path / "data", tiny_llama)
+    st = DraftTrainSettings(model=tiny_llama, data=str(tmp_path / "data"), out=str(tmp_path / family), family=family,
+                            depth=2, draft_vocab=512, epochs=8, lr=3e-3, batch_tokens=1024, holdout_every=6)
+    report = train_draft_layer(st, progress=False, log=lambda *a: None)
+    # a random target's text does not generalize across sequences (its tokens spread over 49k ids): learning is read
+    # off the training curve (loss, top-1 agreement at each depth), which must move well
+    (_, loss0, agree0), (_, loss1, agree1) = report["curve"][0], report["curve"][-1]
+    assert loss1 < 0.9 * loss0 and agree1[0] > agree0[0], report["curve"]
+    assert (tmp_path / family / "draft_layer.safetensors").exists()
+    # the replay drafts chains of 3 (past the depths trained, for the MLP) from every position of a continuation
+    res = replay(report["model"], family, report["vocab_ids"], tiny_llama, [(8, seqs[0]), (8, seqs[6])], k=3)
+    assert res["positions"] == 2 * 39 and len(res["accept_at_depth"]) == 3
+    a = res["accept_at_depth"]
+    assert a[0] >= a[1] >= a[2] and res["tau_by_k"][1] == pytest.approx(1 + a[0], abs=0.35), res

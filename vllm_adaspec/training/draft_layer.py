@@ -1,0 +1,508 @@
+"""A draft layer on the target's own features, by self-distillation (EAGLE's feature-level drafting, trained several
+draft steps deep on its own outputs as EAGLE-3's training-time test and HASS do), and an attention-free variant
+(Hydra's / Arctic's MLP speculator), with the offline replay that chooses between them.
+
+Features: f_t, the target's hidden state after its first N layers at position t (N = the last layer: what its LM
+head reads, before the final norm), the state that predicted token x_{t+1}. Labels: the target's own argmax after
+f_{t+1} (what it would emit after x_{t+1}); both computed once per data set by prefill (`feature_cache`), never
+stored by the corpus.
+
+    layer  (EAGLE):  u_t = W [norm(f_t) ; e(x_{t+1})],  g_t = decoder_layer(u)_t (causal),  q_t = head(norm(g_t))
+                     g_t stands for f_{t+1}; a draft step feeds (g_t, its own token) as the next step's input
+    mlp    (no attention): s_1 = f_t,  s_{d+1} = s_d + mlp_d([norm(s_d) ; e(x_{t+d})]),  q = head(norm(s_{d+1}))
+
+Training (`train_draft_layer`): cross-entropy of q with the target's argmax, plus (layer) a regression of g_t on
+f_{t+1} (`reg_weight`); `depth` > 1 unrolls the layer on its own features: at step j the query of position t reads
+g^{(j-1)}_{t-1} (its own prediction of f_t) and attends to the true rows up to t - j + 1 and to the rows of steps
+2..j along its own draft chain (the attention a draft of depth j sees in decoding). The head is the target's LM
+head restricted to a draft vocabulary (frozen), e is the target's embedding (frozen).
+
+Replay (`replay`): on unseen prompts' greedy continuations, from every position, a chain of `k` drafts; acceptance
+per depth (every earlier draft right too), tokens per target forward when decoding drafts k a step, and the draft
+cost per token as a share of a target step (both timed here, torch, batch 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_adaspec.training.layers import DecoderLayer, LayerShape, load_layer, read_hf_tensors, rms_norm, rope
+
+__all__ = ["DraftTrainSettings", "DraftLayer", "DraftMLP", "feature_cache", "train_draft_layer", "replay"]
+
+FAMILIES = ("layer", "mlp")
+
+
+@dataclass(frozen=True)
+class DraftTrainSettings:
+    model: str  # Hugging Face folder of the target
+    data: str  # `adaspec distill` folder
+    out: str  # checkpoint folder
+    family: str = "layer"  # FAMILIES
+    feature_layer: int = 0  # N: the target layers the features come from (0: all of them, the last hidden state)
+    depth: int = 3  # draft steps trained (the training-time test's depth)
+    draft_vocab: int = 8192
+    reg_weight: float = 0.1  # the feature regression's weight (layer)
+    epochs: float = 1.0
+    lr: float = 3e-4
+    batch_tokens: int = 4096
+    holdout_every: int = 20
+    max_tokens: int = 0  # train on at most this many tokens of the corpus (0: all)
+    seed: int = 0
+
+
+def _config(model: str) -> dict:
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f)
+
+
+def _lm_name(cfg: dict) -> str:
+    return "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
+
+
+# --- features ---------------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def target_features(model: str, n: int, ids: np.ndarray, stack=None, head=None) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence's token ids [T] -> (features [T, H] float16 after the first n layers, labels [T] int32: the
+    target's argmax at each position, from its last layer)."""
+    from vllm_adaspec.training.layers import target_prefix_layers
+
+    cfg = _config(model)
+    L = cfg["num_hidden_layers"]
+    stack = stack or target_prefix_layers(model, L)
+    if head is None:
+        t = read_hf_tensors(model, ["model.norm.weight", _lm_name(cfg)])
+        head = (t["model.norm.weight"], t[_lm_name(cfg)], cfg["rms_norm_eps"])
+    x = torch.from_numpy(ids.astype(np.int64))[None]
+    pos = torch.arange(x.shape[1])[None]
+    hs = stack(x, pos, capture=tuple(sorted({n, L})))
+    norm_w, lm, eps = head
+    labels = (rms_norm(hs[L][0], norm_w, eps) @ lm.T).argmax(-1)
+    return hs[n][0].to(torch.float16).numpy(), labels.to(torch.int32).numpy()
+
+
+def feature_cache(model: str, data: str, seqs, n: int, max_tokens: int = 0, progress: bool = True) -> tuple:
+    """(features [T, H] float16 memmap, labels [T] int32) for every token of the first sequences of `seqs` holding at
+    most max_tokens tokens (0: all), computed once and kept in DATA/features-N{n}-{count}.npy / labels-...npy."""
+    from tqdm import tqdm
+
+    from vllm_adaspec.training.layers import target_prefix_layers
+
+    cfg = _config(model)
+    L = cfg["num_hidden_layers"]
+    n = n or L
+    lengths = np.diff(seqs.offsets)
+    count = len(seqs) if not max_tokens else max(1, int(np.searchsorted(np.cumsum(lengths), max_tokens)))
+    total = int(seqs.offsets[count])
+    fpath = os.path.join(data, f"features-N{n}-{count}.npy")
+    lpath = os.path.join(data, f"labels-N{n}-{count}.npy")
+    if os.path.exists(fpath) and os.path.exists(lpath):
+        return np.load(fpath, mmap_mode="r"), np.load(lpath), count
+    stack = target_prefix_layers(model, L)
+    t = read_hf_tensors(model, ["model.norm.weight", _lm_name(cfg)])
+    head = (t["model.norm.weight"], t[_lm_name(cfg)], cfg["rms_norm_eps"])
+    feats = np.lib.format.open_memmap(fpath + ".tmp.npy", mode="w+", dtype=np.float16, shape=(total, cfg["hidden_size"]))
+    labels = np.zeros(total, np.int32)
+    with tqdm(total=total, unit="tok", desc=f"target features (N={n}, prefill)", disable=not progress) as bar:
+        for i in range(count):
+            a, b = int(seqs.offsets[i]), int(seqs.offsets[i + 1])
+            feats[a:b], labels[a:b] = target_features(model, n, seqs.tokens[a:b], stack, head)
+            bar.update(b - a)
+    feats.flush()
+    del feats
+    os.replace(fpath + ".tmp.npy", fpath)
+    np.save(lpath, labels)
+    return np.load(fpath, mmap_mode="r"), labels, count
+
+
+# --- the two families ----------------------------------------------------------------------------------------------
+
+class DraftLayer(nn.Module):
+    """EAGLE-style: one decoder layer over [norm(feature) ; embedding] rows (module docstring)."""
+
+    def __init__(self, s: LayerShape, embed: torch.Tensor, head_rows: torch.Tensor):
+        super().__init__()
+        self.s = s
+        self.embed = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.head = nn.Parameter(head_rows, requires_grad=False)  # [V', H]
+        self.fc = nn.Linear(2 * s.hidden, s.hidden, bias=False)
+        self.feat_norm = nn.Parameter(torch.ones(s.hidden))
+        self.layer = DecoderLayer(s)
+        self.norm = nn.Parameter(torch.ones(s.hidden))
+
+    def inputs(self, feats: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """feats [B, T, H], next_tokens [B, T] -> the layer's input rows [B, T, H]."""
+        return self.fc(torch.cat([rms_norm(feats, self.feat_norm, self.s.eps), self.embed(next_tokens)], -1))
+
+    def attend(self, u: torch.Tensor, positions: torch.Tensor, keys: list, mask: torch.Tensor | None):
+        """The decoder layer on rows u [B, T, H] at `positions`, their queries attending to the keys and values of
+        earlier steps `keys` [(k, v)] and their own (mask [T, keys] bool, True = visible; None: causal over u).
+        Returns (out [B, T, H], this step's (k, v))."""
+        s, a, layer = self.s, self.layer.self_attn, self.layer
+        b, t, _ = u.shape
+        x = rms_norm(u, layer.input_layernorm.weight, s.eps)
+        q = rope(a.q_proj(x).view(b, t, s.heads, s.head_dim), positions, s.rope_theta).transpose(1, 2)
+        k = rope(a.k_proj(x).view(b, t, s.kv_heads, s.head_dim), positions, s.rope_theta).transpose(1, 2)
+        v = a.v_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        if mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.kv_heads != s.heads)
+        else:
+            kk = torch.cat([k_ for k_, _ in keys] + [k], 2)
+            vv = torch.cat([v_ for _, v_ in keys] + [v], 2)
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=s.kv_heads != s.heads)
+        h = u + a.o_proj(o.transpose(1, 2).reshape(b, t, s.heads * s.head_dim))
+        y = rms_norm(h, layer.post_attention_layernorm.weight, s.eps)
+        m = layer.mlp
+        return h + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y)), (k, v)
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        return rms_norm(g, self.norm, self.s.eps) @ self.head.T
+
+    def unroll(self, feats: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """feats [B, T, H] (f_t), tokens [B, T] (x_{t+1}, the token after position t) -> [g^(1) .. g^(depth)], each
+        [B, T, H]: step j's prediction of f_{t+1} at position t, its input at t being step j-1's prediction of f_t
+        (module docstring); position t of step j is meaningful for t >= j - 1."""
+        b, t, _ = feats.shape
+        pos = torch.arange(t, device=feats.device)[None].expand(b, -1)
+        g, kv = self.attend(self.inputs(feats, tokens), pos, [], None)
+        outs, keys = [g], [kv]
+        for j in range(2, depth + 1):
+            prev = torch.cat([g[:, :1], g[:, :-1]], 1)  # step j-1's prediction of f_t sits at t - 1
+            g, kv = self.attend(self.inputs(prev, tokens), pos, keys, ttt_mask(t, j, feats.device))
+            outs.append(g)
+            keys.append(kv)
+        return outs
+
+
+def ttt_mask(t: int, j: int, device) -> torch.Tensor:
+    """[T, j * T] bool: the query of position p at step j sees the true rows s <= p - j + 1 (step 1's keys) and,
+    of steps i = 2..j, the row p - j + i (its own draft chain, itself last)."""
+    p = torch.arange(t, device=device)[:, None]
+    s = torch.arange(t, device=device)[None, :]
+    parts = [s <= p - j + 1] + [s == p - j + i for i in range(2, j + 1)]
+    mask = torch.cat(parts, 1)
+    mask[:, 0] |= ~mask.any(1)  # the first rows of a deep step see nothing yet: give them position 0 (unused)
+    return mask
+
+
+class DraftMLP(nn.Module):
+    """Attention-free: a residual MLP per draft depth over [norm(state) ; embedding] (module docstring)."""
+
+    def __init__(self, s: LayerShape, embed: torch.Tensor, head_rows: torch.Tensor, depth: int, inner: int = 0):
+        super().__init__()
+        self.s = s
+        self.embed = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.head = nn.Parameter(head_rows, requires_grad=False)
+        inner = inner or 2 * s.hidden
+        self.state_norm = nn.ParameterList([nn.Parameter(torch.ones(s.hidden)) for _ in range(depth)])
+        self.up = nn.ModuleList(nn.Linear(2 * s.hidden, inner, bias=False) for _ in range(depth))
+        self.down = nn.ModuleList(nn.Linear(inner, s.hidden, bias=False) for _ in range(depth))
+        for d in self.down:
+            nn.init.zeros_(d.weight)
+        self.norm = nn.Parameter(torch.ones(s.hidden))
+
+    def step(self, d: int, state: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Draft depth d + 1 (past the trained depths: the deepest one's weights again)."""
+        d = min(d, len(self.up) - 1)
+        x = torch.cat([rms_norm(state, self.state_norm[d], self.s.eps), self.embed(token)], -1)
+        return state + self.down[d](F.gelu(self.up[d](x)))
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        return rms_norm(g, self.norm, self.s.eps) @ self.head.T
+
+
+# --- training --------------------------------------------------------------------------------------------------
+
+def _model_parts(model: str, vocab_ids: np.ndarray):
+    cfg = _config(model)
+    s = LayerShape.from_hf_config(cfg)
+    t = read_hf_tensors(model, ["model.embed_tokens.weight", "model.norm.weight", _lm_name(cfg)])
+    return cfg, s, t["model.embed_tokens.weight"], t[_lm_name(cfg)][torch.as_tensor(vocab_ids)], t["model.norm.weight"]
+
+
+def build(family: str, model: str, vocab_ids: np.ndarray, depth: int) -> nn.Module:
+    cfg, s, embed, rows, norm = _model_parts(model, vocab_ids)
+    if family == "layer":
+        m = DraftLayer(s, embed, rows)
+        load_layer(m.layer, model, cfg["num_hidden_layers"] - 1)  # starts as the target's last layer
+        m.layer.self_attn.o_proj.weight.data.zero_()  # ... adding nothing: g = u at first
+        m.layer.mlp.down_proj.weight.data.zero_()
+        h = s.hidden
+        m.fc.weight.data.zero_()
+        m.fc.weight.data[:, :h] = torch.eye(h)  # u = norm(f): g starts as the (normed) feature itself
+    else:
+        m = DraftMLP(s, embed, rows, depth)
+    with torch.no_grad():
+        m.norm.copy_(norm)  # the target's final norm
+    return m
+
+
+def _windows(offsets: np.ndarray, count: int, length: int) -> list[tuple[int, int]]:
+    """[a, b) token windows of at most `length` inside each of the first `count` sequences."""
+    out = []
+    for i in range(count):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        for w in range(a, b - 2, length):
+            out.append((w, min(b, w + length)))
+    return out
+
+
+def _losses(model: nn.Module, family: str, feats, tokens, labels, to_sub, depth: int, reg: float):
+    """feats [B, T, H] (f_t), tokens [B, T] (x_{t+1}), labels [B, T] (target argmax after f_{t+1}, full ids; -1 none)
+    -> (loss, per-depth top-1 agreement)."""
+    sub = to_sub[labels.clamp(min=0)].masked_fill(labels < 0, -1)
+    loss, agree = 0.0, []
+    if family == "layer":
+        outs = model.unroll(feats, tokens, depth)
+        nxt = torch.cat([feats[:, 1:], feats[:, -1:]], 1)  # f_{t+1}
+        for j, g in enumerate(outs, start=1):
+            lg = model.logits(g)[:, j - 1:]
+            y = sub[:, j - 1:]
+            ok = y >= 0
+            loss = loss + F.cross_entropy(lg[ok], y[ok]) + reg * F.smooth_l1_loss(g[:, j - 1:-1], nxt[:, j - 1:-1])
+            agree.append(float((lg[ok].argmax(-1) == y[ok]).float().mean()) if ok.any() else 0.0)
+        return loss / depth, agree
+    state = feats
+    for d in range(depth):  # depth d+1 drafts x_{t+d+2} from x_{t+d+1}: shift tokens and labels by d
+        tok = torch.cat([tokens[:, d:], tokens[:, -1:].expand(-1, d)], 1)
+        y = torch.cat([sub[:, d:], torch.full_like(sub[:, :d], -1)], 1)
+        state = model.step(d, state, tok)
+        lg = model.logits(state)
+        ok = y >= 0
+        loss = loss + F.cross_entropy(lg[ok], y[ok])
+        agree.append(float((lg[ok].argmax(-1) == y[ok]).float().mean()) if ok.any() else 0.0)
+    return loss / depth, agree
+
+
+def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) -> dict:
+    """Train on the corpus' training split, report held-out top-1 agreement per depth, write `st.out`."""
+    from tqdm import tqdm
+
+    from vllm_adaspec.training.distill import load_shards
+    from vllm_adaspec.training.exit_trainer import most_frequent
+
+    if st.family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {st.family!r}")
+    t0 = time.perf_counter()
+    torch.manual_seed(st.seed)
+    rng = np.random.default_rng(st.seed)
+    cfg = _config(st.model)
+    n = st.feature_layer or cfg["num_hidden_layers"]
+    seqs = load_shards(st.data)
+    feats, labels, count = feature_cache(st.model, st.data, seqs, n, st.max_tokens, progress)
+    held = np.random.default_rng(12345).permutation(count) % st.holdout_every == 0
+    eos = cfg.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    train_tok = np.concatenate([labels[seqs.offsets[i]:seqs.offsets[i + 1]] for i in range(count) if not held[i]])
+    vocab_ids, coverage = most_frequent(train_tok, st.draft_vocab, cfg["vocab_size"], eos)
+    model = build(st.family, st.model, vocab_ids, st.depth)
+    to_sub = torch.full((cfg["vocab_size"],), -1, dtype=torch.long)
+    to_sub[torch.as_tensor(vocab_ids)] = torch.arange(len(vocab_ids))
+    win = 256
+    windows = _windows(seqs.offsets, count, win)
+    seq_of = np.searchsorted(seqs.offsets[1:count + 1], [a for a, _ in windows], side="right")
+    train_w = [w for w, i in zip(windows, seq_of) if not held[i]]
+    held_w = [w for w, i in zip(windows, seq_of) if held[i]]
+
+    def batch(ws):
+        t = max(b - a for a, b in ws)
+        f = torch.zeros(len(ws), t, feats.shape[1])
+        x = torch.zeros(len(ws), t, dtype=torch.long)
+        y = torch.full((len(ws), t), -1, dtype=torch.long)
+        for j, (a, b) in enumerate(ws):
+            f[j, :b - a] = torch.from_numpy(np.asarray(feats[a:b], dtype=np.float32))
+            x[j, :b - a - 1] = torch.from_numpy(seqs.tokens[a + 1:b].astype(np.int64))  # x_{t+1}
+            y[j, :b - a - 1] = torch.from_numpy(labels[a + 1:b].astype(np.int64))  # argmax after f_{t+1}
+        return f, x, y
+
+    per_batch = max(1, st.batch_tokens // win)
+    steps = max(1, int(math.ceil(len(train_w) / per_batch * st.epochs)))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=st.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, k / steps))))
+
+    def evaluate() -> list[float]:
+        model.eval()
+        tot, hits = 0, np.zeros(st.depth)
+        with torch.no_grad():
+            for k in range(0, len(held_w), per_batch):
+                f, x, y = batch(held_w[k:k + per_batch])
+                _, agree = _losses(model, st.family, f, x, y, to_sub, st.depth, st.reg_weight)
+                m = int((y >= 0).sum())
+                hits += np.asarray(agree) * m
+                tot += m
+        model.train()
+        return (hits / max(1, tot)).round(4).tolist()
+
+    before = evaluate()
+    log(f"held-out top-1 agreement by depth before training: {before}")
+    curve, ema = [], None
+    order = rng.permutation(len(train_w))
+    with tqdm(total=steps, desc=f"draft {st.family} (N={n}, depth {st.depth})", unit="step",
+              disable=not progress) as bar:
+        for step in range(steps):
+            idx = order[(step * per_batch) % len(order):][:per_batch]
+            if len(idx) < per_batch:
+                idx = np.concatenate([idx, order[:per_batch - len(idx)]])
+            f, x, y = batch([train_w[i] for i in idx])
+            loss, agree = _losses(model, st.family, f, x, y, to_sub, st.depth, st.reg_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+            if step % max(1, steps // 50) == 0 or step == steps - 1:
+                curve.append((step, round(ema, 4), [round(a, 4) for a in agree]))
+            bar.set_postfix(loss=f"{ema:.3f}", top1=f"{agree[0]:.2f}")
+            bar.update(1)
+    after = evaluate()
+    log(f"held-out top-1 agreement by depth after training: {after}")
+    os.makedirs(st.out, exist_ok=True)
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith(("embed", "head"))}
+    tensors["draft_vocab"] = torch.as_tensor(vocab_ids, dtype=torch.int64)
+    from safetensors.torch import save_file
+
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()},
+              os.path.join(st.out, "draft_layer.safetensors"))
+    report = {"settings": asdict(st), "feature_layer": n, "tokens": int(seqs.offsets[count]), "sequences": count,
+              "train_windows": len(train_w), "heldout_windows": len(held_w), "draft_vocab_coverage": coverage,
+              "steps": steps, "agreement_before": before, "agreement_after": after, "curve": curve,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    with open(os.path.join(st.out, "draft_layer.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return {**report, "model": model, "vocab_ids": vocab_ids}
+
+
+# --- the offline replay --------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def chain_drafts(model: nn.Module, family: str, feats: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """From every position t of one sequence (feats [T, H] = f_t, tokens [T] = x_{t+1}), a chain of k drafts, each
+    fed back (token and, for the layer, its own feature): [T, k] draft-vocabulary indices (draft d at t guesses
+    x_{t+d+1})."""
+    t = feats.shape[0]
+    f, x = feats[None], tokens[None]
+    out = torch.zeros(t, k, dtype=torch.long)
+    if family == "layer":
+        pos = torch.arange(t)[None]
+        g, kv = model.attend(model.inputs(f, x), pos, [], None)
+        keys = [kv]
+        cur = model.logits(g)[0].argmax(-1)
+        out[:, 0] = cur
+        vocab = model.vocab
+        for j in range(2, k + 1):
+            # step j at position p: the chain started at p - j + 1; its input is step j-1's output at p - 1 and
+            # the token it drafted there
+            prev_g = torch.cat([g[:, :1], g[:, :-1]], 1)
+            prev_tok = torch.cat([cur[:1], cur[:-1]])
+            g, kv = model.attend(model.inputs(prev_g, vocab[prev_tok][None]), pos, keys, ttt_mask(t, j, f.device))
+            keys.append(kv)
+            cur = model.logits(g)[0].argmax(-1)
+            # out[start, j-1] where start = p - j + 1
+            out[:t - j + 1, j - 1] = cur[j - 1:]
+        return out
+    state = f
+    for d in range(k):
+        state = model.step(d, state, x if d == 0 else model.vocab[out[:, d - 1]][None])
+        out[:, d] = model.logits(state)[0].argmax(-1)
+    return out
+
+
+def replay(model: nn.Module, family: str, vocab_ids: np.ndarray, model_dir: str, sequences: list[tuple[int, list]],
+           k: int = 5, feature_layer: int = 0) -> dict:
+    """sequences: [(prompt length, prompt + greedy continuation ids)] of unseen prompts. From every position of each
+    continuation, a chain of k drafts against the continuation: acceptance by depth (the share of positions whose
+    first d drafts are all right), and decoding simulated with a chain of j drafts a step (j = 1..k): tokens per
+    target forward (tau)."""
+    from vllm_adaspec.training.layers import target_prefix_layers
+
+    cfg = _config(model_dir)
+    L = cfg["num_hidden_layers"]
+    n = feature_layer or L
+    stack = target_prefix_layers(model_dir, L)
+    t = read_hf_tensors(model_dir, ["model.norm.weight", _lm_name(cfg)])
+    head = (t["model.norm.weight"], t[_lm_name(cfg)], cfg["rms_norm_eps"])
+    model.vocab = torch.as_tensor(vocab_ids, dtype=torch.long)
+    model.eval()
+    runs, steps = np.zeros(k + 1), {j: [0, 0] for j in range(1, k + 1)}  # tokens, forwards
+    for plen, ids in sequences:
+        ids = np.asarray(ids)
+        feats, _ = target_features(model_dir, n, ids, stack, head)
+        f = torch.from_numpy(feats.astype(np.float32))
+        x = torch.from_numpy(np.concatenate([ids[1:], ids[-1:]]).astype(np.int64))
+        drafts = model.vocab[chain_drafts(model, family, f, x, k)].numpy()  # [T, k] full ids
+        # position t (after x_{t+1} committed) drafts x_{t+2..}: the continuation starts at index plen
+        for t_ in range(plen - 1, len(ids) - 2):
+            truth = ids[t_ + 2:t_ + 2 + k]
+            ok = np.cumprod(drafts[t_, :len(truth)] == truth)
+            runs[int(ok.sum())] += 1
+        for j in range(1, k + 1):  # decode the continuation: each forward commits accepted + 1
+            pos = plen - 1
+            while pos < len(ids) - 1:
+                truth = ids[pos + 2:pos + 2 + j]
+                acc = int(np.cumprod(drafts[pos, :len(truth)] == truth).sum()) if len(truth) else 0
+                steps[j][0] += acc + 1
+                steps[j][1] += 1
+                pos += acc + 1
+    total = runs.sum()
+    at_least = [float(runs[d:].sum() / max(1, total)) for d in range(1, k + 1)]
+    return {"positions": int(total), "accept_at_depth": [round(a, 4) for a in at_least],
+            "tau_by_k": {j: round(steps[j][0] / max(1, steps[j][1]), 3) for j in steps}}
+
+
+def draft_cost_ratio(model: nn.Module, family: str, model_dir: str, context: int = 300, iters: int = 30) -> float:
+    """One draft token's time over one target decode step's, torch, batch 1, a `context`-token prefix (the layer
+    attends over it; the target's step: every layer over it and the full LM head). A rough price: the engine's own
+    kernels differ from torch's."""
+    from vllm_adaspec.training.layers import target_prefix_layers
+
+    cfg = _config(model_dir)
+    stack = target_prefix_layers(model_dir, cfg["num_hidden_layers"])
+    lm = read_hf_tensors(model_dir, [_lm_name(cfg)])[_lm_name(cfg)]
+    h = cfg["hidden_size"]
+    with torch.no_grad():
+        x = torch.randn(1, 1, h)
+        pos = torch.tensor([[context]])
+        s = model.s
+        kv = [(torch.randn(1, s.kv_heads, context, s.head_dim), torch.randn(1, s.kv_heads, context, s.head_dim))]
+        mask = torch.ones(1, context + 1, dtype=torch.bool)
+
+        def draft():
+            if family == "layer":
+                g, _ = model.attend(model.inputs(x, torch.tensor([[1]])), pos, kv, mask)
+            else:
+                g = model.step(0, x, torch.tensor([[1]]))
+            return model.logits(g).argmax(-1)
+
+        def target_step():  # every layer's projections and MLP on one token + the LM head (attention left out)
+            y = x
+            for layer in stack.layers:
+                a = layer.self_attn
+                z = rms_norm(y, layer.input_layernorm.weight, s.eps)
+                q, k_, v = a.q_proj(z), a.k_proj(z), a.v_proj(z)
+                y = y + a.o_proj(q)
+                z = rms_norm(y, layer.post_attention_layernorm.weight, s.eps)
+                y = y + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(z)) * layer.mlp.up_proj(z))
+            return (y @ lm.T).argmax(-1)
+
+        def timed(fn):
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            return (time.perf_counter() - t0) / iters
+
+        return timed(draft) / timed(target_step)
