@@ -89,12 +89,14 @@ def test_both_families_learn_the_targets_next_tokens(tiny_llama, tmp_path, famil
 
     seqs = _corpus(tmp_path / "data", tiny_llama)
     st = DraftTrainSettings(model=tiny_llama, data=str(tmp_path / "data"), out=str(tmp_path / family), family=family,
-                            depth=2, draft_vocab=512, epochs=8, lr=3e-3, batch_tokens=1024, holdout_every=6)
+                            depth=2, draft_vocab=512, epochs=20, lr=3e-3, batch_tokens=1024, holdout_every=6)
     report = train_draft_layer(st, progress=False, log=lambda *a: None)
     # a random target's text does not generalize across sequences (its tokens spread over 49k ids): learning is read
     # off the training curve (loss, top-1 agreement at each depth), which must move well
-    (_, loss0, agree0), (_, loss1, agree1) = report["curve"][0], report["curve"][-1]
-    assert loss1 < 0.9 * loss0 and agree1[0] > agree0[0], report["curve"]
+    first, last = report["curve"][:3], report["curve"][-3:]  # (step, loss, top-1 by depth), a few batches each
+    loss0, loss1 = np.mean([c[1] for c in first]), np.mean([c[1] for c in last])
+    top0, top1 = np.mean([c[2][0] for c in first]), np.mean([c[2][0] for c in last])
+    assert loss1 < 0.9 * loss0 and top1 > top0 + 0.05, report["curve"]
     assert (tmp_path / family / "draft_layer.safetensors").exists()
     # the replay drafts chains of 3 (past the depths trained, for the MLP) from every position of a continuation
     res = replay(report["model"], family, report["vocab_ids"], tiny_llama, [(8, seqs[0]), (8, seqs[6])], k=3)
