@@ -491,3 +491,42 @@ def test_top_k_top_p_keeps_what_vllms_sort_keeps(k, p):
     got = top_k_top_p(x.clone(), k, p)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.equal(got[~torch.isinf(got)], x[~torch.isinf(want)])
+
+
+def test_a_forward_that_does_not_have_the_planned_layout_is_a_contained_fault():
+    """The planned step's tree rows had their seq_lens cut before the forward: if attention meets a forward of
+    another token count, no row of the step's tree requests can be trusted, not even the root's. That is a counted
+    fault, and the sampler gives those requests nothing (they are finished with an error), never a token; other
+    requests keep vLLM's result. Planning itself refuses a layout whose rows do not match the trees."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler
+    from vllm_adaspec.runtime.cpu import CPUTreeRuntime
+
+    with pytest.raises(ValueError, match="rows in the forward"):  # request a schedules 2 rows, its tree needs 3
+        plan_step(["a"], np.array([0, 2]), np.array([10]), {"a": [3, 4]}, {"a": DraftPlan((3, 4), (-1, -1))}, 2)
+    rt = CPUTreeRuntime()
+    rt.step = plan_step(["a", "b"], np.array([0, 3, 5]), np.array([10, 20]), {"a": [3, 4], "b": [7]},
+                        {"a": DraftPlan((3, 4), (-1, -1))}, 5)
+    out = torch.zeros(4, HQ, D)
+    rt.attend("vec", 0.125, torch.zeros(4, HQ, D), torch.zeros(4, HKV, D), torch.zeros(4, HKV, D), None,
+              SimpleNamespace(num_actual_tokens=4, slot_mapping=torch.arange(4), block_table=None), out)
+    assert rt.step.broken and rt.faults.count == 1 and out.abs().sum() == 0  # nothing written from the bad plan
+    stock = lambda *a: SimpleNamespace(sampled_token_ids=torch.tensor([[5, -1, -1], [7, 8, -1]], dtype=torch.int32),
+                                       logprobs_tensors=None)  # noqa: E731
+    params = {"a": SamplingParams(temperature=0.0), "b": SamplingParams(temperature=0.0)}
+    port = SimpleNamespace(runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"])),
+                           sampling_params=params.get)
+    sampler = TreeRejectionSampler(stock, rt, port=port)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    metadata = SpecDecodeMetadata(i32(3, 4, 7), [2, 1], i32(2, 3), i32(3, 5), i32(0, 1, 3), i32(2, 4),
+                                  i32(0, 1, 2, 3, 4))
+    sm = SimpleNamespace(all_greedy=True, temperature=None, top_k=None, top_p=None, generators={}, no_penalties=True,
+                         prompt_token_ids=None, allowed_token_ids_mask=None, bad_words_token_ids={},
+                         max_num_logprobs=None, spec_token_ids=None)
+    got = sampler(metadata, None, torch.zeros(5, 16), sm).sampled_token_ids
+    assert got.tolist() == [[-1, -1, -1], [7, 8, -1]] and list(rt.take_failed()) == ["a"]
