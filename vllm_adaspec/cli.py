@@ -83,6 +83,8 @@ def add_distill(sub) -> None:
                         "default), or the latter alone")
     p.add_argument("--top-k-logprobs", type=int, default=8, help="the target's top log-probs kept per token")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode (default: compiled, as vLLM)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="the target's dtype while it writes (default: vLLM's, the checkpoint's)")
     p.set_defaults(func=cmd_distill)
 
 
@@ -108,7 +110,7 @@ def cmd_distill(args) -> int:
     out = args.out or default_distill_dir(args.model, args.seed)
     settings = DistillSettings(model=model, tokens=args.tokens, seed=args.seed, max_tokens=args.max_tokens,
                                prompts_per_shard=args.prompts_per_shard, source=args.source,
-                               top_k_logprobs=args.top_k_logprobs, eager=args.enforce_eager)
+                               top_k_logprobs=args.top_k_logprobs, eager=args.enforce_eager, dtype=args.dtype)
     try:
         summary = generate_distill_data(settings, out)
     except ValueError as e:  # settings clash with existing data in --out

