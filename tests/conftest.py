@@ -24,6 +24,21 @@ def _import_triton_language_interpreted() -> None:
 
 _import_triton_language_interpreted()
 
+
+def _one_core_per_worker() -> None:
+    """Under pytest-xdist (README's test command: a worker per core) each worker and the engines it starts keep to
+    a core of their own: two engines binding their OpenMP threads to the same cores would each spin-wait on the
+    other's. A test that binds its engine itself (tensor parallelism: a core per rank) keeps its binding."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    if not worker or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # this process's torch (references, statistics)
+
+
+_one_core_per_worker()
+
 SPEC = "vllm_adaspec.EarlyExitProposer"
 
 # Mixed lengths (one ~400-token prompt, two sharing a long prefix for prefix caching), raw and chat-style.

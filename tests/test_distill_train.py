@@ -52,11 +52,18 @@ def test_distill_shards_are_aligned_resumable_and_seeded(distilled, smollm2):
     again = np.load(out / "shard-00000.npz")
     for k, v in distilled["first"].items():
         assert np.array_equal(again[k], v), k
-    # Greedy continuations are the target's argmax: generated token j == top-1 of the log-probs recorded for it.
+    # Greedy continuations are the target's argmax: generated token j is top-1 of the log-probs recorded for it, or
+    # tied with it (the default dtype is the checkpoint's bfloat16, whose coarse logits tie now and then: 3 of 216
+    # tokens here, each an exact tie that the top-k listed in another order)
+    ties = greedy = 0
     for s in np.nonzero(~seqs.sampled)[0]:
         p, a, b = seqs.prompt_lens[s], seqs.offsets[s], seqs.offsets[s + 1]
-        gen = seqs.tokens[a + p:b]
-        assert np.array_equal(gen, seqs.topk_ids[go[s]:go[s + 1], 0])
+        gen, ids, lp = seqs.tokens[a + p:b], seqs.topk_ids[go[s]:go[s + 1]], seqs.topk_logp[go[s]:go[s + 1]]
+        top = ids[:, 0] == gen
+        tied = (ids == gen[:, None]) & (lp == lp[:, :1])
+        assert np.all(top | tied.any(axis=1)), s
+        ties, greedy = ties + int((~top).sum()), greedy + len(gen)
+    assert ties <= 0.05 * greedy, (ties, greedy)
     # Log-probs are sorted and finite for the top entries.
     lp = seqs.topk_logp.astype(np.float32)
     assert np.all(np.diff(lp[:, :2], axis=1) <= 1e-3)

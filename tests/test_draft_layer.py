@@ -83,12 +83,19 @@ def _corpus(folder, model, sequences=24, prompt=8, length=48, seed=0):
     return seqs
 
 
+@pytest.fixture(scope="module")
+def corpus(tiny_llama, tmp_path_factory):
+    """(folder, sequences): one corpus the target wrote, for both families"""
+    folder = tmp_path_factory.mktemp("draft-corpus") / "data"
+    return folder, _corpus(folder, tiny_llama)
+
+
 @pytest.mark.parametrize("family", ["layer", "mlp"])
-def test_both_families_learn_the_targets_next_tokens(tiny_llama, tmp_path, family):
+def test_both_families_learn_the_targets_next_tokens(tiny_llama, corpus, tmp_path, family):
     from vllm_adaspec.training.draft_layer import DraftTrainSettings, replay, train_draft_layer
 
-    seqs = _corpus(tmp_path / "data", tiny_llama)
-    st = DraftTrainSettings(model=tiny_llama, data=str(tmp_path / "data"), out=str(tmp_path / family), family=family,
+    data, seqs = corpus
+    st = DraftTrainSettings(model=tiny_llama, data=str(data), out=str(tmp_path / family), family=family,
                             depth=2, draft_vocab=512, epochs=20, lr=3e-3, batch_tokens=1024, holdout_every=6)
     report = train_draft_layer(st, progress=False, log=lambda *a: None)
     # a random target's text does not generalize across sequences (its tokens spread over 49k ids): learning is read

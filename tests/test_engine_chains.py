@@ -24,8 +24,9 @@ def accept_rate(m):
 
 
 # vLLM's own rejection sampler verifies chains (the plugin fixes its CPU expand op; tests/test_cpu_sampling_fix.py
-# checks that op with 8000 samples): 384 engine samples here (128 seeded), the trees' 896 where our sampler decides.
-CHAIN_SAMPLES, CHAIN_SEEDED = 384, 128
+# checks that op with 8000 samples): 256 engine samples here (96 seeded; the bias this caught in plain vLLM was 45 of
+# 48 samples on one continuation), the trees' 896 where our own sampler decides.
+CHAIN_SAMPLES, CHAIN_SEEDED = 256, 96
 OTHER_SEEDS = [{**p, "seed": p["seed"] + 7} for p in SEEDED]
 
 
@@ -37,7 +38,8 @@ def head_runs(smollm2, engines):
                "sampled_mix": SAMPLED_MIX,
                "seeded": {"prompts": PROMPTS[:6], "params": SEEDED, "repeat": 2},
                "other_seeds": {"prompts": PROMPTS[:6], "params": OTHER_SEEDS},
-               "sampled": joined(sampling_batch(CHAIN_SAMPLES - CHAIN_SEEDED), sampling_batch(CHAIN_SEEDED, seed0=900_000)),
+               "sampled": joined(sampling_batch(CHAIN_SAMPLES - CHAIN_SEEDED, per_request=CHAIN_SAMPLES - CHAIN_SEEDED),
+                               sampling_batch(CHAIN_SEEDED, seed0=900_000)),
                "features": FEATURES_BATCH}
     res = engines.run({"model": smollm2, "engine": head_engine(), "batches": list(batches.values())})
     return {name: b["runs"] for name, b in zip(batches, res["batches"])}
@@ -84,13 +86,13 @@ def test_mixed_batches_draft_for_sampled_requests_and_keep_greedy_rows(head_runs
 
 def test_sampling_with_drafts_keeps_the_distribution(head_runs, smollm2):
     """Chains verified by vLLM's rejection sampler (with the plugin's CPU expand fix, engine/cpu_sampling_fix.py):
-    384 samples of a 4-token continuation at T = 1 with top-k and top-p, a third seeded, position by position against
+    256 samples of a 4-token continuation at T = 1 with top-k and top-p, 96 seeded, position by position against
     the target's exact conditional distribution (the test's power is shown on a biased verifier in
     test_engine_multibranch.py). Before the fix plain continued one prompt " 13, 1" 45/48 times and adaspec 7/48."""
     run = head_runs["sampled"][0]
     m = run["metrics"]
-    assert m["vllm:spec_decode_num_accepted_tokens"] > 190, m  # most samples went through verification
-    got = samples(run)  # the unseeded (n = 256 in one request), then the seeded (one request each)
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 125, m  # most samples went through verification
+    got = samples(run)  # the unseeded (n = 160 in one request), then the seeded (one request each)
     assert len(got) == CHAIN_SAMPLES
     seeded = range(CHAIN_SAMPLES - CHAIN_SEEDED, CHAIN_SAMPLES)
     assert_keeps_the_target_distribution(smollm2, got, {"chains, all": range(CHAIN_SAMPLES), "chains, seeded": seeded})
