@@ -358,6 +358,21 @@ def _vllm_like_sampler(bonus_bias: dict):
     return stock, calls
 
 
+def _two_greedy_requests_step():
+    """(spec-decode metadata, sampling metadata) of a greedy step: request 0 with drafts [3, 4], request 1 with [7]."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    metadata = SpecDecodeMetadata(i32(3, 4, 7), [2, 1], i32(2, 3), i32(3, 5), i32(0, 1, 3), i32(2, 4),
+                                  i32(0, 1, 2, 3, 4))
+    sm = SimpleNamespace(all_greedy=True, temperature=None, top_k=None, top_p=None, generators={}, no_penalties=True,
+                         prompt_token_ids=None, allowed_token_ids_mask=None, bad_words_token_ids={},
+                         max_num_logprobs=None, spec_token_ids=None)
+    return metadata, sm
+
+
 def _tree_only_case(sampling_params=None):
     """Request a (logit_bias bans token 3; only the tree sampler may verify its drafts) drafted [3, 4] as a chain
     (its tree was not planned: a fault in planning); request b drafted [7] and is an ordinary chain. a's root row's
@@ -365,7 +380,6 @@ def _tree_only_case(sampling_params=None):
     from types import SimpleNamespace
 
     from vllm import SamplingParams
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from vllm_adaspec.runtime.cpu import CPUTreeRuntime as TreeRuntime
     from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler
@@ -381,12 +395,7 @@ def _tree_only_case(sampling_params=None):
                            sampling_params=sampling_params or params.get, output=lambda row: [1, 2])
     stock, calls = _vllm_like_sampler({0: {3: -100.0}})
     sampler = TreeRejectionSampler(stock, TreeRuntime(), port=port, tree_only=lambda r: r == "a")
-    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    metadata = SpecDecodeMetadata(i32(3, 4, 7), [2, 1], i32(2, 3), i32(3, 5), i32(0, 1, 3), i32(2, 4),
-                                  i32(0, 1, 2, 3, 4))
-    sm = SimpleNamespace(all_greedy=True, temperature=None, top_k=None, top_p=None, generators={}, no_penalties=True,
-                         prompt_token_ids=None, allowed_token_ids_mask=None, bad_words_token_ids={},
-                         max_num_logprobs=None, spec_token_ids=None)
+    metadata, sm = _two_greedy_requests_step()
     return sampler, calls, metadata, logits, sm
 
 
@@ -520,13 +529,6 @@ def test_a_forward_that_does_not_have_the_planned_layout_is_a_contained_fault():
     port = SimpleNamespace(runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"])),
                            sampling_params=params.get)
     sampler = TreeRejectionSampler(stock, rt, port=port)
-    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    metadata = SpecDecodeMetadata(i32(3, 4, 7), [2, 1], i32(2, 3), i32(3, 5), i32(0, 1, 3), i32(2, 4),
-                                  i32(0, 1, 2, 3, 4))
-    sm = SimpleNamespace(all_greedy=True, temperature=None, top_k=None, top_p=None, generators={}, no_penalties=True,
-                         prompt_token_ids=None, allowed_token_ids_mask=None, bad_words_token_ids={},
-                         max_num_logprobs=None, spec_token_ids=None)
+    metadata, sm = _two_greedy_requests_step()
     got = sampler(metadata, None, torch.zeros(5, 16), sm).sampled_token_ids
     assert got.tolist() == [[-1, -1, -1], [7, 8, -1]] and list(rt.take_failed()) == ["a"]
