@@ -75,11 +75,10 @@ def _corpus(folder, model, sequences=24, prompt=8, length=48, seed=0):
                 s_.append(x)
     tokens = np.asarray([x for s_ in seqs for x in s_], np.int32)
     offsets = np.arange(0, len(tokens) + 1, length, dtype=np.int64)
-    gen = sequences * (length - prompt)
+    top1 = np.asarray([x for s_ in seqs for x in s_[prompt:]], np.int32)[:, None]  # greedy: the top-1 is the token
     folder.mkdir()
     np.savez(folder / "shard-00000.npz", tokens=tokens, offsets=offsets, prompt_lens=np.full(sequences, prompt, np.int32),
-             sampled=np.zeros(sequences, bool), topk_ids=np.zeros((gen, 1), np.int32),
-             topk_logp=np.zeros((gen, 1), np.float16))
+             sampled=np.zeros(sequences, bool), topk_ids=top1, topk_logp=np.zeros(top1.shape, np.float16))
     return seqs
 
 
@@ -88,6 +87,23 @@ def corpus(tiny_llama, tmp_path_factory):
     """(folder, sequences): one corpus the target wrote, for both families"""
     folder = tmp_path_factory.mktemp("draft-corpus") / "data"
     return folder, _corpus(folder, tiny_llama)
+
+
+def test_features_are_the_final_normed_state_and_labels_the_corpus_top1(tiny_llama, corpus):
+    from vllm_adaspec.training.distill import load_shards
+    from vllm_adaspec.training.draft_layer import feature_cache, target_features
+
+    data, seqs = corpus
+    feats, labels, count = feature_cache(tiny_llama, str(data), load_shards(str(data)), 0, progress=False)
+    assert count == len(seqs) and feats.shape == (len(seqs) * 48, 128)
+    for i in (0, 5):
+        want_f, want_l = target_features(tiny_llama, 4, np.asarray(seqs[i]))  # float32 prefill
+        got_f, got_l = np.asarray(feats[48 * i:48 * (i + 1)], np.float32), labels[48 * i:48 * (i + 1)]
+        # bfloat16 prefill against float32: the same state within bfloat16's rounding over 4 layers
+        assert np.abs(got_f - want_f).mean() < 0.05 * np.abs(want_f).mean()
+        # a generated position's label is the corpus' token after it; a prompt position's, the prefill's argmax
+        assert got_l[7:47].tolist() == seqs[i][8:48]
+        assert (got_l[:7] == want_l[:7]).mean() >= 6 / 7
 
 
 @pytest.mark.parametrize("family", ["layer", "mlp"])

@@ -2,10 +2,11 @@
 draft steps deep on its own outputs as EAGLE-3's training-time test and HASS do), and an attention-free variant
 (Hydra's / Arctic's MLP speculator), with the offline replay that chooses between them.
 
-Features: f_t, the target's hidden state after its first N layers at position t (N = the last layer: what its LM
-head reads, before the final norm), the state that predicted token x_{t+1}. Labels: the target's own argmax after
-f_{t+1} (what it would emit after x_{t+1}); both computed once per data set by prefill (`feature_cache`), never
-stored by the corpus.
+Features: f_t, the target's hidden state at position t, the state that predicted token x_{t+1}: for N = the last
+layer, after the final norm (what the LM head reads and vLLM's runner returns, so the engine takes them from
+verification); for N < L, the residual stream after N layers. Labels: the target's own top-1 after f_{t+1} (what it
+would emit after x_{t+1}): the corpus' (vLLM's) on generated tokens, the prefill's on prompt tokens. Features are
+computed once per data set by a bfloat16 prefill (`feature_cache`), never stored by the corpus.
 
     layer  (EAGLE):  u_t = W [norm(f_t) ; e(x_{t+1})],  g_t = decoder_layer(u)_t (causal),  q_t = head(norm(g_t))
                      g_t stands for f_{t+1}; a draft step feeds (g_t, its own token) as the next step's input
@@ -71,32 +72,43 @@ def _lm_name(cfg: dict) -> str:
 
 # --- features ---------------------------------------------------------------------------------------------------
 
-@torch.inference_mode()
-def target_features(model: str, n: int, ids: np.ndarray, stack=None, head=None) -> tuple[np.ndarray, np.ndarray]:
-    """One sequence's token ids [T] -> (features [T, H] float16 after the first n layers, labels [T] int32: the
-    target's argmax at each position, from its last layer)."""
+def _target_parts(model: str, dtype: torch.dtype):
+    """(the target's layers, (final norm, LM head, eps)) in `dtype`, frozen."""
     from vllm_adaspec.training.layers import target_prefix_layers
 
     cfg = _config(model)
+    stack = target_prefix_layers(model, cfg["num_hidden_layers"]).to(dtype)
+    t = read_hf_tensors(model, ["model.norm.weight", _lm_name(cfg)])
+    return stack, (t["model.norm.weight"].to(dtype), t[_lm_name(cfg)].to(dtype), cfg["rms_norm_eps"])
+
+
+@torch.inference_mode()
+def target_features(model: str, n: int, ids: np.ndarray, stack=None, head=None) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence's token ids [T] -> (features [T, H] float16, labels [T] int32: the target's argmax at each
+    position). The features of n = the last layer are its final-normed hidden state (what the LM head reads and what
+    vLLM's runner returns from a forward, so the engine reads them off verification); of n < L, the residual stream
+    after n layers. Computed in the dtype of `stack` (bfloat16: ~3x float32 here, AMX)."""
+    cfg = _config(model)
     L = cfg["num_hidden_layers"]
-    stack = stack or target_prefix_layers(model, L)
-    if head is None:
-        t = read_hf_tensors(model, ["model.norm.weight", _lm_name(cfg)])
-        head = (t["model.norm.weight"], t[_lm_name(cfg)], cfg["rms_norm_eps"])
+    if stack is None:
+        stack, head = _target_parts(model, torch.float32)
+    norm_w, lm, eps = head
     x = torch.from_numpy(ids.astype(np.int64))[None]
     pos = torch.arange(x.shape[1])[None]
     hs = stack(x, pos, capture=tuple(sorted({n, L})))
-    norm_w, lm, eps = head
-    labels = (rms_norm(hs[L][0], norm_w, eps) @ lm.T).argmax(-1)
-    return hs[n][0].to(torch.float16).numpy(), labels.to(torch.int32).numpy()
+    top = rms_norm(hs[L][0], norm_w, eps)  # [T, H]
+    labels = (top @ lm.T).argmax(-1)
+    feats = top if n == L else hs[n][0]
+    return feats.to(torch.float16).numpy(), labels.to(torch.int32).numpy()
 
 
-def feature_cache(model: str, data: str, seqs, n: int, max_tokens: int = 0, progress: bool = True) -> tuple:
+def feature_cache(model: str, data: str, seqs, n: int, max_tokens: int = 0, progress: bool = True,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple:
     """(features [T, H] float16 memmap, labels [T] int32) for every token of the first sequences of `seqs` holding at
-    most max_tokens tokens (0: all), computed once and kept in DATA/features-N{n}-{count}.npy / labels-...npy."""
+    most max_tokens tokens (0: all), computed once and kept in DATA/feat-N{n}-{count}.npy / lab-...npy. A generated
+    position's label is the corpus' own top-1 (vLLM's, in the dtype it generated with); a prompt position's, the
+    prefill's argmax."""
     from tqdm import tqdm
-
-    from vllm_adaspec.training.layers import target_prefix_layers
 
     cfg = _config(model)
     L = cfg["num_hidden_layers"]
@@ -104,19 +116,21 @@ def feature_cache(model: str, data: str, seqs, n: int, max_tokens: int = 0, prog
     lengths = np.diff(seqs.offsets)
     count = len(seqs) if not max_tokens else max(1, int(np.searchsorted(np.cumsum(lengths), max_tokens)))
     total = int(seqs.offsets[count])
-    fpath = os.path.join(data, f"features-N{n}-{count}.npy")
-    lpath = os.path.join(data, f"labels-N{n}-{count}.npy")
+    fpath = os.path.join(data, f"feat-N{n}-{count}.npy")
+    lpath = os.path.join(data, f"lab-N{n}-{count}.npy")
     if os.path.exists(fpath) and os.path.exists(lpath):
         return np.load(fpath, mmap_mode="r"), np.load(lpath), count
-    stack = target_prefix_layers(model, L)
-    t = read_hf_tensors(model, ["model.norm.weight", _lm_name(cfg)])
-    head = (t["model.norm.weight"], t[_lm_name(cfg)], cfg["rms_norm_eps"])
+    stack, head = _target_parts(model, dtype)
     feats = np.lib.format.open_memmap(fpath + ".tmp.npy", mode="w+", dtype=np.float16, shape=(total, cfg["hidden_size"]))
     labels = np.zeros(total, np.int32)
+    gen = seqs.gen_offsets()
     with tqdm(total=total, unit="tok", desc=f"target features (N={n}, prefill)", disable=not progress) as bar:
         for i in range(count):
             a, b = int(seqs.offsets[i]), int(seqs.offsets[i + 1])
             feats[a:b], labels[a:b] = target_features(model, n, seqs.tokens[a:b], stack, head)
+            # position t's label is the token after it: generated rows g0.. cover positions a + plen - 1 ..
+            plen, g0, g1 = int(seqs.prompt_lens[i]), int(gen[i]), int(gen[i + 1])
+            labels[a + plen - 1:a + plen - 1 + g1 - g0] = seqs.topk_ids[g0:g1, 0]
             bar.update(b - a)
     feats.flush()
     del feats
@@ -230,8 +244,10 @@ def _model_parts(model: str, vocab_ids: np.ndarray):
     return cfg, s, t["model.embed_tokens.weight"], t[_lm_name(cfg)][torch.as_tensor(vocab_ids)], t["model.norm.weight"]
 
 
-def build(family: str, model: str, vocab_ids: np.ndarray, depth: int) -> nn.Module:
+def build(family: str, model: str, vocab_ids: np.ndarray, depth: int, feature_layer: int = 0) -> nn.Module:
     cfg, s, embed, rows, norm = _model_parts(model, vocab_ids)
+    if (feature_layer or cfg["num_hidden_layers"]) == cfg["num_hidden_layers"]:
+        norm = torch.ones_like(norm)  # the last layer's features are normed already: its weight is in them
     if family == "layer":
         m = DraftLayer(s, embed, rows)
         load_layer(m.layer, model, cfg["num_hidden_layers"] - 1)  # starts as the target's last layer
@@ -305,7 +321,7 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     train_tok = np.concatenate([labels[seqs.offsets[i]:seqs.offsets[i + 1]] for i in range(count) if not held[i]])
     vocab_ids, coverage = most_frequent(train_tok, st.draft_vocab, cfg["vocab_size"], eos)
-    model = build(st.family, st.model, vocab_ids, st.depth)
+    model = build(st.family, st.model, vocab_ids, st.depth, n)
     to_sub = torch.full((cfg["vocab_size"],), -1, dtype=torch.long)
     to_sub[torch.as_tensor(vocab_ids)] = torch.arange(len(vocab_ids))
     win = 256
@@ -427,14 +443,8 @@ def replay(model: nn.Module, family: str, vocab_ids: np.ndarray, model_dir: str,
     continuation, a chain of k drafts against the continuation: acceptance by depth (the share of positions whose
     first d drafts are all right), and decoding simulated with a chain of j drafts a step (j = 1..k): tokens per
     target forward (tau)."""
-    from vllm_adaspec.training.layers import target_prefix_layers
-
-    cfg = _config(model_dir)
-    L = cfg["num_hidden_layers"]
-    n = feature_layer or L
-    stack = target_prefix_layers(model_dir, L)
-    t = read_hf_tensors(model_dir, ["model.norm.weight", _lm_name(cfg)])
-    head = (t["model.norm.weight"], t[_lm_name(cfg)], cfg["rms_norm_eps"])
+    n = feature_layer or _config(model_dir)["num_hidden_layers"]
+    stack, head = _target_parts(model_dir, torch.float32)
     model.vocab = torch.as_tensor(vocab_ids, dtype=torch.long)
     model.eval()
     runs, steps = np.zeros(k + 1), {j: [0, 0] for j in range(1, k + 1)}  # tokens, forwards
