@@ -120,7 +120,9 @@ def test_both_families_learn_the_targets_next_tokens(tiny_llama, corpus, tmp_pat
     loss0, loss1 = np.mean([c[1] for c in first]), np.mean([c[1] for c in last])
     top0, top1 = np.mean([c[2][0] for c in first]), np.mean([c[2][0] for c in last])
     assert loss1 < 0.9 * loss0 and top1 > top0 + 0.05, report["curve"]
-    assert (tmp_path / family / "draft_layer.safetensors").exists()
+    # the layer on the last layer's features is an exit head EarlyExitProposer loads (exit_layer = L, reads features)
+    saved = "exit_head.safetensors" if family == "layer" else "draft_layer.safetensors"
+    assert (tmp_path / family / saved).exists()
     # the replay drafts chains of 3 (past the depths trained, for the MLP) from every position of a continuation
     res = replay(report["model"], family, report["vocab_ids"], tiny_llama, [(8, seqs[0]), (8, seqs[6])], k=3)
     assert res["positions"] == 2 * 39 and len(res["accept_at_depth"]) == 3

@@ -524,7 +524,9 @@ def resolve_config(
         load_c2t(head)  # the classifier must exist for this exit head and match it (errors name the fix)
     if exit_layer is None:
         exit_layer = max(1, num_layers // 4)
-    if not 1 <= exit_layer < num_layers:
+    # a draft layer reading the target's last features sits on all of its layers
+    top = head is not None and load_exit_head(head, tensors=False)[0].get("input") == "features"
+    if not 1 <= exit_layer < num_layers + top:
         raise _fail(
             "exit_layer",
             f"must satisfy 1 <= exit_layer < {num_layers} (the model has {num_layers} layers), got {show(exit_layer)}",

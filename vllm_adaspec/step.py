@@ -23,6 +23,7 @@ class Needs:
     target_hidden: bool = False  # the final hidden state of the row that produced each request's last token
     verified_logits: int = 0  # > 0: the top-k of the target's logits at every verified row (k = this)
     trees: bool = False  # plans may be token trees (tree-mask attention, tree sampler, KV compaction)
+    forward_rows: bool = False  # every row of the step's forward: its final hidden state, token and position
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,18 @@ class Taps:
     next tokens with their probabilities."""
     hidden: object | None = None
     logits_topk: list = field(default_factory=list)
+    forward: "ForwardRows | None" = None
+
+
+@dataclass
+class ForwardRows:
+    """Every row of the step's forward (Needs.forward_rows), in the forward's order: requests in batch order, a
+    request's rows contiguous from query_start[i] (host [B + 1]). hidden [N, H] final-normed; input_ids, positions:
+    the runner's buffers (their first N rows are the forward's)."""
+    hidden: object
+    input_ids: object
+    positions: object
+    query_start: object
 
 
 # Tree drafting (a drafter that runs the target's own layers over tree nodes, proposers/early_exit.py) hands the

@@ -4,6 +4,9 @@ Each call is one draft step: one token per drafting request at its position. Att
 layers < N straight from vLLM's paged cache (the target computed it; nothing is recomputed or copied) and
 writes the new token's KV into the slot the next verification will overwrite anyway (the scheduler reserves
 these lookahead slots, see scheduler.py). So one draft step costs about N/L of a target decode step.
+
+A draft layer reading the target's features (engine/exit_head.py) runs no target layer: a draft step is its input
+map, its one layer and the head; `feed` writes its KV for the tokens each step commits.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class TargetPrefix:
         self.inner = inner
         self.layers = list(inner.layers[:num_layers])
         self.exit = trained_exit  # engine/exit_head.TrainedExit or None (untrained exit)
+        self.reads_features = trained_exit is not None and trained_exit.reads_features
         self.layer_names = [layer.self_attn.attn.layer_name for layer in self.layers]
         if trained_exit is not None:
             self.layer_names += trained_exit.layer_names
@@ -76,13 +80,14 @@ class TargetPrefix:
         return table[rows]
 
     def forward(self, blocks: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, max_seq_len: int,
-                slot_positions: torch.Tensor | None = None, tree_mask=None):
+                slot_positions: torch.Tensor | None = None, tree_mask=None, features: torch.Tensor | None = None):
         """One draft step through the first N layers.
 
         blocks [B, max_blocks] (from block_rows), tokens [B], positions [B] (RoPE); max_seq_len: an upper bound
         on the rows' slot positions + 1, passed in so no device->host sync is needed. Tree drafting: the rows'
         KV go to `slot_positions` [B] (default: positions) and attention follows `tree_mask`
-        (step.DraftMask). Returns (hidden, residual), each [B, H].
+        (step.DraftMask). A draft layer reads `features` [B, H] (the feature of the token before each row's).
+        Returns (hidden, residual), each [B, H].
         """
         b = tokens.shape[0]
         at = positions if slot_positions is None else slot_positions
@@ -113,6 +118,8 @@ class TargetPrefix:
         with set_forward_context(attn_metadata, self.vllm_config, num_tokens=b, slot_mapping=slot_mapping), drafting:
             hidden = self.inner.embed_tokens(tokens)
             residual = None
+            if self.reads_features:
+                return self.exit.run_layers(positions, self.exit.input_rows(features, hidden), None)
             feeding = self.exit.feeding if self.exit is not None else False
             if self.exit is not None:
                 self.exit.feeding = False  # the hook is for target forwards; here the exit runs explicitly
@@ -125,6 +132,38 @@ class TargetPrefix:
             if self.exit is not None:
                 hidden, residual = self.exit.run_layers(positions, hidden, residual)
         return hidden, residual
+
+    def feed(self, rows: torch.Tensor, counts: list[int], first: torch.Tensor, hidden: torch.Tensor,
+             input_ids: torch.Tensor, positions: torch.Tensor, batch_rows: torch.Tensor, max_seq_len: int) -> None:
+        """A draft layer's KV for the tokens a step committed, from that step's forward: for each request (batch row
+        `batch_rows` [R]) its `counts` [R] committed tokens are the forward's rows `rows` [M] (concatenated per
+        request, in order); the first of them reads the feature `first` [R, H] (carried from the step before), each
+        other the forward's hidden state `hidden` of the row before it. input_ids, positions: the forward's [N]."""
+        r, m = len(counts), int(rows.shape[0])
+        device = hidden.device
+        qsl_cpu = torch.zeros(r + 1, dtype=torch.int32)
+        qsl_cpu[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0)
+        qsl = qsl_cpu.to(device)
+        feats = hidden[(rows - 1).clamp(min=0)]  # [M, H] the row before's feature ...
+        feats[qsl[:-1].long()] = first.to(feats.dtype)  # ... but a request's first row reads the carried one
+        pos = positions[rows]  # [M]
+        blocks = self.block_rows(batch_rows)  # [R, max_blocks]
+        blk = blocks.repeat_interleave(torch.tensor(counts, device=device), 0)  # [M, max_blocks]
+        slots = blk.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1).long() * self.block_size + (
+            pos % self.block_size)
+        seq_lens = (pos[qsl[1:].long() - 1] + 1).to(torch.int32)  # [R] through each request's last row
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens, num_reqs=r, num_actual_tokens=m,
+            max_query_len=max(counts), max_seq_len=max_seq_len, block_table_tensor=blocks, slot_mapping=slots,
+            causal=True, positions=pos)
+        attn_metadata = {}
+        for builder, names in self.builders:
+            md = builder.build(common_prefix_len=0, common_attn_metadata=common)
+            attn_metadata.update({n: md for n in names})
+        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=m,
+                                 slot_mapping={n: slots for n in self.layer_names}):
+            tokens = input_ids[rows].long()
+            self.exit.run_layers(pos, self.exit.input_rows(feats, self.inner.embed_tokens(tokens)), None)
 
     def head(self, hidden: torch.Tensor, residual: torch.Tensor):
         """[B, H] -> (logits [B, V'], vocab [V'] full ids of the logit columns or None when V' is the vocabulary,

@@ -9,6 +9,12 @@ prefix caching / preemption / rollback treat it like any other layer. It is kept
 forward hook on target layer N-1 runs the exit layer on h_N of every token the target computes (prompt chunks
 and verified drafts), which writes their KV at their slots; draft steps write theirs at the lookahead slots the
 next verification overwrites. No prefix is ever recomputed.
+
+A draft layer (`"input": "features"` in the checkpoint: training/draft_layer.py) sits on all L layers and reads the
+target's final-normed hidden state instead: its input at position p is fc([norm(f_{p-1}) ; embed(x_p)]), f_{p-1}
+being the target's feature of the token before. No hook runs in the target's forward: at each propose call the
+drafter writes its KV for the tokens the step committed, from the forward's own hidden states (engine/drafting.py
+`feed`), then drafts with each step's output as the next step's feature.
 """
 
 from __future__ import annotations
@@ -114,8 +120,17 @@ class TrainedExit:
         else:  # shared: the target's own LM head rows (a copy: [V', H] contiguous for one GEMM)
             self.head_rows = target_model.lm_head.weight[: hf.vocab_size][self.vocab].detach().clone()
         self.layer_names = [layer.self_attn.attn.layer_name for layer in self.layers]
-        self.feeding = True
-        self._hook = target_model.model.layers[exit_layer - 1].register_forward_hook(self._feed, with_kwargs=True)
+        self.reads_features = meta.get("input") == "features"
+        if self.reads_features:
+            self.fc_weight = tensors["input.fc.weight"].to(device, dtype)  # [H, 2H]
+            self.feat_norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps).to(device=device, dtype=dtype)
+            self.feat_norm.weight.data.copy_(tensors["input.feat_norm.weight"].to(dtype))
+            self.feeding = False
+            self._hook = None
+        else:
+            self.feeding = True
+            self._hook = target_model.model.layers[exit_layer - 1].register_forward_hook(self._feed,
+                                                                                          with_kwargs=True)
         logger.info("vllm_adaspec: exit head %s (N=%d, %d exit layer(s), draft vocabulary %d)", folder, exit_layer,
                     len(self.layers), len(self.vocab))
 
@@ -134,6 +149,11 @@ class TrainedExit:
         h = hidden + residual if residual is not None else hidden.clone()  # never touch the target's tensors
         self.run_layers(positions, h, None)
         return None
+
+    def input_rows(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """A draft layer's input: features [B, H] (the target's final-normed state of the token before, or the
+        layer's own output for a drafted one), embeds [B, H] (the token's embedding) -> [B, H]."""
+        return torch.nn.functional.linear(torch.cat([self.feat_norm(features), embeds], -1), self.fc_weight)
 
     def run_layers(self, positions, hidden, residual):
         for layer in self.layers:

@@ -104,7 +104,8 @@ class EnginePort:
 
         config = self.runner.vllm_config
         trained = load_trained_exit(target_model, config, exit_head, exit_layer, exit_setting)
-        prefix = TargetPrefix(target_model, exit_layer, config, trained_exit=trained)
+        runs = 0 if trained is not None and trained.reads_features else exit_layer  # a draft layer runs none
+        prefix = TargetPrefix(target_model, runs, config, trained_exit=trained)
         prefix.bind(self.runner, self.runtime)
         return prefix
 

@@ -12,6 +12,7 @@ import torch
 
 from vllm_adaspec.engine.tree_sampler import TreeRejectionSampler, dummy_batch
 from vllm_adaspec.engine.vllm_surface import vllm_object
+from vllm_adaspec.step import ForwardRows
 
 
 def install(runner, drafter, port) -> None:
@@ -20,6 +21,7 @@ def install(runner, drafter, port) -> None:
     # verification it just ran (needed to find each request's bonus row): both are read off propose's own call.
     propose = runner.propose_draft_token_ids
     keep_hidden = needs.target_hidden
+    keep_rows = needs.forward_rows
     step = {"proposed": False}
 
     def propose_with_feedback(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
@@ -27,6 +29,9 @@ def install(runner, drafter, port) -> None:
         step["proposed"] = True
         if keep_hidden:
             port.taps.hidden = sample_hidden_states
+        if keep_rows and rest:  # rest[0]: the forward's attention layout (vLLM's CommonAttentionMetadata)
+            port.taps.forward = ForwardRows(hidden_states, runner.input_ids.gpu, runner.positions,
+                                            rest[0].query_start_loc_cpu.numpy().copy())
         port.verified_rows = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
         return propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
                        aux_hidden_states, spec_decode_metadata, *rest, **kw)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -60,12 +60,21 @@ class EarlyExitDrafter(Drafter):
         self._stale: set[str] = set()
         self._rng = random.Random(self.driver.base_seed)  # exploration draws: the same on every tensor-parallel rank
         self.c2t = None  # C2T's classifier parameters (tree builder "c2t")
+        # A draft layer's feature of each request's last committed token (the input of its next row), by request
+        self._carry: dict[str, torch.Tensor] = {}
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
         self.prefix = self.driver.port.target_prefix(target_model, self.cfg.exit_layer, self.cfg.exit_head,
                                               self.cfg.exit_head_setting)
         self.exit_head = self.cfg.exit_head if self.prefix.exit is not None else None
+        if self.prefix.reads_features:  # a draft layer: its KV is fed from every forward's rows (feed)
+            if self.tree is not None:
+                from vllm_adaspec.config import AdaspecConfigError
+
+                raise AdaspecConfigError("vllm_adaspec: 'tree' with a draft layer that reads the target's features "
+                                         f"({self.exit_head}) is not supported yet; drop 'tree' or use an exit head")
+            self.needs = replace(self.needs, forward_rows=True)
         if self.tree is not None and self.tree.builder == "c2t":
             from vllm_adaspec.heads.c2t import load_c2t
 
@@ -80,15 +89,50 @@ class EarlyExitDrafter(Drafter):
 
     def finish(self, req_ids) -> None:
         self._stale.difference_update(req_ids)
+        for r in req_ids:
+            self._carry.pop(r, None)
 
     def live(self) -> dict:
         return {"paused_requests": len(self._stale)}
 
     def observe(self, view: BatchView, outcomes: dict[int, Outcome], taps: Taps) -> None:
+        if self.prefix is not None and self.prefix.reads_features:
+            self._feed(view, outcomes, taps.forward)
         for obs in self.driver.observers:  # labels for `adaspec train c2t`: a node is accepted iff it is on the path
             for row, outcome in outcomes.items():
                 if outcome.tree:
                     obs.tree_outcome(view.req_ids[row], outcome.accepted)
+
+    def _feed(self, view: BatchView, outcomes: dict[int, Outcome], fwd) -> None:
+        """The draft layer's KV for every token the step committed (prompt chunks, the last bonus token, accepted
+        drafts), each reading the target's feature of the token before it; then each request's carried feature
+        becomes its last committed row's (what its next row, drafted or verified, reads)."""
+        if fwd is None:
+            return
+        qs = fwd.query_start
+        if len(qs) != len(view.req_ids) + 1:
+            raise RuntimeError(f"the forward had {len(qs) - 1} requests, the batch {len(view.req_ids)}")
+        counts, starts, live = [], [], []
+        for i, sampled in enumerate(view.sampled):
+            sched = int(qs[i + 1] - qs[i])
+            out = outcomes.get(i)
+            count = min(sched, len(sampled)) if out is not None and out.drafted else sched
+            if count > 0:
+                counts.append(count)
+                starts.append(int(qs[i]))
+                live.append(i)
+        if not live:
+            return
+        device = fwd.hidden.device
+        self.prefix.ensure_attached()
+        rows = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts)]).to(device)  # [M]
+        zero = fwd.hidden.new_zeros(fwd.hidden.shape[1])
+        first = torch.stack([self._carry.get(view.req_ids[i], zero) for i in live])  # [R, H]
+        self.prefix.feed(rows, counts, first, fwd.hidden, fwd.input_ids, fwd.positions,
+                         torch.tensor(live, device=device), int(view.num_tokens.max()) + 1)
+        last = fwd.hidden[torch.tensor([a + c - 1 for a, c in zip(starts, counts)], device=device)]  # [R, H]
+        for j, i in enumerate(live):
+            self._carry[view.req_ids[i]] = last[j]
 
     def on_step(self, scheduled: dict, pure: bool) -> None:
         exit_ = self.prefix.exit if self.prefix is not None else None
@@ -178,8 +222,12 @@ class EarlyExitDrafter(Drafter):
         positions = torch.from_numpy((n - 1).astype(np.int64)).to(device)  # [B]
         max_seq_len = int(n.max())  # host-side upper bound, grows by one per depth
         entries = list(range(len(rows)))  # index into rows/budgets/policies for each active request
+        feats = None
+        if self.prefix.reads_features:  # a draft layer: the first step reads each request's carried feature
+            zero = torch.zeros(self.prefix.exit.fc_weight.shape[0], device=device, dtype=self.prefix.exit.fc_weight.dtype)
+            feats = torch.stack([self._carry.get(view.req_ids[i], zero) for i in rows])  # [B, H]
         for depth in range(1, max(budgets) + 1):
-            hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len)
+            hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len, features=feats)
             self.driver.faults.point("draft")  # fault injection: after a pass wrote draft KV (tests)
             logits, vocab, normed = self.prefix.head(hidden, residual)  # [B, V'], V' ids (None: all), [B, H]
             tokens = logits.argmax(dim=-1)  # [B]
@@ -202,9 +250,13 @@ class EarlyExitDrafter(Drafter):
             policy_s += time.perf_counter() - tp
             if not keep:
                 break
+            if feats is not None:  # the next step reads this one's output (the layer's guess of the next feature)
+                feats = hidden + residual
             if len(keep) < len(entries):
                 idx = torch.tensor(keep, device=device)
                 blocks, tokens, positions = blocks[idx], tokens[idx], positions[idx]
+                if feats is not None:
+                    feats = feats[idx]
                 if temps is not None:
                     temps = temps[idx]
                 if ht_proj is not None:

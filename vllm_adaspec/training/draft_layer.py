@@ -387,12 +387,16 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     after = evaluate()
     log(f"held-out top-1 agreement by depth after training: {after}")
     os.makedirs(st.out, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith(("embed", "head"))}
-    tensors["draft_vocab"] = torch.as_tensor(vocab_ids, dtype=torch.int64)
-    from safetensors.torch import save_file
+    if st.family == "layer" and n == cfg["num_hidden_layers"]:
+        _save_as_exit_head(st, cfg, model, vocab_ids)  # what EarlyExitProposer loads
+    else:  # the replay's other candidates: no engine path reads them
+        from safetensors.torch import save_file
 
-    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()},
-              os.path.join(st.out, "draft_layer.safetensors"))
+        tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+                   if not k.startswith(("embed", "head"))}
+        tensors["draft_vocab"] = torch.as_tensor(vocab_ids, dtype=torch.int64)
+        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()},
+                  os.path.join(st.out, "draft_layer.safetensors"))
     report = {"settings": asdict(st), "feature_layer": n, "tokens": int(seqs.offsets[count]), "sequences": count,
               "train_windows": len(train_w), "heldout_windows": len(held_w), "draft_vocab_coverage": coverage,
               "steps": steps, "agreement_before": before, "agreement_after": after, "curve": curve,
@@ -400,6 +404,28 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     with open(os.path.join(st.out, "draft_layer.json"), "w") as f:
         json.dump(report, f, indent=1)
     return {**report, "model": model, "vocab_ids": vocab_ids}
+
+
+def _save_as_exit_head(st: DraftTrainSettings, cfg: dict, model: "DraftLayer", vocab_ids: np.ndarray) -> None:
+    """An exit-head checkpoint (heads/) that sits on all L layers and reads features: `input.*` maps
+    [final-normed feature ; embedding] to the layer's input, `layers.0.*` is the decoder layer, `norm.weight` its
+    norm before the shared LM head's draft-vocabulary rows."""
+    from vllm_adaspec.heads import config_hash, fingerprint_names, save_exit_head, weights_fingerprint
+
+    L = cfg["num_hidden_layers"]
+    tensors = {f"layers.0.{k}": v for k, v in model.layer.state_dict().items()}
+    tensors["norm.weight"] = model.norm.detach()
+    tensors["input.fc.weight"] = model.fc.weight.detach()
+    tensors["input.feat_norm.weight"] = model.feat_norm.detach()
+    tensors["draft_vocab"] = torch.as_tensor(vocab_ids, dtype=torch.int64)
+    hf_t = read_hf_tensors(st.model, fingerprint_names(L))
+    meta = {"base_model": {"name": os.path.basename(os.path.normpath(st.model)),
+                           "architectures": cfg.get("architectures", []), "config_hash": config_hash(cfg),
+                           "weights_fingerprint": weights_fingerprint(hf_t.__getitem__, L, cfg["vocab_size"])},
+            "exit_layer": L, "num_exit_layers": 1, "input": "features", "lm_head": "shared",
+            "draft_vocab_size": len(vocab_ids),
+            "training": {k: v for k, v in asdict(st).items() if k not in ("model", "data", "out")}}
+    save_exit_head(st.out, tensors, meta)
 
 
 # --- the offline replay --------------------------------------------------------------------------------------------
