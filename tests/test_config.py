@@ -686,3 +686,21 @@ def test_each_proposer_has_one_settings_class_over_the_common_part():
         assert {renamed.get(k, k) for k in keys if k not in OLD_NAMES} <= names, (proposer, keys)
     for name in POLICIES:  # every policy parameter has its range
         assert set(policy_params(name)) <= set(PARAM_RANGES), name
+
+
+def test_a_draft_layer_sits_on_every_layer_and_refuses_trees(smollm2):
+    # the shipped draft layer reads the target's last features: N = L (30) is its place, and token trees (not
+    # drafted by it yet) are refused at start-up with the key named
+    import os
+
+    from transformers import AutoConfig
+
+    from vllm_adaspec.heads import SHIPPED_DIR
+
+    folder = os.path.join(SHIPPED_DIR, "smollm2-135m-instruct-draft-layer")
+    hf = AutoConfig.from_pretrained(smollm2)
+    r = resolve_config(parse_adaspec_config({"adaspec": {"exit_head": folder}}), **LLAMA, hf_config=hf)
+    assert (r.exit_layer, r.exit_head) == (30, folder)
+    with pytest.raises(AdaspecConfigError, match=r"\['tree'\]: token trees are not drafted by a draft layer"):
+        resolve_config(parse_adaspec_config({"adaspec": {"exit_head": folder, "tree": {"budget": 4}}}), **LLAMA,
+                       hf_config=hf)

@@ -144,9 +144,12 @@ class TargetPrefix:
         qsl_cpu = torch.zeros(r + 1, dtype=torch.int32)
         qsl_cpu[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0)
         qsl = qsl_cpu.to(device)
-        feats = hidden[(rows - 1).clamp(min=0)]  # [M, H] the row before's feature ...
-        feats[qsl[:-1].long()] = first.to(feats.dtype)  # ... but a request's first row reads the carried one
         pos = positions[rows]  # [M]
+        heads = qsl[:-1].long()  # each request's first row
+        feats = hidden[(rows - 1).clamp(min=0)]  # [M, H] the row before's feature ...
+        # ... but a request's first row reads the carried one (none at position 0: a prompt's start, or a
+        # preempted request computed again)
+        feats[heads] = torch.where((pos[heads] == 0)[:, None], 0, first.to(feats.dtype))
         blocks = self.block_rows(batch_rows)  # [R, max_blocks]
         blk = blocks.repeat_interleave(torch.tensor(counts, device=device), 0)  # [M, max_blocks]
         slots = blk.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1).long() * self.block_size + (

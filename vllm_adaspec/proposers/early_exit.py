@@ -69,11 +69,6 @@ class EarlyExitDrafter(Drafter):
                                               self.cfg.exit_head_setting)
         self.exit_head = self.cfg.exit_head if self.prefix.exit is not None else None
         if self.prefix.reads_features:  # a draft layer: its KV is fed from every forward's rows (feed)
-            if self.tree is not None:
-                from vllm_adaspec.config import AdaspecConfigError
-
-                raise AdaspecConfigError("vllm_adaspec: 'tree' with a draft layer that reads the target's features "
-                                         f"({self.exit_head}) is not supported yet; drop 'tree' or use an exit head")
             self.needs = replace(self.needs, forward_rows=True)
         if self.tree is not None and self.tree.builder == "c2t":
             from vllm_adaspec.heads.c2t import load_c2t

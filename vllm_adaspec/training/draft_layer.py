@@ -59,6 +59,14 @@ class DraftTrainSettings:
     holdout_every: int = 20
     max_tokens: int = 0  # train on at most this many tokens of the corpus (0: all)
     seed: int = 0
+    soft: bool = True  # the layer's label: the target's top-k distribution where the corpus has it (else argmax)
+    amp: bool = True  # bfloat16 autocast (weights and optimizer in float32): ~5x float32 GEMMs on AMX CPUs
+
+
+def _autocast(on: bool):
+    import contextlib
+
+    return torch.autocast("cpu", dtype=torch.bfloat16) if on else contextlib.nullcontext()
 
 
 def _config(model: str) -> dict:
@@ -273,10 +281,23 @@ def _windows(offsets: np.ndarray, count: int, length: int) -> list[tuple[int, in
     return out
 
 
-def _losses(model: nn.Module, family: str, feats, tokens, labels, to_sub, depth: int, reg: float):
+def _soft_ce(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of logits [N, V'] against the target's top-k [N, k] (draft-vocabulary ids, -1 outside it; their
+    probabilities, renormalized over those inside): the target's distribution as the label."""
+    w = probs.masked_fill(ids < 0, 0)
+    w = w / w.sum(-1, keepdim=True).clamp(min=1e-6)
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, ids.clamp(min=0))
+    return -(w * logp).sum(-1).mean()
+
+
+def _losses(model: nn.Module, family: str, feats, tokens, labels, to_sub, depth: int, reg: float, soft=None):
     """feats [B, T, H] (f_t), tokens [B, T] (x_{t+1}), labels [B, T] (target argmax after f_{t+1}, full ids; -1 none)
-    -> (loss, per-depth top-1 agreement)."""
+    -> (loss, per-depth top-1 agreement). soft: (ids, probs) [B, T, k] the target's top-k after f_{t+1} (full ids,
+    -1 none), the label of the layer family's cross-entropy where given (else the argmax)."""
     sub = to_sub[labels.clamp(min=0)].masked_fill(labels < 0, -1)
+    if soft is not None:
+        sid = to_sub[soft[0].clamp(min=0)].masked_fill(soft[0] < 0, -1)
+        sp = soft[1]
     loss, agree = 0.0, []
     if family == "layer":
         outs = model.unroll(feats, tokens, depth)
@@ -285,7 +306,9 @@ def _losses(model: nn.Module, family: str, feats, tokens, labels, to_sub, depth:
             lg = model.logits(g)[:, j - 1:]
             y = sub[:, j - 1:]
             ok = y >= 0
-            loss = loss + F.cross_entropy(lg[ok], y[ok]) + reg * F.smooth_l1_loss(g[:, j - 1:-1], nxt[:, j - 1:-1])
+            ce = (F.cross_entropy(lg[ok], y[ok]) if soft is None
+                  else _soft_ce(lg[ok], sid[:, j - 1:][ok], sp[:, j - 1:][ok]))
+            loss = loss + ce + reg * F.smooth_l1_loss(g[:, j - 1:-1], nxt[:, j - 1:-1])
             agree.append(float((lg[ok].argmax(-1) == y[ok]).float().mean()) if ok.any() else 0.0)
         return loss / depth, agree
     state = feats
@@ -298,6 +321,21 @@ def _losses(model: nn.Module, family: str, feats, tokens, labels, to_sub, depth:
         loss = loss + F.cross_entropy(lg[ok], y[ok])
         agree.append(float((lg[ok].argmax(-1) == y[ok]).float().mean()) if ok.any() else 0.0)
     return loss / depth, agree
+
+
+def _soft_labels(seqs, labels: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [T, k] int32, probs [T, k] float32) per position of the first `count` sequences: a generated token's
+    position before it holds the corpus' top-k (vLLM's log-probabilities); a prompt position its argmax label."""
+    total, k = int(seqs.offsets[count]), seqs.topk_ids.shape[1]
+    ids = np.full((total, k), -1, np.int32)
+    probs = np.zeros((total, k), np.float32)
+    ids[:, 0], probs[:, 0] = labels[:total], 1.0
+    gen = seqs.gen_offsets()
+    for i in range(count):
+        a, plen, g0, g1 = int(seqs.offsets[i]), int(seqs.prompt_lens[i]), int(gen[i]), int(gen[i + 1])
+        ids[a + plen - 1:a + plen - 1 + g1 - g0] = seqs.topk_ids[g0:g1]
+        probs[a + plen - 1:a + plen - 1 + g1 - g0] = np.exp(seqs.topk_logp[g0:g1].astype(np.float32))
+    return ids, probs
 
 
 def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) -> dict:
@@ -330,16 +368,23 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     train_w = [w for w, i in zip(windows, seq_of) if not held[i]]
     held_w = [w for w, i in zip(windows, seq_of) if held[i]]
 
+    soft_ids, soft_p = _soft_labels(seqs, labels, count) if st.soft else (None, None)
+
     def batch(ws):
         t = max(b - a for a, b in ws)
         f = torch.zeros(len(ws), t, feats.shape[1])
         x = torch.zeros(len(ws), t, dtype=torch.long)
         y = torch.full((len(ws), t), -1, dtype=torch.long)
+        k = soft_ids.shape[1] if st.soft else 1
+        sid, sp = torch.full((len(ws), t, k), -1, dtype=torch.long), torch.zeros(len(ws), t, k)
         for j, (a, b) in enumerate(ws):
             f[j, :b - a] = torch.from_numpy(np.asarray(feats[a:b], dtype=np.float32))
             x[j, :b - a - 1] = torch.from_numpy(seqs.tokens[a + 1:b].astype(np.int64))  # x_{t+1}
             y[j, :b - a - 1] = torch.from_numpy(labels[a + 1:b].astype(np.int64))  # argmax after f_{t+1}
-        return f, x, y
+            if st.soft:
+                sid[j, :b - a - 1] = torch.from_numpy(soft_ids[a + 1:b].astype(np.int64))
+                sp[j, :b - a - 1] = torch.from_numpy(soft_p[a + 1:b])
+        return f, x, y, ((sid, sp) if st.soft else None)
 
     per_batch = max(1, st.batch_tokens // win)
     steps = max(1, int(math.ceil(len(train_w) / per_batch * st.epochs)))
@@ -354,8 +399,9 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
         tot, hits = 0, np.zeros(st.depth)
         with torch.no_grad():
             for k in range(0, len(held_w), per_batch):
-                f, x, y = batch(held_w[k:k + per_batch])
-                _, agree = _losses(model, st.family, f, x, y, to_sub, st.depth, st.reg_weight)
+                f, x, y, sl = batch(held_w[k:k + per_batch])
+                with _autocast(st.amp):
+                    _, agree = _losses(model, st.family, f, x, y, to_sub, st.depth, st.reg_weight, sl)
                 m = int((y >= 0).sum())
                 hits += np.asarray(agree) * m
                 tot += m
@@ -372,8 +418,9 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
             idx = order[(step * per_batch) % len(order):][:per_batch]
             if len(idx) < per_batch:
                 idx = np.concatenate([idx, order[:per_batch - len(idx)]])
-            f, x, y = batch([train_w[i] for i in idx])
-            loss, agree = _losses(model, st.family, f, x, y, to_sub, st.depth, st.reg_weight)
+            f, x, y, sl = batch([train_w[i] for i in idx])
+            with _autocast(st.amp):
+                loss, agree = _losses(model, st.family, f, x, y, to_sub, st.depth, st.reg_weight, sl)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -426,6 +473,25 @@ def _save_as_exit_head(st: DraftTrainSettings, cfg: dict, model: "DraftLayer", v
             "draft_vocab_size": len(vocab_ids),
             "training": {k: v for k, v in asdict(st).items() if k not in ("model", "data", "out")}}
     save_exit_head(st.out, tensors, meta)
+
+
+def load_draft_layer(model: str, folder: str) -> tuple["DraftLayer", np.ndarray]:
+    """(the DraftLayer of an exit-head folder that reads features, float32, eval mode; its draft vocabulary): the
+    torch reference of what EarlyExitProposer drafts with it."""
+    from vllm_adaspec.heads import load_exit_head
+
+    meta, t = load_exit_head(folder)
+    if meta.get("input") != "features":
+        raise ValueError(f"{folder} is an exit head on h_N, not a draft layer reading features")
+    vocab = t["draft_vocab"].numpy()
+    m = build("layer", model, vocab, 1)
+    state = {f"layer.{k[len('layers.0.'):]}": v for k, v in t.items() if k.startswith("layers.0.")}
+    state.update({"norm": t["norm.weight"], "fc.weight": t["input.fc.weight"],
+                  "feat_norm": t["input.feat_norm.weight"]})
+    missing, unexpected = m.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if unexpected or set(missing) - {"embed.weight", "head"}:  # (the embedding and head rows are the target's)
+        raise ValueError(f"{folder}: tensors {unexpected} unknown, {missing} missing")
+    return m.eval(), vocab
 
 
 # --- the offline replay --------------------------------------------------------------------------------------------

@@ -1,0 +1,80 @@
+"""EarlyExitProposer with the shipped draft layer (an exit head on all of SmolLM2's layers that reads the target's
+final hidden state: training/draft_layer.py, engine/drafting.py `feed`), end to end in vLLM's default compiled mode:
+greedy output equals plain decoding on the mixed batch (prefills, prefix caching) and on its next turn, and the
+engine's drafts are the torch reference's: tokens per round equal what the offline replay of the same layer predicts
+on the same text (a feature read one row off, or a KV row fed from the wrong feature, drafts garbage)."""
+
+import pytest
+
+from conftest import ENGINE, NEXT_TURN, PROMPTS, SPEC, assert_identical, greedy_batch
+
+pytestmark = pytest.mark.engine
+
+K = 4
+
+
+def draft_layer_folder() -> str:
+    from vllm_adaspec.heads import SHIPPED_DIR
+
+    import os
+
+    return os.path.join(SHIPPED_DIR, "smollm2-135m-instruct-draft-layer")
+
+
+def test_draft_layer_in_compiled_mode_is_lossless_and_drafts_what_the_replay_predicts(smollm2, plain_greedy,
+                                                                                       engines):
+    from transformers import AutoTokenizer
+
+    from vllm_adaspec.training.draft_layer import load_draft_layer
+
+    engine = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}  # vLLM's default: compiled
+    spec = {**engine, "speculative_config": {"model": SPEC, "num_speculative_tokens": K},
+            # K drafts every round (no cost model, fixed length): the replay's chains of K
+            "additional_config": {"adaspec": {"exit_head": draft_layer_folder(), "cost_model": "off",
+                                              "policy": "fixed"}}}
+    res = engines.run({"model": smollm2, "engine": spec, "batches": [greedy_batch(), NEXT_TURN]})
+    run, next_turn = (b["runs"][0] for b in res["batches"])
+    assert_identical(run, plain_greedy["mixed"])
+    assert_identical(next_turn, plain_greedy["next_turn"])
+    st = run["adaspec"]
+    assert st["drafter_faults"] == 0 and st["config"]["exit_kv_layers"] == ["adaspec_exit.layers.30.self_attn.attn"]
+    # the torch reference on the same text: from every position, a chain of K drafts, decoded K a round
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    seqs = []
+    for p, out, plen in zip(PROMPTS, run["token_ids"], run["prompt_lens"]):
+        ids = tok(p)["input_ids"]
+        assert len(ids) == plen
+        seqs.append((plen, ids + list(out)))
+    layer, vocab = load_draft_layer(smollm2, draft_layer_folder())
+    rounds, accepted = reference_rounds(smollm2, layer, vocab, seqs)
+    engine_rounds = sum(st["round_lengths"][1:])
+    # the engine's rounds are the reference's (K drafts from the same text), up to float32 noise between vLLM's
+    # kernels and torch's and each request's first row (position 0 reads no feature)
+    assert engine_rounds == pytest.approx(rounds, rel=0.05), (engine_rounds, rounds)
+    assert st["accepted_drafts"] / engine_rounds == pytest.approx(accepted / rounds, rel=0.1), (st, accepted, rounds)
+    assert accepted / rounds > 0.5, accepted / rounds  # a layer that drafts (0 = nothing accepted)
+
+
+def reference_rounds(model_dir, layer, vocab, seqs) -> tuple[int, int]:
+    """Greedy decoding of each (prompt length, prompt + output) with K drafts a round from the torch draft layer, as
+    the engine runs it: the prefill commits the first output token, then each round drafts a chain of K from the
+    feature of the row before the last committed token and commits the accepted drafts + 1. (rounds, accepted)."""
+    import numpy as np
+    import torch
+
+    from vllm_adaspec.training.draft_layer import chain_drafts, target_features
+
+    layer.vocab = torch.as_tensor(vocab, dtype=torch.long)
+    rounds = accepted = 0
+    for plen, ids in seqs:
+        ids = np.asarray(ids)
+        f, _ = target_features(model_dir, 30, ids)
+        x = torch.from_numpy(np.concatenate([ids[1:], ids[-1:]]).astype(np.int64))
+        drafts = layer.vocab[chain_drafts(layer, "layer", torch.from_numpy(f.astype(np.float32)), x, K)].numpy()
+        c = plen + 1  # committed tokens after the prefill
+        while c < len(ids):
+            truth = ids[c:c + K]
+            a = int(np.cumprod(drafts[c - 2, :len(truth)] == truth).sum())
+            rounds, accepted = rounds + 1, accepted + min(a, len(truth) - 1)
+            c += min(a, len(truth) - 1) + 1
+    return rounds, accepted
