@@ -106,13 +106,28 @@ def test_features_are_the_final_normed_state_and_labels_the_corpus_top1(tiny_lla
         assert (got_l[:7] == want_l[:7]).mean() >= 6 / 7
 
 
+def test_the_soft_label_loss_is_cross_entropy_against_the_targets_top_k():
+    from vllm_adaspec.training.draft_layer import _soft_ce
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 12, generator=g)
+    hard = torch.tensor([3, 0, 7, 11, 2])
+    one_hot_ids = torch.stack([hard, torch.full_like(hard, -1)], 1)
+    assert _soft_ce(logits, one_hot_ids, torch.tensor([[1.0, 0.3]] * 5)) == pytest.approx(
+        float(torch.nn.functional.cross_entropy(logits, hard)), rel=1e-5)  # ids outside the vocabulary drop out
+    ids, p = torch.tensor([[1, 4]] * 5), torch.tensor([[0.6, 0.2]] * 5)  # renormalized to 0.75 / 0.25
+    want = -(0.75 * logits.log_softmax(-1)[:, 1] + 0.25 * logits.log_softmax(-1)[:, 4]).mean()
+    assert _soft_ce(logits, ids, p) == pytest.approx(float(want), rel=1e-5)
+
+
 @pytest.mark.parametrize("family", ["layer", "mlp"])
 def test_both_families_learn_the_targets_next_tokens(tiny_llama, corpus, tmp_path, family):
     from vllm_adaspec.training.draft_layer import DraftTrainSettings, replay, train_draft_layer
 
     data, seqs = corpus
     st = DraftTrainSettings(model=tiny_llama, data=str(data), out=str(tmp_path / family), family=family,
-                            depth=2, draft_vocab=512, epochs=20, lr=3e-3, batch_tokens=1024, holdout_every=6)
+                            depth=2, draft_vocab=512, epochs=20, lr=3e-3, batch_tokens=1024, holdout_every=6,
+                            soft=family == "layer")  # (the corpus' top-1 only: the soft path on one-hot labels)
     report = train_draft_layer(st, progress=False, log=lambda *a: None)
     # a random target's text does not generalize across sequences (its tokens spread over 49k ids): learning is read
     # off the training curve (loss, top-1 agreement at each depth), which must move well

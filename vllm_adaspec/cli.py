@@ -170,8 +170,9 @@ def add_train(sub) -> None:
     d.add_argument("--lr", type=float, default=3e-4)
     d.add_argument("--max-tokens", type=int, default=0, help="train on at most this many corpus tokens (0: all)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--hard-labels", action="store_true",
-                   help="train on the target's argmax only (default: its top-k distribution where the corpus has it)")
+    d.add_argument("--soft-labels", action="store_true",
+                   help="label with the target's top-8 distribution where the corpus has it (default: its argmax; the "
+                        "shipped layer's setting)")
     d.set_defaults(func=cmd_train_draft_layer)
     c = tsub.add_parser("calibration", help="acceptance predictor of the thompson-cali policy, for one exit head")
     c.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
@@ -270,7 +271,7 @@ def cmd_train_draft_layer(args) -> int:
         return 2
     st = DraftTrainSettings(model=model, data=data, out=args.out, family=args.family, feature_layer=args.feature_layer,
                             depth=args.depth, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
-                            max_tokens=args.max_tokens, seed=args.seed, soft=not args.hard_labels)
+                            max_tokens=args.max_tokens, seed=args.seed, soft=args.soft_labels)
 
     def train(s):
         report = train_draft_layer(s)

@@ -59,7 +59,7 @@ class DraftTrainSettings:
     holdout_every: int = 20
     max_tokens: int = 0  # train on at most this many tokens of the corpus (0: all)
     seed: int = 0
-    soft: bool = True  # the layer's label: the target's top-k distribution where the corpus has it (else argmax)
+    soft: bool = False  # label with the target's top-k distribution where the corpus has it (not yet measured at scale)
     amp: bool = True  # bfloat16 autocast (weights and optimizer in float32): ~5x float32 GEMMs on AMX CPUs
 
 
