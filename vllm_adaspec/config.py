@@ -497,7 +497,7 @@ def resolve_config(
         )
     if num_layers < 2:
         raise AdaspecConfigError(f"vllm_adaspec: the model has {num_layers} layer(s); early exit needs at least 2")
-    head, exit_layer = None, cfg.exit_layer
+    head, head_meta, exit_layer = None, {}, cfg.exit_layer
     if hf_config is not None and cfg.exit_head != "none":
         from vllm_adaspec.heads import check_against_model, find_shipped, load_exit_head
 
@@ -508,7 +508,8 @@ def resolve_config(
             meta, _ = load_exit_head(head, tensors=False)
             check_against_model(meta, head, hf_config, cfg.exit_layer)
         if head is not None:
-            exit_layer = load_exit_head(head, tensors=False)[0]["exit_layer"]
+            head_meta = load_exit_head(head, tensors=False)[0]
+            exit_layer = head_meta["exit_layer"]
     from vllm_adaspec.policies import POLICIES
 
     if hf_config is not None and getattr(POLICIES[cfg.policy], "needs_score", False):
@@ -525,7 +526,7 @@ def resolve_config(
     if exit_layer is None:
         exit_layer = max(1, num_layers // 4)
     # a draft layer reading the target's last features sits on all of its layers
-    top = head is not None and load_exit_head(head, tensors=False)[0].get("input") == "features"
+    top = head is not None and head_meta.get("input") == "features"
     if top and cfg.tree is not None:
         raise _fail("tree", f"token trees are not drafted by a draft layer reading the target's features ({head}) "
                             "yet; drop 'tree', or set 'exit_head' to an exit head on h_N")

@@ -121,13 +121,16 @@ class EarlyExitDrafter(Drafter):
         device = fwd.hidden.device
         self.prefix.ensure_attached()
         rows = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts)]).to(device)  # [M]
-        zero = fwd.hidden.new_zeros(fwd.hidden.shape[1])
-        first = torch.stack([self._carry.get(view.req_ids[i], zero) for i in live])  # [R, H]
-        self.prefix.feed(rows, counts, first, fwd.hidden, fwd.input_ids, fwd.positions,
+        self.prefix.feed(rows, counts, self._carried(view, live, fwd.hidden), fwd.hidden, fwd.input_ids, fwd.positions,
                          torch.tensor(live, device=device), int(view.num_tokens.max()) + 1)
         last = fwd.hidden[torch.tensor([a + c - 1 for a, c in zip(starts, counts)], device=device)]  # [R, H]
         for j, i in enumerate(live):
             self._carry[view.req_ids[i]] = last[j]
+
+    def _carried(self, view: BatchView, rows: list[int], like: torch.Tensor) -> torch.Tensor:
+        """[R, H] each row's carried feature (zeros before its first forward), in `like`'s dtype and device."""
+        zero = like.new_zeros(like.shape[-1])
+        return torch.stack([self._carry.get(view.req_ids[i], zero) for i in rows])
 
     def on_step(self, scheduled: dict, pure: bool) -> None:
         exit_ = self.prefix.exit if self.prefix is not None else None
@@ -219,8 +222,7 @@ class EarlyExitDrafter(Drafter):
         entries = list(range(len(rows)))  # index into rows/budgets/policies for each active request
         feats = None
         if self.prefix.reads_features:  # a draft layer: the first step reads each request's carried feature
-            zero = torch.zeros(self.prefix.exit.fc_weight.shape[0], device=device, dtype=self.prefix.exit.fc_weight.dtype)
-            feats = torch.stack([self._carry.get(view.req_ids[i], zero) for i in rows])  # [B, H]
+            feats = self._carried(view, rows, self.prefix.exit.feat_norm.weight)  # [B, H]
         for depth in range(1, max(budgets) + 1):
             hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len, features=feats)
             self.driver.faults.point("draft")  # fault injection: after a pass wrote draft KV (tests)
