@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from vllm_adaspec.policies.cost_model import PER_REQUEST_PRIOR, StepCostModel, prior_curve
+from vllm_adaspec.policies.cost_model import PER_REQUEST_PRIOR, DraftCost, StepCostModel, prior_curve
 
 PRIOR = {1: 1.0, 2: 1.07, 3: 1.14, 4: 1.29, 5: 1.38, 8: 1.47, 16: 1.79, 32: 2.4, 64: 4.17, 136: 7.45}
 
@@ -217,3 +217,21 @@ def test_decisions_read_a_fit_at_most_refit_steps_old_and_statistics_never_move_
     assert 2 <= len(set(decisions)) <= 4 and decisions[-1] > decisions[0]  # decisions: every REFIT_STEPS steps
     fresh = quiet.curve(1, plus=0.001)
     assert fresh(3) - 0.001 == pytest.approx(quiet.predict(1, 3), rel=0.05)  # at most REFIT_STEPS - 1 steps behind
+
+
+def test_a_draft_pass_is_priced_from_its_own_timing_even_when_every_step_drafts_the_same_depth():
+    # A drafter that drafts 3 passes every step: a regression of its time on the pass count has no spread to read a
+    # slope from (it priced every pass at 0, so the sizing drafted the deepest chains where one draft paid).
+    d = DraftCost()
+    for _ in range(50):
+        d.observe(1, 3, 0.002 + 3 * 0.0035, pass_seconds=3 * 0.0035)
+    assert d.per_pass(1) == pytest.approx(0.0035)
+    assert d.predict(1, 0) == pytest.approx(0.002)
+    assert d.predict(1, 1) == pytest.approx(0.0055)
+    # model-free steps (no passes) move the fixed part only; batch buckets are apart
+    for _ in range(200):
+        d.observe(1, 0, 0.001)
+    assert d.per_pass(1) == pytest.approx(0.0035) and d.predict(1, 0) == pytest.approx(0.001, rel=0.05)
+    assert d.predict(8, 2) == 0.0 and d.per_pass(8) == 0.0
+    d.observe(1, 1, float("nan"), 0.001)  # a broken timing is dropped
+    assert d.per_pass(1) == pytest.approx(0.0035)

@@ -176,7 +176,8 @@ class TargetPrefix:
         """
         if self.exit is not None:
             normed, _ = self.exit.norm(hidden, residual)
-            return F.linear(normed, self.exit.head_rows), self.exit.vocab, normed
+            rows = self.exit.head_rows
+            return F.linear(normed.to(rows.dtype), rows).float(), self.exit.vocab, normed
         normed, _ = self.inner.norm(hidden, residual)
         return self.model.compute_logits(normed), None, normed
 

@@ -413,27 +413,32 @@ class StepCostModel:
 
 @dataclass
 class DraftCost:
-    """Seconds of the drafter's own work per step, per batch-size bucket, as fixed + per_pass * passes (passes: the
-    drafting model's forward passes that step; 0 for model-free drafting), fitted with forgetting. (Python floats:
-    read and fed every step.)"""
+    """Seconds of the drafter's own work per step, per batch-size bucket: fixed + per_pass * passes (passes: the
+    drafting model's forward passes that step; 0 for model-free drafting). The per-pass price is timed directly
+    (each pass ends in a device->host read of its tokens, so its wall time is its cost), not regressed on the pass
+    count: a drafter that drafts the same depth every step leaves that regression no spread to read a slope from,
+    and a slope of 0 prices every depth as free. Both parts are averages with forgetting. (Python floats: read and
+    fed every step.)"""
     forget: float = 0.98
-    stats: dict[int, list] = field(default_factory=dict)  # bucket -> [n, sum x, sum x^2, sum y, sum xy]
+    stats: dict[int, list] = field(default_factory=dict)  # bucket -> [weight, sum fixed, pass weight, sum per pass]
 
-    def observe(self, batch: int, passes: int, seconds: float) -> None:
-        if not (seconds >= 0 and math.isfinite(seconds)) or batch < 1:
+    def observe(self, batch: int, passes: int, seconds: float, pass_seconds: float = 0.0) -> None:
+        """One step: its `passes` draft passes took `pass_seconds` of the drafter's `seconds` in all."""
+        if not (seconds >= 0 and math.isfinite(seconds) and math.isfinite(pass_seconds)) or batch < 1:
             return
         b = StepCostModel.bucket(batch)
-        s = self.stats.setdefault(b, [0.0] * 5)
+        s = self.stats.setdefault(b, [0.0] * 4)
         f = self.forget
-        for k, v in enumerate((1.0, passes, passes * passes, seconds, passes * seconds)):
-            s[k] = s[k] * f + v
+        s[0], s[1] = s[0] * f + 1.0, s[1] * f + max(seconds - pass_seconds, 0.0)
+        if passes > 0:
+            s[2], s[3] = s[2] * f + passes, s[3] * f + pass_seconds
+
+    def per_pass(self, batch: int) -> float:
+        s = self.stats.get(StepCostModel.bucket(batch))
+        return s[3] / s[2] if s is not None and s[2] > 0 else 0.0
 
     def predict(self, batch: int, passes: int) -> float:
         s = self.stats.get(StepCostModel.bucket(batch))
         if s is None or s[0] <= 0:
             return 0.0
-        n, sx, sxx, sy, sxy = s
-        var = sxx / n - (sx / n) ** 2
-        slope = (sxy / n - sx / n * sy / n) / var if var > 1e-9 else 0.0
-        slope = max(slope, 0.0)
-        return max(0.0, sy / n - slope * sx / n) + slope * passes
+        return s[1] / s[0] + self.per_pass(batch) * passes

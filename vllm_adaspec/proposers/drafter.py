@@ -21,6 +21,7 @@ class Stats:
     draft_passes: int = 0  # draft-model passes (early exit: per depth)
     draft_tokens: int = 0
     draft_seconds: float = 0.0  # wall time drafting (CPU: synchronous, so this is the drafting cost)
+    draft_pass_seconds: float = 0.0  # the part of it in draft passes, each timed to its tokens' read-back
     policy_seconds: float = 0.0
     draft_digest: int = 0  # tensor parallelism: a CRC of every draft proposed (ranks must propose the same)
     committed_digest: int = 0  # tensor parallelism: a CRC of every token committed (ranks must commit the same)

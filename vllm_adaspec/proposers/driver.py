@@ -94,7 +94,8 @@ class Driver:
         self._last_end = None  # perf_counter when the previous propose call returned
         self._step_shape = None  # (decoding requests, rows, tree requests, tree rows) of the pure decode step since
         self._steps = 0  # engine steps since the previous propose call (an observation needs exactly one)
-        self._last_propose = (0, 0, 0.0)  # (decoding requests, draft passes, seconds) of the previous propose call
+        # (decoding requests, draft passes, seconds, of which in draft passes) of the previous propose call
+        self._last_propose = (0, 0, 0.0, 0.0)
         self.draft_costs = DraftCost()  # our own work per step: pools, bookkeeping, draft passes
         self.chain_counts = [0, 0]  # accepted drafts, rejections (engine-wide: the prior of each request's rate)
         self._context: dict[str, int] = {}  # req_id -> committed tokens at its last propose (attention's load)
@@ -315,7 +316,7 @@ class Driver:
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now: float):
         self.grammar_trees = set()
-        passes_before = self.stats.draft_passes
+        passes_before = (self.stats.draft_passes, self.stats.draft_pass_seconds)
         view = self.port.view(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         req_ids = view.req_ids
         outcomes, taps = self._outcomes(view)
@@ -383,7 +384,8 @@ class Driver:
             st.draft_steps[any(drafts)] += 1
         st.policy_seconds += policy_s
         self._last_end = time.perf_counter()
-        self._last_propose = (decoding, st.draft_passes - passes_before, self._last_end - now)
+        self._last_propose = (decoding, st.draft_passes - passes_before[0], self._last_end - now,
+                              st.draft_pass_seconds - passes_before[1])
 
     def _outcomes(self, view: BatchView) -> tuple[dict[int, Outcome], Taps]:
         """What the last verification made of every decoding row's plan (by batch row), from the engine's feedback:
@@ -424,13 +426,13 @@ class Driver:
             self._to_learn = seen  # learnt while the next forward runs (while_forward)
 
     def _learn(self, step: tuple, seconds: float, last_propose: tuple) -> None:
-        (batch, rows, tree_requests, tree_rows, attention), (decoding, passes, own) = step, last_propose
+        (batch, rows, tree_requests, tree_rows, attention), (decoding, passes, own, pass_s) = step, last_propose
         self._learned += 1  # (first: a fault below leaves no price list of the old model standing)
         for obs in self.observers:  # (the audit: what the model predicted for this step before learning from it)
             obs.step_cost((batch, rows, tree_requests, tree_rows, attention),
                           self.costs.predict(batch, rows, tree_requests, tree_rows, attention), seconds)
         self.costs.observe(batch, rows, seconds, tree_requests, tree_rows, attention)
-        self.draft_costs.observe(decoding, passes, own)
+        self.draft_costs.observe(decoding, passes, own, pass_s)
         self.stats.cost_observations += 1
 
     def step_seconds(self, decoding: int):

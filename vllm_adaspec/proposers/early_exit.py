@@ -35,6 +35,9 @@ PAUSE_AFTER = 32  # decode steps without drafts after which the exit layers' KV 
 @dataclass
 class EarlyExitStats(Stats):
     c2t_seconds: float = 0.0  # C2T's classifier calls (tree builder "c2t")
+    # a draft layer's KV upkeep: committed rows it ran, and rows whose KV the first draft pass had already written
+    feed_rows: int = 0
+    feed_rows_reused: int = 0
 
 
 class EarlyExitDrafter(Drafter):
@@ -62,6 +65,9 @@ class EarlyExitDrafter(Drafter):
         self.c2t = None  # C2T's classifier parameters (tree builder "c2t")
         # A draft layer's feature of each request's last committed token (the input of its next row), by request
         self._carry: dict[str, torch.Tensor] = {}
+        # ... and (propose call, position) of the row whose KV the last first draft pass wrote, by request
+        self._primed: dict[str, tuple[int, int]] = {}
+        self._steps = 0  # propose calls seen
 
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
@@ -86,11 +92,13 @@ class EarlyExitDrafter(Drafter):
         self._stale.difference_update(req_ids)
         for r in req_ids:
             self._carry.pop(r, None)
+            self._primed.pop(r, None)
 
     def live(self) -> dict:
-        return {"paused_requests": len(self._stale)}
+        return {"paused_requests": len(self._stale), "carried_features": len(self._carry)}
 
     def observe(self, view: BatchView, outcomes: dict[int, Outcome], taps: Taps) -> None:
+        self._steps += 1
         if self.prefix is not None and self.prefix.reads_features:
             self._feed(view, outcomes, taps.forward)
         for obs in self.driver.observers:  # labels for `adaspec train c2t`: a node is accepted iff it is on the path
@@ -107,24 +115,41 @@ class EarlyExitDrafter(Drafter):
         qs = fwd.query_start
         if len(qs) != len(view.req_ids) + 1:
             raise RuntimeError(f"the forward had {len(qs) - 1} requests, the batch {len(view.req_ids)}")
-        counts, starts, live = [], [], []
+        counts, starts, live, ends, skipped, reused = [], [], [], [], [], 0
         for i, sampled in enumerate(view.sampled):
             sched = int(qs[i + 1] - qs[i])
             out = outcomes.get(i)
             count = min(sched, len(sampled)) if out is not None and out.drafted else sched
-            if count > 0:
-                counts.append(count)
-                starts.append(int(qs[i]))
+            if count <= 0:
+                continue
+            start = int(qs[i])
+            ends.append((i, start + count - 1))
+            # The previous step's first draft pass already wrote this request's first row (its last committed token,
+            # from the same carried feature): that KV stands, the row is not run again.
+            primed = (self._steps - 1, int(view.num_tokens[i]) - len(sampled) - 1)
+            skip = bool(sampled) and self._primed.get(view.req_ids[i]) == primed
+            reused += skip
+            if count > skip:
+                counts.append(count - skip)
+                starts.append(start + skip)
                 live.append(i)
-        if not live:
+                skipped.append(skip)
+        if not ends:
             return
+        self.stats.feed_rows += sum(counts)
+        self.stats.feed_rows_reused += reused
         device = fwd.hidden.device
-        self.prefix.ensure_attached()
-        rows = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts)]).to(device)  # [M]
-        self.prefix.feed(rows, counts, self._carried(view, live, fwd.hidden), fwd.hidden, fwd.input_ids, fwd.positions,
-                         torch.tensor(live, device=device), int(view.num_tokens.max()) + 1)
-        last = fwd.hidden[torch.tensor([a + c - 1 for a, c in zip(starts, counts)], device=device)]  # [R, H]
-        for j, i in enumerate(live):
+        if live:
+            self.prefix.ensure_attached()
+            rows = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts)]).to(device)  # [M]
+            first = self._carried(view, live, fwd.hidden)  # [R, H] ... or, past a skipped row, that row's feature
+            if any(skipped):
+                past = torch.tensor([j for j, k in enumerate(skipped) if k], device=device)
+                first[past] = fwd.hidden[torch.tensor([a - 1 for a, k in zip(starts, skipped) if k], device=device)]
+            self.prefix.feed(rows, counts, first, fwd.hidden, fwd.input_ids, fwd.positions,
+                             torch.tensor(live, device=device), int(view.num_tokens.max()) + 1)
+        last = fwd.hidden[torch.tensor([e for _, e in ends], device=device)]  # [R, H]
+        for j, (i, _) in enumerate(ends):
             self._carry[view.req_ids[i]] = last[j]
 
     def _carried(self, view: BatchView, rows: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -160,10 +185,8 @@ class EarlyExitDrafter(Drafter):
             units += [(a ** j, e, j) for j in range(1, budget + 1)]
         units.sort(key=lambda u: (-u[0], u[2]))
         step_cost, attention, _ = self.driver.step_seconds(decoding)
-        if self.driver.costs.unit:
-            per_pass = self.driver.draft_costs.predict(decoding, 1) - self.driver.draft_costs.predict(decoding, 0)
-        else:
-            per_pass = PASS_PRIOR  # relative units until the first step is measured
+        unit = self.driver.costs.unit  # a plain step's seconds, None until measured (then prices are relative)
+        per_pass = (self.driver.draft_costs.per_pass(decoding) or PASS_PRIOR * unit) if unit else PASS_PRIOR
         n = view.num_tokens
         ctx = [attention * attention_load(1, int(n[i])) for i in rows]  # a verified row's attention, per request
         depth, att = 0, sum(ctx)  # the requests' own rows read their contexts whatever is drafted
@@ -224,6 +247,7 @@ class EarlyExitDrafter(Drafter):
         if self.prefix.reads_features:  # a draft layer: the first step reads each request's carried feature
             feats = self._carried(view, rows, self.prefix.exit.feat_norm.weight)  # [B, H]
         for depth in range(1, max(budgets) + 1):
+            t_pass = time.perf_counter()
             hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len, features=feats)
             self.driver.faults.point("draft")  # fault injection: after a pass wrote draft KV (tests)
             logits, vocab, normed = self.prefix.head(hidden, residual)  # [B, V'], V' ids (None: all), [B, H]
@@ -233,6 +257,9 @@ class EarlyExitDrafter(Drafter):
             self.stats.draft_passes += 1
             token_list = tokens.tolist()  # (the device sync: drafting time, not policy time)
             tp = time.perf_counter()
+            self.stats.draft_pass_seconds += tp - t_pass
+            if depth == 1 and feats is not None:  # this pass wrote the layer's KV of each row's last committed token
+                self._primed.update({view.req_ids[i]: (self._steps, int(n[e] - 1)) for e, i in enumerate(rows)})
             conf = self._confidence(logits, temps, len(entries))
             scores = [None] * len(entries)
             if ht_proj is not None:  # thompson-cali: predicted acceptance of this draft (EESD Eq. 5)
@@ -300,6 +327,7 @@ class EarlyExitDrafter(Drafter):
             slot_pos = [int(root[e]) + (slot_of[e][node] if node >= 0 else 0) for e, node in feed]
             idx = torch.tensor(req, device=device)
             mask = None if depth == 1 else self._draft_mask(feed, grown, slot_of, root, prefix)
+            t_pass = time.perf_counter()
             hidden, residual = self.prefix.forward(
                 block_rows[idx], torch.tensor(tokens, device=device),
                 torch.from_numpy(root[req] + depth - 1).to(device), max_seq_len,
@@ -313,6 +341,7 @@ class EarlyExitDrafter(Drafter):
                 for (e, node), h in zip(feed, stats.top_n_entropy.tolist()):
                     entropy_of[e][node] = h
             self.stats.draft_passes += 1
+            self.stats.draft_pass_seconds += time.perf_counter() - t_pass
             tp = time.perf_counter()
             conf = self._confidence(logits, None if temps is None else temps[idx], len(feed))
             scores = [None] * len(feed)
