@@ -235,3 +235,11 @@ def test_a_draft_pass_is_priced_from_its_own_timing_even_when_every_step_drafts_
     assert d.predict(8, 2) == 0.0 and d.per_pass(8) == 0.0
     d.observe(1, 1, float("nan"), 0.001)  # a broken timing is dropped
     assert d.per_pass(1) == pytest.approx(0.0035)
+
+
+def test_a_first_pass_that_compiles_does_not_price_drafting_out():
+    d = DraftCost()
+    d.observe(1, 1, 1.5, pass_seconds=1.5)  # the process' first draft pass: caches cold, a compile
+    for _ in range(4):
+        d.observe(1, 2, 0.01, pass_seconds=0.006)
+    assert d.per_pass(1) == pytest.approx(0.003)

@@ -47,6 +47,15 @@ class TargetPrefix:
         self.runtime = None  # runtime/base.TreeRuntime: tree drafting's mask goes there
         self.gid = None  # the KV-cache group of our layers, once found
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B] -> [B, H] the target's token embeddings. With one rank, a plain row lookup: vLLM's embedding module
+        masks ids through a torch.compile'd function (for tensor parallelism), which costs a compile of ~1.5 s on the
+        first draft pass of a process and a guard check on every call."""
+        emb = self.inner.embed_tokens
+        if self.vllm_config.parallel_config.tensor_parallel_size == 1 and isinstance(emb.weight, torch.Tensor):
+            return F.embedding(tokens, emb.weight)
+        return emb(tokens)
+
     @property
     def device(self) -> torch.device:
         return self.runner.device
@@ -116,7 +125,7 @@ class TargetPrefix:
         slot_mapping = {n: slots for n in self.layer_names}
         drafting = self.runtime.drafting(tree_mask) if self.runtime is not None else contextlib.nullcontext()
         with set_forward_context(attn_metadata, self.vllm_config, num_tokens=b, slot_mapping=slot_mapping), drafting:
-            hidden = self.inner.embed_tokens(tokens)
+            hidden = self.embed(tokens)
             residual = None
             if self.reads_features:
                 return self.exit.run_layers(positions, self.exit.input_rows(features, hidden), None)
@@ -166,7 +175,7 @@ class TargetPrefix:
         with set_forward_context(attn_metadata, self.vllm_config, num_tokens=m,
                                  slot_mapping={n: slots for n in self.layer_names}):
             tokens = input_ids[rows].long()
-            self.exit.run_layers(pos, self.exit.input_rows(feats, self.inner.embed_tokens(tokens)), None)
+            self.exit.run_layers(pos, self.exit.input_rows(feats, self.embed(tokens)), None)
 
     def head(self, hidden: torch.Tensor, residual: torch.Tensor):
         """[B, H] -> (logits [B, V'], vocab [V'] full ids of the logit columns or None when V' is the vocabulary,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -60,6 +61,7 @@ OPTIMISM = 0.15  # decisions see an untried row count this much cheaper than the
 # curve's table cost ~0.1-0.2 ms in the engine (cache-cold after each forward), and one step moves a fit forgetting at
 # 0.998 by well under 1%. predict / table (statistics, the audit) always solve.
 REFIT_STEPS = 8
+PASS_WINDOW = 31  # steps whose median per-pass time prices a draft pass (DraftCost)
 
 
 # GPU: one decoder forward over R rows in all, relative to a forward over 1 row (bf16, random weights, captured in a
@@ -417,25 +419,31 @@ class DraftCost:
     drafting model's forward passes that step; 0 for model-free drafting). The per-pass price is timed directly
     (each pass ends in a device->host read of its tokens, so its wall time is its cost), not regressed on the pass
     count: a drafter that drafts the same depth every step leaves that regression no spread to read a slope from,
-    and a slope of 0 prices every depth as free. Both parts are averages with forgetting. (Python floats: read and
-    fed every step.)"""
+    and a slope of 0 prices every depth as free. It is the median of the last PASS_WINDOW steps' per-pass times: a
+    first pass that warms caches or compiles (seconds) must not price drafting out for the next hundred steps. The
+    fixed part is an average with forgetting. (Python floats: read and fed every step.)"""
     forget: float = 0.98
-    stats: dict[int, list] = field(default_factory=dict)  # bucket -> [weight, sum fixed, pass weight, sum per pass]
+    stats: dict[int, list] = field(default_factory=dict)  # bucket -> [weight, sum of the fixed part]
+    passes: dict[int, deque] = field(default_factory=dict)  # bucket -> the last PASS_WINDOW per-pass seconds
+    _median: dict[int, float] = field(default_factory=dict)
 
     def observe(self, batch: int, passes: int, seconds: float, pass_seconds: float = 0.0) -> None:
         """One step: its `passes` draft passes took `pass_seconds` of the drafter's `seconds` in all."""
         if not (seconds >= 0 and math.isfinite(seconds) and math.isfinite(pass_seconds)) or batch < 1:
             return
         b = StepCostModel.bucket(batch)
-        s = self.stats.setdefault(b, [0.0] * 4)
-        f = self.forget
-        s[0], s[1] = s[0] * f + 1.0, s[1] * f + max(seconds - pass_seconds, 0.0)
+        s = self.stats.setdefault(b, [0.0, 0.0])
+        s[0], s[1] = s[0] * self.forget + 1.0, s[1] * self.forget + max(seconds - pass_seconds, 0.0)
         if passes > 0:
-            s[2], s[3] = s[2] * f + passes, s[3] * f + pass_seconds
+            self.passes.setdefault(b, deque(maxlen=PASS_WINDOW)).append(max(pass_seconds, 0.0) / passes)
+            self._median.pop(b, None)
 
     def per_pass(self, batch: int) -> float:
-        s = self.stats.get(StepCostModel.bucket(batch))
-        return s[3] / s[2] if s is not None and s[2] > 0 else 0.0
+        b = StepCostModel.bucket(batch)
+        if b not in self._median:
+            window = self.passes.get(b)
+            self._median[b] = float(np.median(window)) if window else 0.0
+        return self._median[b]
 
     def predict(self, batch: int, passes: int) -> float:
         s = self.stats.get(StepCostModel.bucket(batch))

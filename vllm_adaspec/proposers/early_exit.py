@@ -27,7 +27,7 @@ from vllm_adaspec.trees.c2t import ENTROPY_TOP_N, confidence, node_features, sel
 
 
 ACCEPT_PRIOR = 4.0  # a request's acceptance starts from the engine's rate, worth this many drafts
-PASS_PRIOR = 0.25  # a draft pass / a plain target step, until measured (the first quarter of the layers + a head)
+PASS_OVERHEAD = 0.05  # a draft pass / a plain target step, besides its share of the layers (until measured)
 EXPLORE = 0.03  # share of steps that draft one token where the cost model drafts nothing
 PAUSE_AFTER = 32  # decode steps without drafts after which the exit layers' KV upkeep stops
 
@@ -63,6 +63,7 @@ class EarlyExitDrafter(Drafter):
         self._stale: set[str] = set()
         self._rng = random.Random(self.driver.base_seed)  # exploration draws: the same on every tensor-parallel rank
         self.c2t = None  # C2T's classifier parameters (tree builder "c2t")
+        self.pass_prior = 0.25 + PASS_OVERHEAD  # set from the layers a pass runs once the model loads
         # A draft layer's feature of each request's last committed token (the input of its next row), by request
         self._carry: dict[str, torch.Tensor] = {}
         # ... and (propose call, position) of the row whose KV the last first draft pass wrote, by request
@@ -74,6 +75,10 @@ class EarlyExitDrafter(Drafter):
         self.prefix = self.driver.port.target_prefix(target_model, self.cfg.exit_layer, self.cfg.exit_head,
                                               self.cfg.exit_head_setting)
         self.exit_head = self.cfg.exit_head if self.prefix.exit is not None else None
+        # until a pass is timed: its share of the target's layers (N of them + the exit's own) and some overhead
+        layers = len(self.prefix.layers) + (len(self.prefix.exit.layers) if self.prefix.exit is not None else 0)
+        self.pass_prior = min(1.0, layers / self.vllm_config.model_config.hf_text_config.num_hidden_layers
+                              + PASS_OVERHEAD)
         if self.prefix.reads_features:  # a draft layer: its KV is fed from every forward's rows (feed)
             self.needs = replace(self.needs, forward_rows=True)
         if self.tree is not None and self.tree.builder == "c2t":
@@ -186,7 +191,7 @@ class EarlyExitDrafter(Drafter):
         units.sort(key=lambda u: (-u[0], u[2]))
         step_cost, attention, _ = self.driver.step_seconds(decoding)
         unit = self.driver.costs.unit  # a plain step's seconds, None until measured (then prices are relative)
-        per_pass = (self.driver.draft_costs.per_pass(decoding) or PASS_PRIOR * unit) if unit else PASS_PRIOR
+        per_pass = (self.driver.draft_costs.per_pass(decoding) or self.pass_prior * unit) if unit else self.pass_prior
         n = view.num_tokens
         ctx = [attention * attention_load(1, int(n[i])) for i in rows]  # a verified row's attention, per request
         depth, att = 0, sum(ctx)  # the requests' own rows read their contexts whatever is drafted
