@@ -147,7 +147,7 @@ class TrainedExit:
             self.fc_weight = tensors["input.fc.weight"].to(device, dtype)  # [H, 2H]
             self.feat_norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps).to(device=device, dtype=dtype)
             self.feat_norm.weight.data.copy_(tensors["input.feat_norm.weight"].to(dtype))
-            self.feeding = False
+            self.feeding = True  # whether the current step's committed rows get fed (EarlyExitDrafter._feed)
             self._hook = None
         else:
             self.feeding = True

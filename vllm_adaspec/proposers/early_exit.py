@@ -55,8 +55,9 @@ class EarlyExitDrafter(Drafter):
         self.exit_head = None  # checkpoint folder in use, None = untrained exit
         # Where plain decoding wins (the cost model drafts nothing for PAUSE_AFTER decode steps in a row), the exit
         # layers' KV upkeep stops too (a layer's worth of work on every target step). Requests decoded without it
-        # have holes in that KV and never draft again. Eager mode only: under torch.compile the hook is traced into
-        # the target's graph with its flag as a constant.
+        # have holes in that KV and never draft again. Eager mode only for exit layers on the first N: under
+        # torch.compile the hook is traced into the target's graph with its flag as a constant. A draft layer's feed
+        # is our own eager code and pauses in either mode.
         self._can_pause_feed = bool(vllm_config.model_config.enforce_eager)
         self._feed_next = True
         self._plain_streak = 0  # decode steps in a row the cost model drafted nothing
@@ -81,6 +82,7 @@ class EarlyExitDrafter(Drafter):
                               + PASS_OVERHEAD)
         if self.prefix.reads_features:  # a draft layer: its KV is fed from every forward's rows (feed)
             self.needs = replace(self.needs, forward_rows=True)
+            self._can_pause_feed = True  # its feed is eager code of ours in either mode
         if self.tree is not None and self.tree.builder == "c2t":
             from vllm_adaspec.heads.c2t import load_c2t
 
@@ -104,7 +106,7 @@ class EarlyExitDrafter(Drafter):
 
     def observe(self, view: BatchView, outcomes: dict[int, Outcome], taps: Taps) -> None:
         self._steps += 1
-        if self.prefix is not None and self.prefix.reads_features:
+        if self.prefix is not None and self.prefix.reads_features and self.prefix.exit.feeding:
             self._feed(view, outcomes, taps.forward)
         for obs in self.driver.observers:  # labels for `adaspec train c2t`: a node is accepted iff it is on the path
             for row, outcome in outcomes.items():

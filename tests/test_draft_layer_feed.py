@@ -1,0 +1,85 @@
+"""A draft layer's KV upkeep (proposers/early_exit.py `_feed`, `on_step`), without vLLM: which committed rows it
+runs, which feature each reads, which it skips because the step before's first draft pass wrote them, and the pause
+once plain decoding wins. The engine test (test_engine_draft_layer.py) proves the KV it writes right; this one pins
+the choice of rows, which that test sees only through acceptance."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm_adaspec.proposers.early_exit import EarlyExitDrafter, EarlyExitStats
+
+
+class FakePrefix:
+    reads_features = True
+
+    def __init__(self):
+        self.exit = SimpleNamespace(feeding=True)
+        self.fed = []
+
+    def ensure_attached(self):
+        pass
+
+    def feed(self, rows, counts, first, hidden, input_ids, positions, batch_rows, max_seq_len):
+        self.fed.append((rows.tolist(), list(counts), first.clone(), batch_rows.tolist()))
+
+
+def drafter():
+    d = EarlyExitDrafter.__new__(EarlyExitDrafter)
+    d.prefix, d.stats, d.driver = FakePrefix(), EarlyExitStats(), SimpleNamespace(observers=[])
+    d._carry, d._primed, d._steps, d._stale = {}, {}, 0, set()
+    d._can_pause_feed, d._feed_next = True, True
+    return d
+
+
+def step(d, sampled, num_tokens, sched, drafted):
+    """One propose call's observe: requests "a", "b" with `sched` rows each in the forward; hidden row r = r."""
+    qs = np.concatenate([[0], np.cumsum(sched)])
+    n = int(qs[-1])
+    fwd = SimpleNamespace(query_start=qs, hidden=torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 4),
+                          input_ids=torch.arange(n), positions=torch.arange(n))
+    view = SimpleNamespace(req_ids=["a", "b"], sampled=sampled, num_tokens=np.array(num_tokens))
+    outcomes = {i: SimpleNamespace(drafted=k, tree=False) for i, k in enumerate(drafted)}
+    d.observe(view, outcomes, SimpleNamespace(forward=fwd))
+
+
+def test_a_row_the_first_draft_pass_wrote_is_not_run_again_and_the_next_row_reads_its_feature():
+    d = drafter()
+    d._steps = 1
+    d._carry = {"a": torch.full((4,), -1.0), "b": torch.full((4,), -2.0)}
+    # the last propose call drafted "a" from its bonus token at position 9 ("b" drafted nothing there)
+    d._primed = {"a": (1, 9)}
+    # this step: "a" verified 3 drafts, 1 accepted (rows 0-3, committed 2: the bonus at 9 and the draft at 10);
+    # "b" decoded one row (row 4)
+    step(d, sampled=[[5, 6], [7]], num_tokens=[12, 30], sched=[4, 1], drafted=[3, 0])
+    ((rows, counts, first, batch_rows),) = d.prefix.fed
+    assert rows == [1, 4] and counts == [1, 1] and batch_rows == [0, 1]
+    assert first[0].tolist() == [0.0] * 4  # "a": the skipped row 0's feature, not the carried one
+    assert first[1].tolist() == [-2.0] * 4  # "b": its carried feature
+    assert d._carry["a"].tolist() == [1.0] * 4 and d._carry["b"].tolist() == [4.0] * 4  # each's last committed row
+    assert d.stats.feed_rows == 2 and d.stats.feed_rows_reused == 1
+
+
+def test_a_primed_row_from_an_older_call_or_another_position_is_run():
+    d = drafter()
+    d._steps = 5
+    d._primed = {"a": (3, 9), "b": (4, 28)}  # "a": two calls ago (a step ran without a propose call in between)
+    step(d, sampled=[[5], [7]], num_tokens=[11, 30], sched=[1, 1], drafted=[1, 0])
+    ((rows, counts, _, _),) = d.prefix.fed
+    assert rows == [0, 1] and counts == [1, 1] and d.stats.feed_rows_reused == 0
+
+
+def test_the_feed_pauses_once_plain_decoding_wins_and_its_requests_never_draft_again():
+    d = drafter()
+    d._feed_next = False  # the cost model drafted nothing for PAUSE_AFTER decode steps
+    d.on_step({"a": 1, "b": 1}, pure=True)
+    assert d.prefix.exit.feeding is False and not d.eligible("a") and not d.eligible("b")
+    assert d.stats.plain_switches == 2
+    step(d, sampled=[[5], [7]], num_tokens=[11, 30], sched=[1, 1], drafted=[0, 0])
+    assert d.prefix.fed == []
+    # a prompt chunk in the step feeds again (a new request may draft); the paused ones stay paused
+    d.on_step({"a": 1, "b": 1, "c": 40}, pure=False)
+    assert d.prefix.exit.feeding is True and d.eligible("c") and not d.eligible("a")
+    d.finish(["a", "b"])
+    assert d.live()["paused_requests"] == 0
