@@ -35,9 +35,9 @@ from vllm_adaspec.trees.trie import cost_curve  # noqa: E402
 DEFAULT_COST = cost_curve(VERIFY_COST)
 
 
-def reference(model: str, dataset: str, n: int, max_tokens: int, topk: int) -> list[dict]:
-    """Plain greedy outputs with the target's top-k at every generated position (cached)."""
-    path = OUT / f"replay-{dataset}-{n}-{max_tokens}-{topk}.json"
+def reference(model: str, dataset: str, n: int, max_tokens: int, topk: int, offset: int = 0) -> list[dict]:
+    """Plain greedy outputs with the target's top-k at every generated position (cached): prompts offset..offset+n-1."""
+    path = OUT / f"replay-{dataset}-{n}-{max_tokens}-{topk}{f'-at{offset}' if offset else ''}.json"
     if path.exists():
         return json.loads(path.read_text())
     from transformers import AutoTokenizer
@@ -46,7 +46,7 @@ def reference(model: str, dataset: str, n: int, max_tokens: int, topk: int) -> l
     from vllm_adaspec.harness import run_engine
 
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = load_prompts(dataset, n, tokenizer=tok)
+    prompts = load_prompts(dataset, offset + n, tokenizer=tok)[offset:]
     engine = {"dtype": "float32", "max_model_len": 2048, "seed": 0, "enforce_eager": True}
     batch = {"prompts": prompts, "params": [{"temperature": 0.0, "max_tokens": max_tokens, "logprobs": topk}]}
     run = run_engine({"model": model, "engine": engine, "batches": [batch]})["batches"][0]["runs"][0]
@@ -91,6 +91,42 @@ def medusa_tops(model: str, folder: str, records: list[dict], width: int = 10) -
             rec["medusa"] = (vocab[i].numpy(), p.numpy())
 
 
+def draft_layer_chains(model: str, folder: str, records: list[dict], depth: int = 3) -> None:
+    """Per record, what a draft layer (EarlyExitProposer's, an exit head that reads features) drafts at each step g
+    (root out[g - 1], or the prompt's last token): rec["draft"] = (ids [G, depth] its greedy chain, full vocabulary
+    ids; probs [G] its first draft's probability under the layer). Plain torch, float32, teacher-forced: the layer's
+    KV holds the target's true features of every committed token, as the engine's feed writes them."""
+    import torch
+
+    from vllm_adaspec.training.draft_layer import chain_drafts, load_draft_layer, target_features
+
+    layer, vocab = load_draft_layer(model, folder)
+    layer.vocab = torch.as_tensor(vocab, dtype=torch.long)  # (chain_drafts feeds tokens back in full ids)
+    n_layers = json.load(open(f"{model}/config.json"))["num_hidden_layers"]
+    with torch.inference_mode():
+        for rec in records:
+            ids = np.asarray(rec["prompt"] + rec["output"])
+            f, _ = target_features(model, n_layers, ids)
+            feats = torch.from_numpy(f.astype(np.float32))
+            x = torch.from_numpy(np.concatenate([ids[1:], ids[-1:]]).astype(np.int64))  # [T] x_{t+1}
+            chains = chain_drafts(layer, "layer", feats, x, depth)  # [T, depth]: row t guesses x_{t+2} on
+            first = layer.logits(layer.attend(layer.inputs(feats[None], x[None]), torch.arange(len(ids))[None], [],
+                                              None)[0])[0].softmax(-1).max(-1).values  # [T]
+            # step g's root is ids[P + g - 1]: its drafts are the row before it (P: the prompt's length)
+            rows = np.arange(len(rec["prompt"]) - 2, len(ids) - 2)
+            rec["draft"] = (vocab[chains[rows].numpy()], first[rows].numpy())
+
+
+def propose_draft_layer(ids: np.ndarray, first_prob: float) -> Candidates:
+    """The draft layer's chain as one pool's candidates (its first node's probability under the layer; deeper nodes
+    a flat guess the online calibration corrects per depth), evidence = depth."""
+    c = Candidates(pool="draft")
+    parent = -1
+    for d, tok in enumerate(ids.tolist()):
+        parent = c.add(parent, tok, float(first_prob) if d == 0 else 0.5, d + 1)
+    return c
+
+
 NODE_POOLS = ("context", "suffix", "recycled", "corpus", "medusa")
 
 
@@ -121,10 +157,12 @@ def classifier_order(trie, params, calib) -> list[int]:
 def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] | None, vocab_size: int,
            corpus=None, strength: float = 4.0, streak: bool = True, tree_factor: float = 1.0,
            vllm_suffix: bool = False, medusa_acc: list | None = None, record: list | None = None,
-           classifier: dict | None = None) -> dict:
+           classifier: dict | None = None, draft_cost: float = 0.0) -> dict:
     """cost None: verify the `budget` most probable nodes every step; else choose the count on the cost curve.
     record: append (features [n, F], accepted [n]) of every trie node (labels for all of them: the replay knows
-    the continuation). classifier: rank the trie's nodes by a pool-node classifier instead of path probability."""
+    the continuation). classifier: rank the trie's nodes by a pool-node classifier instead of path probability.
+    draft_cost: what the draft layer's passes and KV upkeep add to every step, relative to a plain step ("draft"
+    pool: the records' rec["draft"], draft_layer_chains)."""
     from vllm_adaspec.pools.corpus import propose_corpus
     from vllm_adaspec.pools.medusa import MAX_NODES, propose_medusa, sparse_tree
     from vllm_adaspec.pools.suffix import SuffixPool
@@ -133,7 +171,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
     calib = Calibration(strength)
     table = RecycleTable(vocab_size)
     suffix = SuffixPool() if "suffix" in pools else None
-    steps = tokens = nodes = accepted = 0
+    steps = tokens = nodes = accepted = only_draft = 0
     time = predicted = 0.0
     for rid, rec in enumerate(records):
         prompt, out = rec["prompt"], rec["output"]
@@ -156,6 +194,8 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
             if medusa_acc is not None and "medusa" in pools:
                 tree = trees.get(budget) or trees.setdefault(budget, sparse_tree(medusa_acc, min(budget, MAX_NODES)))
                 cands.append(propose_medusa(tree, rec["medusa"][0][g], rec["medusa"][1][g]))
+            if "draft" in pools:
+                cands.append(propose_draft_layer(rec["draft"][0][g], rec["draft"][1][g]))
             if vllm_suffix:  # vLLM's `suffix` method: the path mode of the same cache at its defaults
                 d = suffix.cache.speculate(rid, np.asarray(context[-24:], dtype=np.int32), max_spec_tokens=budget,
                                            max_spec_factor=1.0, min_token_prob=0.1, use_tree_spec=False)
@@ -202,11 +242,14 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
             tokens += len(commit)
             nodes += len(chosen)
             rows_cost = (cost or DEFAULT_COST)(1 + len(chosen))
-            time += rows_cost * (tree_factor if _is_tree(trie, chosen) else 1.0)
+            time += rows_cost * (tree_factor if _is_tree(trie, chosen) else 1.0) + ("draft" in pools) * draft_cost
+            if "draft" in pools:  # where the draft layer's chain alone was accepted: what it adds to the copies
+                only_draft += bool(path) and set(calib.key(trie.codes[path[0]])[0]) == {"draft"}
         if suffix:
             suffix.stop(rid)
     return {"tau": tokens / steps, "nodes_per_step": nodes / steps, "speedup_est": tokens / time,
-            "predicted_accepted": predicted / steps, "accepted": accepted / steps}
+            "predicted_accepted": predicted / steps, "accepted": accepted / steps,
+            "draft_only_first": only_draft / steps}
 
 
 def accepted_path(trie, chosen, out: list[int], g: int) -> list[int]:
@@ -258,6 +301,11 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="+", type=int, default=[4, 8, 16])
     ap.add_argument("--corpus", default=None, help="corpus table (.npz); default: the shipped one if any")
     ap.add_argument("--medusa", default=None, help="Medusa heads folder (default: the shipped ones)")
+    ap.add_argument("--offset", type=int, default=0, help="first prompt of each dataset (unseen ones: 7)")
+    ap.add_argument("--draft-layer", default=None, help="the \"draft\" pool's draft layer (an exit head folder "
+                    "that reads features; default: the shipped one for the model)")
+    ap.add_argument("--draft-cost", type=float, default=0.25,
+                    help="what the draft pool adds to every step over a plain step's time (passes + KV upkeep)")
     ap.add_argument("--cost", default=None, help='JSON {rows: relative step time}, e.g. \'{"1": 1.0, "9": 1.5}\'')
     ap.add_argument("--combos", action="store_true", help="every pool alone, all, and leave-one-out")
     ap.add_argument("--sets", nargs="+", default=None, help="pool sets to replay, e.g. context+suffix medusa")
@@ -291,29 +339,35 @@ def main() -> None:
         medusa_acc = load_medusa(folder, tensors=False)[0]["accuracy_by_rank"]
     vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
     print("| dataset | pools | budget | tau (fixed B) | nodes/step | est. speedup | tau (cost-aware) | nodes/step "
-          "| est. speedup |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| est. speedup | steps whose first accepted token only the draft layer proposed |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for ds in args.datasets:
-        recs = reference(model, ds, args.num_prompts, args.max_tokens, 8)
+        recs = reference(model, ds, args.num_prompts, args.max_tokens, 8, args.offset)
         v = replay(recs, {"suffix"}, 24, cost, vocab, vllm_suffix=True)
         print(f"| {ds} | vLLM suffix (chain, factor 1, min prob 0.1) | - | - | - | - | {v['tau']:.2f} | "
-              f"{v['nodes_per_step']:.1f} | {v['speedup_est']:.2f} |", flush=True)
+              f"{v['nodes_per_step']:.1f} | {v['speedup_est']:.2f} | - |", flush=True)
     rows = []
     refs = {}
     for ds in args.datasets:
-        refs[ds] = reference(model, ds, args.num_prompts, args.max_tokens, 8)
+        refs[ds] = reference(model, ds, args.num_prompts, args.max_tokens, 8, args.offset)
         if medusa_acc is not None:
             medusa_tops(model, folder, refs[ds])
+        if "draft" in used:
+            from vllm_adaspec.heads import SHIPPED_DIR
+
+            draft_layer_chains(model, args.draft_layer or f"{SHIPPED_DIR}/{Path(model).name.lower()}-draft-layer",
+                               refs[ds])
     if args.node_classifier:
         return compare_node_classifier(args, refs, sets[0], cost, vocab, corpus, medusa_acc)
     for ds, pools, b in itertools.product(args.datasets, sets, args.budgets):
         recs = refs[ds]
-        kw = dict(streak=not args.no_streak, tree_factor=args.tree_factor, medusa_acc=medusa_acc)
+        kw = dict(streak=not args.no_streak, tree_factor=args.tree_factor, medusa_acc=medusa_acc,
+                  draft_cost=args.draft_cost)
         fixed = replay(recs, pools, b, None, vocab, corpus, **kw)
         aware = replay(recs, pools, b, cost, vocab, corpus, **kw)
         print(f"| {ds} | {'+'.join(sorted(pools))} | {b} | {fixed['tau']:.2f} | {fixed['nodes_per_step']:.1f} | "
               f"{fixed['speedup_est']:.2f} | {aware['tau']:.2f} | {aware['nodes_per_step']:.1f} | "
-              f"{aware['speedup_est']:.2f} |", flush=True)
+              f"{aware['speedup_est']:.2f} | {aware['draft_only_first']:.2f} |", flush=True)
         rows.append({"dataset": ds, "pools": "+".join(sorted(pools)), "budget": b, "fixed": fixed, "cost_aware": aware})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
