@@ -37,6 +37,11 @@ def methods(args) -> dict[str, dict]:
         # vLLM turns async scheduling on for plain decoding and off for custom, ngram and suffix drafters; this
         # row separates that difference from drafting.
         out["plain-sync"] = {"async_scheduling": False}
+    if "spec-idle" in args.methods:
+        # A speculative engine that drafts nothing (vLLM's ngram looking for a 64-token repeat): what vLLM's
+        # speculative path costs by itself, apart from any drafter's work.
+        out["spec-idle"] = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 1,
+                                                   "prompt_lookup_max": 64, "prompt_lookup_min": 64}}
     if "ngram" in args.methods:
         out["ngram"] = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5,
                                                "prompt_lookup_max": 4, "prompt_lookup_min": 2}}
