@@ -120,6 +120,53 @@ def test_the_soft_label_loss_is_cross_entropy_against_the_targets_top_k():
     assert _soft_ce(logits, ids, p) == pytest.approx(float(want), rel=1e-5)
 
 
+def test_distribution_labels_are_the_targets_next_distribution_over_the_draft_vocabulary(layer):
+    """labels "distribution": the loss is KL(softmax(head(f_{t+1})) || the draft's), 0 where the draft's logits are
+    the target's, and the positions without a label (-1) drop out."""
+    from vllm_adaspec.training.draft_layer import _losses
+
+    g = torch.Generator().manual_seed(1)
+    feats, tokens = torch.randn(2, 9, 128, generator=g), torch.randint(0, 300, (2, 9), generator=g)
+    feats = feats / feats.pow(2).mean(-1, keepdim=True).sqrt()  # unit RMS: the draft's norm (weight 1) leaves them
+    labels = torch.randint(0, 300, (2, 9), generator=g)
+    labels[:, -1] = -1
+    to_sub = torch.arange(50_000)
+    loss, _ = _losses(layer, "layer", feats, tokens, labels, to_sub, 1, 0.0, "distribution")
+    with torch.no_grad():
+        (g1,) = layer.unroll(feats, tokens, 1)
+        p = torch.softmax(feats[:, 1:] @ layer.head.T, -1)  # the target's distribution after f_{t+1}
+        logq = torch.log_softmax(layer.logits(g1)[:, :-1], -1)
+    want = (p * (p.log() - logq)).sum(-1).mean()
+    assert float(loss.detach()) == pytest.approx(float(want), rel=1e-4) and float(want) > 0.01
+    orig, norm = layer.unroll, layer.norm.detach().clone()
+    layer.norm.data.fill_(1.0)
+    layer.unroll = lambda f, x, d: [torch.cat([f[:, 1:], f[:, -1:]], 1)]  # a draft that outputs f_{t+1}: KL 0
+    try:
+        zero, _ = _losses(layer, "layer", feats, tokens, labels, to_sub, 1, 0.0, "distribution")
+    finally:
+        layer.unroll = orig
+        layer.norm.data.copy_(norm)
+    assert abs(float(zero)) < 1e-5
+
+
+def test_several_corpus_folders_train_as_their_concatenation(tiny_llama, corpus, tmp_path):
+    from vllm_adaspec.training.distill import load_shards
+    from vllm_adaspec.training.draft_layer import corpus_features
+
+    data, seqs = corpus
+    second = tmp_path / "second"
+    more = _corpus(second, tiny_llama, sequences=5, seed=3)
+    s1, f1, l1, c1 = corpus_features(tiny_llama, str(data), 0, progress=False)
+    s2, f2, l2, c2 = corpus_features(tiny_llama, f"{data},{second}", 0, progress=False)
+    assert c2 == c1 + 5 == len(seqs) + len(more) and len(s2) == c2
+    assert s2.tokens.tolist() == [x for q in seqs + more for x in q]
+    assert np.array_equal(f2[:len(f1)], f1) and np.array_equal(l2[:len(l1)], l1)
+    assert s2.topk_ids.shape[0] == s1.topk_ids.shape[0] + load_shards(str(second)).topk_ids.shape[0]
+    # max_tokens takes folders in order: the first folder's first sequence only
+    s3, f3, _, c3 = corpus_features(tiny_llama, f"{data},{second}", 0, max_tokens=40, progress=False)
+    assert c3 == 1 and f3.shape[0] == 48
+
+
 @pytest.mark.parametrize("family", ["layer", "mlp"])
 def test_both_families_learn_the_targets_next_tokens(tiny_llama, corpus, tmp_path, family):
     from vllm_adaspec.training.draft_layer import DraftTrainSettings, replay, train_draft_layer
@@ -127,7 +174,7 @@ def test_both_families_learn_the_targets_next_tokens(tiny_llama, corpus, tmp_pat
     data, seqs = corpus
     st = DraftTrainSettings(model=tiny_llama, data=str(data), out=str(tmp_path / family), family=family,
                             depth=2, draft_vocab=512, epochs=20, lr=3e-3, batch_tokens=1024, holdout_every=6,
-                            soft=family == "layer")  # (the corpus' top-1 only: the soft path on one-hot labels)
+                            labels="distribution" if family == "layer" else "argmax")
     report = train_draft_layer(st, progress=False, log=lambda *a: None)
     # a random target's text does not generalize across sequences (its tokens spread over 49k ids): learning is read
     # off the training curve (loss, top-1 agreement at each depth), which must move well

@@ -142,8 +142,33 @@ def test_the_training_split_never_holds_an_evaluation_prompt():
     asked = {m["content"] for p in chats for m in p if m["role"] == "user" and len(m["content"]) > 40}
     assert not any(m["content"] in asked for p in train for m in p if m["role"] == "user")
     assert not any(p == e for p in train for e in chats)
-    mixed = training_prompts(400, 0, EchoTokenizer(), exclude=set(load_humaneval()))
-    assert len(mixed) == 400 and training_prompts(400, 0, EchoTokenizer()) == mixed  # deterministic
+    mixed = training_prompts(400, 0, EchoTokenizer(), "mix", exclude=set(load_humaneval()))
+    assert len(mixed) == 400 and training_prompts(400, 0, EchoTokenizer(), "mix") == mixed  # deterministic
     assert 250 <= sum(p.startswith("user:") for p in mixed) < 400  # ShareGPT's three quarters + templates
     evaluation = set(load_humaneval()) | set(load_mtbench_first_turns())
     assert not any(e.strip()[:100] in p for p in mixed for e in evaluation)
+
+
+def test_training_prompts_of_the_mix_kinds_are_never_evaluation_prompts():
+    """data/mix.training_tasks draws each kind from records its evaluation loader never takes (by stride, seed or
+    file position), and the default distillation source mixes them with ShareGPT's training split and templates."""
+    from vllm_adaspec.data import mix
+    from vllm_adaspec.training.distill import training_prompts
+
+    train = mix.training_tasks(1000, seed=0)
+    assert len(train) == 1000 and mix.training_tasks(1000, seed=0) == train  # deterministic
+    evaluation = [p for kind in mix.MIX for p in mix.MIX[kind]()]
+    seen = {json.dumps(p) for p in evaluation}
+    assert not any(json.dumps(p) in seen for p in train)
+    # no evaluation document, passage set, function or problem inside a training prompt either
+    bodies = {m["content"].split("\n\n", 1)[-1][:300] for p in evaluation for m in p if m["role"] == "user"}
+    assert not any(b in m["content"] for p in train for m in p for b in bodies if len(b) > 80)
+    kinds = {k: sum(p[0]["content"].startswith(prefix) for p in train) for k, prefix in
+             (("translation", "Translate"), ("summarization", "Summarize"), ("rag", "Answer the question"),
+              ("math", "Solve"))}
+    assert all(n >= 10 for n in kinds.values()) and kinds["math"] >= 150, kinds  # every kind, in shares
+    assert len(mix.training_summarization()) + len(mix.load_summarization()) == len(mix._acl_papers())  # the rest
+    assert mix._language("Ich habe das nicht gesehen, und die Leute sind mit mir in der Stadt für ein Jahr.") == \
+        "German" and mix._language("I have not seen the people in the city for a year, and that is it.") is None
+    prompts = training_prompts(200, 0, EchoTokenizer())
+    assert 100 <= sum(p.startswith("user:") for p in prompts) < 200  # ShareGPT and the mix's kinds, then templates

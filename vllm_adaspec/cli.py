@@ -78,9 +78,10 @@ def add_distill(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=256, help="longest continuation per prompt")
     p.add_argument("--prompts-per-shard", type=int, default=256)
-    p.add_argument("--source", choices=("mix", "stdlib"), default="mix",
-                   help="prompts: ShareGPT's training split with stdlib code and instruction templates (mix, "
-                        "default), or the latter alone")
+    p.add_argument("--source", choices=("tasks", "mix", "stdlib"), default="tasks",
+                   help="prompts: the workload mix's kinds from records its evaluation never takes, ShareGPT's "
+                        "training split, stdlib code and instruction templates (tasks, default); ShareGPT with the "
+                        "latter (mix); the latter alone (stdlib)")
     p.add_argument("--top-k-logprobs", type=int, default=8, help="the target's top log-probs kept per token")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode (default: compiled, as vLLM)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -160,7 +161,8 @@ def add_train(sub) -> None:
     d = tsub.add_parser("draft-layer", help="a draft layer on the target's own features (EAGLE-style, or an "
                                             "attention-free MLP speculator), by self-distillation")
     d.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
-    d.add_argument("--data", default=None, help="`adaspec distill` folder (default: its default for --model, seed 0)")
+    d.add_argument("--data", default=None, help="`adaspec distill` folder, or several joined by commas (default: its "
+                                                "default for --model, seed 0)")
     d.add_argument("--out", required=True, help="checkpoint folder to write")
     d.add_argument("--family", choices=("layer", "mlp"), default="layer")
     d.add_argument("-N", "--feature-layer", type=int, default=0, help="target layers the features come from (0: all)")
@@ -170,9 +172,10 @@ def add_train(sub) -> None:
     d.add_argument("--lr", type=float, default=3e-4)
     d.add_argument("--max-tokens", type=int, default=0, help="train on at most this many corpus tokens (0: all)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--soft-labels", action="store_true",
-                   help="label with the target's top-8 distribution where the corpus has it (default: its argmax; the "
-                        "shipped layer's setting)")
+    d.add_argument("--labels", choices=("argmax", "topk", "distribution"), default=None,
+                   help="what a draft learns to match: the target's distribution over the draft vocabulary, read off "
+                        "the next position's feature (default for the layer on the last layer's features); its argmax "
+                        "(default otherwise); or its top-8 where the corpus keeps them")
     d.set_defaults(func=cmd_train_draft_layer)
     c = tsub.add_parser("calibration", help="acceptance predictor of the thompson-cali policy, for one exit head")
     c.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
@@ -271,7 +274,9 @@ def cmd_train_draft_layer(args) -> int:
         return 2
     st = DraftTrainSettings(model=model, data=data, out=args.out, family=args.family, feature_layer=args.feature_layer,
                             depth=args.depth, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
-                            max_tokens=args.max_tokens, seed=args.seed, soft=args.soft_labels)
+                            max_tokens=args.max_tokens, seed=args.seed,
+                            labels=args.labels or ("distribution" if args.family == "layer" and not args.feature_layer
+                                                   else "argmax"))
 
     def train(s):
         report = train_draft_layer(s)

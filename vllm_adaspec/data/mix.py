@@ -405,6 +405,101 @@ def _first(items: list, n: int | None) -> list:
     return items if n is None else items[:n]
 
 
+# --- training prompts of the mix's kinds -------------------------------------------------------------------
+# Self-distillation wants the kinds of text users send (a draft layer trained on chat alone was right 0.11 of the
+# time on translation), never an evaluation prompt. Each kind below draws from its evaluation loader's source the
+# records that loader never takes: papers and functions its stride skips, HotpotQA records off its stride, math
+# seeds from TRAIN_MATH_SEED on, and, as XNLI has no sentences to spare, German / French / Spanish requests of
+# ShareGPT's training split to translate.
+
+TRAIN_MATH_SEED = 1_000_000  # evaluation math prompts take seeds 0, 1, 2, ...
+TRAIN_KINDS = ("translation", "summarization", "rag", "math", "code_edit")
+_STOPWORDS = {"German": (" der ", " die ", " und ", " nicht ", " ist ", " ich ", " das ", " mit ", " für ", " ein "),
+              "French": (" le ", " les ", " et ", " est ", " je ", " pas ", " une ", " des ", " pour ", " dans "),
+              "Spanish": (" el ", " los ", " las ", " y ", " es ", " una ", " por ", " para ", " con ", " del ")}
+
+
+def _language(text: str) -> str | None:
+    """German, French or Spanish where the text's stopwords say so clearly, else None."""
+    t = f" {' '.join(text.lower().split())} "
+    counts = sorted(((sum(t.count(w) for w in ws), lang) for lang, ws in _STOPWORDS.items()), reverse=True)
+    (top, lang), (second, _) = counts[0], counts[1]
+    english = sum(t.count(w) for w in (" the ", " and ", " is ", " of ", " to ", " you "))
+    return lang if top >= 6 and top >= 3 * max(second, english) else None
+
+
+def training_translation(n: int) -> list[list[dict]]:
+    """German / French / Spanish requests of 40-300 words from ShareGPT's training split, to translate into
+    English (the evaluation's XNLI sentences are never among them: the split is disjoint by file position)."""
+    out = []
+    for conv in sharegpt_training():
+        for t in conv["conversations"]:
+            text = t.get("value") or ""
+            if t.get("from") != "human" or not 40 <= _words(text) <= 300:
+                continue
+            lang = _language(text)
+            if lang:
+                out.append(_messages(("user", f"Translate the following {lang} text into English.\n\n{text}")))
+        if len(out) >= n:
+            break
+    return out[:n]
+
+
+def training_summarization() -> list[list[dict]]:
+    """The aclsum papers `load_summarization` skips (all but every 5th)."""
+    papers = [p for i, p in enumerate(_acl_papers()) if i % 5]
+    return [_messages(("user", f"Summarize the following part of a research paper titled \"{title}\" in one "
+                               f"paragraph of about 150 words.\n\n{body}")) for title, body in papers]
+
+
+def training_rag(n: int) -> list[list[dict]]:
+    """HotpotQA records off `load_rag`'s stride (index not a multiple of 37), as `load_rag` builds them."""
+    out = []
+    for i, rec in enumerate(_hotpotqa()):
+        if i % 37 == 0:
+            continue
+        passages = [f"[{k + 1}] {title}: {''.join(sents).strip()}" for k, (title, sents) in enumerate(rec["context"])]
+        text = "\n\n".join(passages)
+        if _words(text) > MAX_DOC_WORDS:
+            continue
+        out.append(_messages(("user", f"Answer the question using only the passages below. First quote the sentences "
+                                      f"that support the answer, with their passage numbers, then give the answer."
+                                      f"\n\n{text}\n\nQuestion: {rec['question']}")))
+        if len(out) >= n:
+            break
+    return out
+
+
+def training_math(n: int) -> list[list[dict]]:
+    return [_messages(("user", f"Solve this problem step by step. End with the line '#### <answer>'.\n\n"
+                               f"{gsm_problem(seed)[0]}")) for seed in range(TRAIN_MATH_SEED, TRAIN_MATH_SEED + n)]
+
+
+def training_code_edit() -> list[list[dict]]:
+    """Every edit instruction over each more-itertools function `load_code_edit` skips (all but every 3rd)."""
+    funcs = [f for i, f in enumerate(_library_functions()) if i % 3]
+    return [_messages(("user", f"{edit}\n\n```python\n{src}\n```")) for src in funcs for edit in EDITS]
+
+
+def training_tasks(n: int, seed: int = 0) -> list[list[dict]]:
+    """n training conversations, the kinds of TRAIN_KINDS in equal shares where each has enough (a kind short of
+    its share leaves the rest to the others), shuffled by `seed`."""
+    rng = random.Random(seed)
+    share = -(-n // len(TRAIN_KINDS))
+    pools = {"translation": training_translation(share * 2), "summarization": training_summarization(),
+             "rag": training_rag(share * 2), "math": training_math(share * 2), "code_edit": training_code_edit()}
+    for pool in pools.values():
+        rng.shuffle(pool)
+    out, want = [], n
+    for k, kind in enumerate(sorted(pools, key=lambda kd: len(pools[kd]))):  # the shortest kinds first
+        take = -(-want // (len(pools) - k))
+        got = pools[kind][:take]
+        out += got
+        want -= len(got)
+    rng.shuffle(out)
+    return out[:n]
+
+
 # Task type -> loader (each returns chat conversations, rendered by prompts.load_prompts).
 MIX = {
     "summarization": load_summarization,

@@ -1,10 +1,15 @@
 """Self-distillation data: the target model writes its own training text through vLLM.
 
-Prompts (`training_prompts`, source "mix"): three quarters ShareGPT conversations past the head the evaluation's
-chat prompts come from (data/mix.sharegpt_training: disjoint by file position and by conversation), a request each
-(a first turn, or a later one with its history), the rest built from the Python standard library and hand-written
-instruction templates (training/corpus.py); never a prompt of the workload mix, HumanEval or MT-Bench (source
-"stdlib": the latter kind alone). Generated in vLLM's default compiled mode unless `eager`.
+Prompts (`training_prompts`), never a prompt of the workload mix, HumanEval or MT-Bench:
+  tasks (default)  the workload mix's kinds: 60% from the records its evaluation loaders never take (translation,
+                   summarization, RAG, math, code edits: data/mix.training_tasks), 30% ShareGPT conversations past
+                   the head the evaluation's chat prompts come from (data/mix.sharegpt_training: disjoint by file
+                   position and by conversation), a request each (a first turn, or a later one with its history),
+                   10% built from the Python standard library and hand-written instruction templates
+                   (training/corpus.py)
+  mix              three quarters ShareGPT, the rest stdlib / templates
+  stdlib           stdlib / templates alone
+Generated in vLLM's default compiled mode unless `eager`.
 
 EESD 3.2 (after Liu et al. 2023): a mix of greedy and sampled continuations. Every `sample_every`-th prompt is
 sampled (temperature `temperature`, seeded per prompt), the rest are greedy. For each generated token the shard
@@ -45,29 +50,29 @@ class DistillSettings:
     temperature: float = 0.8
     top_k_logprobs: int = 8
     max_num_seqs: int = 256
-    max_model_len: int = 1024
-    source: str = "mix"  # "mix" (ShareGPT's training split + stdlib + templates) or "stdlib" (`training_prompts`)
+    max_model_len: int = 2048  # the mix's documents run to ~1000 tokens
+    source: str = "tasks"  # SOURCES (module docstring)
     eager: bool = False  # vLLM's eager mode (quicker to start; the default compiles, as vLLM does)
     dtype: str = "auto"  # vLLM's default (the checkpoint's, bfloat16 for the shipped models: 3.6x float32 here)
 
 
-SOURCES = ("mix", "stdlib")
-SHAREGPT_SHARE = 0.75  # of "mix" prompts, while the training split lasts
+SOURCES = ("tasks", "mix", "stdlib")
+SHARES = {"tasks": (0.3, 0.6), "mix": (0.75, 0.0), "stdlib": (0.0, 0.0)}  # (ShareGPT, mix kinds), the rest stdlib
 
 
-def training_prompts(n: int, seed: int, tokenizer, source: str = "mix", exclude: set[str] | None = None) -> list[str]:
+def training_prompts(n: int, seed: int, tokenizer, source: str = "tasks", exclude: set[str] | None = None) -> list[str]:
     """n prompts rendered for `tokenizer`, deterministic in the seed (module docstring)."""
+    from vllm_adaspec.data.mix import sharegpt_training_prompts, training_tasks
     from vllm_adaspec.data.prompts import apply_chat_template
     from vllm_adaspec.training.corpus import build_prompts
 
     if source not in SOURCES:
         raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {source!r}")
-    chats = []
-    if source == "mix":
-        from vllm_adaspec.data.mix import sharegpt_training_prompts
-
-        chats = sharegpt_training_prompts(round(n * SHAREGPT_SHARE))
-        chats = apply_chat_template(tokenizer, chats)
+    chat_share, task_share = SHARES[source]
+    chats = sharegpt_training_prompts(round(n * chat_share)) if chat_share else []
+    if task_share:
+        chats += training_tasks(round(n * task_share), seed)
+    chats = apply_chat_template(tokenizer, chats) if chats else []
     rest = build_prompts(n - len(chats), seed=seed, tokenizer=tokenizer, exclude=exclude)
     out = chats + rest
     import random
@@ -236,9 +241,14 @@ def load_shards(folder: str) -> Sequences:
     parts = []
     for i in range(n):
         with np.load(_shard_path(folder, i)) as z:
-            parts.append({k: z[k] for k in z.files})
-    tok_base = np.cumsum([0] + [len(p["tokens"]) for p in parts[:-1]])
-    offsets = np.concatenate([parts[0]["offsets"][:1]] + [p["offsets"][1:] + b for p, b in zip(parts, tok_base)])
-    cat = lambda key: np.concatenate([p[key] for p in parts])  # noqa: E731
+            parts.append(Sequences(**{k: z[k] for k in z.files}))
+    return concat_sequences(parts)
+
+
+def concat_sequences(parts: list[Sequences]) -> Sequences:
+    """One Sequences of several (shards, or folders), in order."""
+    tok_base = np.cumsum([0] + [len(p.tokens) for p in parts[:-1]])
+    offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + b for p, b in zip(parts, tok_base)])
+    cat = lambda key: np.concatenate([getattr(p, key) for p in parts])  # noqa: E731
     return Sequences(tokens=cat("tokens"), offsets=offsets, prompt_lens=cat("prompt_lens"), sampled=cat("sampled"),
                      topk_ids=cat("topk_ids"), topk_logp=cat("topk_logp"))

@@ -41,6 +41,10 @@ from vllm_adaspec.training.layers import DecoderLayer, LayerShape, load_layer, r
 __all__ = ["DraftTrainSettings", "DraftLayer", "DraftMLP", "feature_cache", "train_draft_layer", "replay"]
 
 FAMILIES = ("layer", "mlp")
+# What a draft is trained to match at each position: the target's argmax; its top-k where the corpus keeps them
+# (generated tokens; the argmax elsewhere); or its whole distribution over the draft vocabulary, read off the next
+# position's feature (the layer reading the last layer's features: f_{t+1} is what the LM head reads), EAGLE's label.
+LABELS = ("argmax", "topk", "distribution")
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ class DraftTrainSettings:
     holdout_every: int = 20
     max_tokens: int = 0  # train on at most this many tokens of the corpus (0: all)
     seed: int = 0
-    soft: bool = False  # label with the target's top-k distribution where the corpus has it (not yet measured at scale)
+    labels: str = "argmax"  # LABELS
     amp: bool = True  # bfloat16 autocast (weights and optimizer in float32): ~5x float32 GEMMs on AMX CPUs
 
 
@@ -145,6 +149,41 @@ def feature_cache(model: str, data: str, seqs, n: int, max_tokens: int = 0, prog
     os.replace(fpath + ".tmp.npy", fpath)
     np.save(lpath, labels)
     return np.load(fpath, mmap_mode="r"), labels, count
+
+
+def corpus_features(model: str, data: str, n: int, max_tokens: int = 0, progress: bool = True) -> tuple:
+    """(sequences, features [T, H], labels [T], sequences used) of one `adaspec distill` folder or several joined by
+    commas (each folder's features cached in it), taking folders in order up to max_tokens tokens (0: all)."""
+    from vllm_adaspec.training.distill import concat_sequences, load_shards
+
+    folders = [d for d in data.split(",") if d]
+    if len(folders) == 1:
+        seqs = load_shards(folders[0])
+        return (seqs, *feature_cache(model, folders[0], seqs, n, max_tokens, progress))
+    parts, feats, labels, left = [], [], [], max_tokens
+    for d in folders:
+        seqs = load_shards(d)
+        f, lab, count = feature_cache(model, d, seqs, n, left, progress)
+        total = int(seqs.offsets[count])
+        gen = seqs.gen_offsets()
+        parts.append(_first_sequences(seqs, count, gen))
+        feats.append(np.asarray(f[:total]))
+        labels.append(lab[:total])
+        if max_tokens:
+            left -= total
+            if left <= 0:
+                break
+    seqs = concat_sequences(parts)
+    return seqs, np.concatenate(feats), np.concatenate(labels), len(seqs)
+
+
+def _first_sequences(seqs, count: int, gen: np.ndarray):
+    """The first `count` sequences of `seqs`."""
+    from vllm_adaspec.training.distill import Sequences
+
+    t, g = int(seqs.offsets[count]), int(gen[count])
+    return Sequences(tokens=seqs.tokens[:t], offsets=seqs.offsets[:count + 1], prompt_lens=seqs.prompt_lens[:count],
+                     sampled=seqs.sampled[:count], topk_ids=seqs.topk_ids[:g], topk_logp=seqs.topk_logp[:g])
 
 
 # --- the two families ----------------------------------------------------------------------------------------------
@@ -292,22 +331,31 @@ def _soft_ce(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> to
 
 def _losses(model: nn.Module, family: str, feats, tokens, labels, to_sub, depth: int, reg: float, soft=None):
     """feats [B, T, H] (f_t), tokens [B, T] (x_{t+1}), labels [B, T] (target argmax after f_{t+1}, full ids; -1 none)
-    -> (loss, per-depth top-1 agreement). soft: (ids, probs) [B, T, k] the target's top-k after f_{t+1} (full ids,
-    -1 none), the label of the layer family's cross-entropy where given (else the argmax)."""
+    -> (loss, per-depth top-1 agreement). soft: the layer family's cross-entropy label where given (else the argmax):
+    (ids, probs) [B, T, k] the target's top-k after f_{t+1} (full ids, -1 none), or "distribution": the target's
+    distribution over the draft vocabulary, softmax(head(f_{t+1}))."""
     sub = to_sub[labels.clamp(min=0)].masked_fill(labels < 0, -1)
-    if soft is not None:
-        sid = to_sub[soft[0].clamp(min=0)].masked_fill(soft[0] < 0, -1)
-        sp = soft[1]
     loss, agree = 0.0, []
     if family == "layer":
         outs = model.unroll(feats, tokens, depth)
         nxt = torch.cat([feats[:, 1:], feats[:, -1:]], 1)  # f_{t+1}
+        if isinstance(soft, str):
+            with torch.autocast("cpu", enabled=False):
+                dist = torch.softmax(nxt.float() @ model.head.T.float(), -1)  # [B, T, V']
+        elif soft is not None:
+            sid = to_sub[soft[0].clamp(min=0)].masked_fill(soft[0] < 0, -1)
+            sp = soft[1]
         for j, g in enumerate(outs, start=1):
             lg = model.logits(g)[:, j - 1:]
             y = sub[:, j - 1:]
             ok = y >= 0
-            ce = (F.cross_entropy(lg[ok], y[ok]) if soft is None
-                  else _soft_ce(lg[ok], sid[:, j - 1:][ok], sp[:, j - 1:][ok]))
+            if soft is None:
+                ce = F.cross_entropy(lg[ok], y[ok])
+            elif isinstance(soft, str):  # KL(target || draft): the cross-entropy less the label's entropy (0 at a match)
+                p = dist[:, j - 1:][ok]
+                ce = (p * (torch.log(p.clamp(min=1e-30)) - torch.log_softmax(lg[ok].float(), -1))).sum(-1).mean()
+            else:
+                ce = _soft_ce(lg[ok], sid[:, j - 1:][ok], sp[:, j - 1:][ok])
             loss = loss + ce + reg * F.smooth_l1_loss(g[:, j - 1:-1], nxt[:, j - 1:-1])
             agree.append(float((lg[ok].argmax(-1) == y[ok]).float().mean()) if ok.any() else 0.0)
         return loss / depth, agree
@@ -342,18 +390,21 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     """Train on the corpus' training split, report held-out top-1 agreement per depth, write `st.out`."""
     from tqdm import tqdm
 
-    from vllm_adaspec.training.distill import load_shards
     from vllm_adaspec.training.exit_trainer import most_frequent
 
     if st.family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {st.family!r}")
+    if st.labels not in LABELS:
+        raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {st.labels!r}")
     t0 = time.perf_counter()
     torch.manual_seed(st.seed)
     rng = np.random.default_rng(st.seed)
     cfg = _config(st.model)
     n = st.feature_layer or cfg["num_hidden_layers"]
-    seqs = load_shards(st.data)
-    feats, labels, count = feature_cache(st.model, st.data, seqs, n, st.max_tokens, progress)
+    if st.labels == "distribution" and (st.family != "layer" or n != cfg["num_hidden_layers"]):
+        raise ValueError("labels 'distribution' reads the target's distribution off the last layer's features: it "
+                         "needs the layer family and feature_layer 0 (all layers)")
+    seqs, feats, labels, count = corpus_features(st.model, st.data, n, st.max_tokens, progress)
     held = np.random.default_rng(12345).permutation(count) % st.holdout_every == 0
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -368,23 +419,24 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     train_w = [w for w, i in zip(windows, seq_of) if not held[i]]
     held_w = [w for w, i in zip(windows, seq_of) if held[i]]
 
-    soft_ids, soft_p = _soft_labels(seqs, labels, count) if st.soft else (None, None)
+    topk = st.labels == "topk"
+    soft_ids, soft_p = _soft_labels(seqs, labels, count) if topk else (None, None)
 
     def batch(ws):
         t = max(b - a for a, b in ws)
         f = torch.zeros(len(ws), t, feats.shape[1])
         x = torch.zeros(len(ws), t, dtype=torch.long)
         y = torch.full((len(ws), t), -1, dtype=torch.long)
-        k = soft_ids.shape[1] if st.soft else 1
+        k = soft_ids.shape[1] if topk else 1
         sid, sp = torch.full((len(ws), t, k), -1, dtype=torch.long), torch.zeros(len(ws), t, k)
         for j, (a, b) in enumerate(ws):
             f[j, :b - a] = torch.from_numpy(np.asarray(feats[a:b], dtype=np.float32))
             x[j, :b - a - 1] = torch.from_numpy(seqs.tokens[a + 1:b].astype(np.int64))  # x_{t+1}
             y[j, :b - a - 1] = torch.from_numpy(labels[a + 1:b].astype(np.int64))  # argmax after f_{t+1}
-            if st.soft:
+            if topk:
                 sid[j, :b - a - 1] = torch.from_numpy(soft_ids[a + 1:b].astype(np.int64))
                 sp[j, :b - a - 1] = torch.from_numpy(soft_p[a + 1:b])
-        return f, x, y, ((sid, sp) if st.soft else None)
+        return f, x, y, ((sid, sp) if topk else ("distribution" if st.labels == "distribution" else None))
 
     per_batch = max(1, st.batch_tokens // win)
     steps = max(1, int(math.ceil(len(train_w) / per_batch * st.epochs)))
