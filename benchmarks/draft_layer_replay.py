@@ -8,6 +8,8 @@ CPU. training/draft_layer.py holds the families, the trainer and the replay.
 
     .venv/bin/python benchmarks/draft_layer_replay.py --data DISTILL_FOLDER --max-tokens 200000 \\
         --candidates layer:30:3 mlp:30:3 layer:24:3 --out benchmarks/out/draft_layer_replay.json
+    # trained layers (exit-head folders that read features), replayed as they are:
+    .venv/bin/python benchmarks/draft_layer_replay.py --checkpoints vllm_adaspec/heads/smollm2-135m-instruct-draft-layer
 """
 
 from __future__ import annotations
@@ -46,22 +48,33 @@ def unseen_sequences(model: str, per_type: int, offset: int, max_tokens: int) ->
     return out
 
 
+def _layers(text: str):
+    """'0' -> 0; '2+15+30' -> (2, 15, 30): features of several layers, fused."""
+    parts = [int(x) for x in str(text).split("+")]
+    return parts[0] if len(parts) == 1 else tuple(parts)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--data", required=True, help="an `adaspec distill` folder")
+    p.add_argument("--data", default=None, help="an `adaspec distill` folder, or several joined by commas")
+    p.add_argument("--checkpoints", nargs="*", default=[], help="trained draft layers to replay (no training)")
+    p.add_argument("--labels", default="auto", help="the candidates' training labels (draft_layer.LABELS, or auto)")
     p.add_argument("--max-tokens", type=int, default=200_000, help="corpus tokens each candidate trains on")
     p.add_argument("--candidates", nargs="+", default=["layer:0:3", "mlp:0:3"],
-                   help="FAMILY:FEATURE_LAYER:DEPTH (feature layer 0: the last)")
+                   help="FAMILY:FEATURE_LAYER:DEPTH (feature layer 0: the last; 2+15+27+30: those four fused)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--per-type", type=int, default=3, help="unseen prompts per task type")
     p.add_argument("--offset", type=int, default=7, help="first prompt index of each type (0-6: tuning prompts)")
     p.add_argument("--k", type=int, default=5, help="the longest draft chain replayed")
     p.add_argument("--out", default="benchmarks/out/draft_layer_replay.json")
     args = p.parse_args(argv)
+    if args.candidates and not args.checkpoints and not args.data:
+        p.error("--data is needed to train --candidates")
 
     from vllm_adaspec.models import resolve_model
-    from vllm_adaspec.training.draft_layer import DraftTrainSettings, draft_cost_ratio, replay, train_draft_layer
+    from vllm_adaspec.training.draft_layer import (DraftTrainSettings, draft_cost_ratio, load_draft_layer, replay,
+                                                   train_draft_layer)
 
     model = resolve_model(args.model)
     t0 = time.perf_counter()
@@ -69,21 +82,27 @@ def main(argv=None) -> int:
     print(f"unseen continuations: {sum(map(len, seqs.values()))} prompts in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
     rows = []
-    for cand in args.candidates:
-        family, n, depth = cand.split(":")
-        st = DraftTrainSettings(model=model, data=args.data, out=str(Path(args.out).parent / f"draft_{cand}"),
-                                family=family, feature_layer=int(n), depth=int(depth), max_tokens=args.max_tokens,
-                                epochs=args.epochs)
-        trained = train_draft_layer(st)
-        m, vocab = trained.pop("model"), trained.pop("vocab_ids")
+    todo = [(c, None) for c in args.checkpoints] + [(None, c) for c in (args.candidates if args.data else [])]
+    for folder, cand in todo:
+        if folder:
+            (m, vocab), family, n, trained = load_draft_layer(model, folder), "layer", "0", {"curve": []}
+            cand = folder
+        else:
+            family, n, depth = cand.split(":")
+            st = DraftTrainSettings(model=model, data=args.data, out=str(Path(args.out).parent / f"draft_{cand}"),
+                                    family=family, feature_layer=_layers(n), depth=int(depth), max_tokens=args.max_tokens,
+                                    epochs=args.epochs, labels=args.labels)
+            trained = train_draft_layer(st)
+            m, vocab = trained.pop("model"), trained.pop("vocab_ids")
         c = draft_cost_ratio(m, family, model)
-        per_type = {t: replay(m, family, vocab, model, s, args.k, int(n)) for t, s in seqs.items()}
-        everything = replay(m, family, vocab, model, [x for s in seqs.values() for x in s], args.k, int(n))
+        per_type = {t: replay(m, family, vocab, model, s, args.k, _layers(n)) for t, s in seqs.items()}
+        everything = replay(m, family, vocab, model, [x for s in seqs.values() for x in s], args.k, _layers(n))
         implied = {k: round(tau / (VERIFY_COST[k] + k * c), 3) for k, tau in everything["tau_by_k"].items()}
         rows.append({"candidate": cand, "train": {k: v for k, v in trained.items() if k != "curve"},
                      "curve": trained["curve"], "draft_cost": round(c, 4), "replay": everything,
                      "per_type": per_type, "implied_speedup_by_k": implied})
-        print(json.dumps({"candidate": cand, "heldout_agreement": trained["agreement_after"], "draft_cost": c,
+        print(json.dumps({"candidate": cand, "heldout_agreement": trained.get("agreement_after"), "draft_cost": c,
+                          "accept_depth1_by_type": {t: r["accept_at_depth"][0] for t, r in per_type.items()},
                           "accept_at_depth": everything["accept_at_depth"], "tau_by_k": everything["tau_by_k"],
                           "implied_speedup_by_k": implied}), flush=True)
     out = Path(args.out)

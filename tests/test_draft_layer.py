@@ -167,6 +167,30 @@ def test_several_corpus_folders_train_as_their_concatenation(tiny_llama, corpus,
     assert c3 == 1 and f3.shape[0] == 48
 
 
+def test_fused_features_start_as_the_last_layer_alone_and_share_its_cache(tiny_llama, corpus):
+    """Features of several depths (EAGLE-3's low / middle / high) are cached once; a draft reading fewer of them reads
+    that cache's columns; the fused layer starts out drafting exactly as the one on the last layer alone."""
+    from vllm_adaspec.training.distill import load_shards
+    from vllm_adaspec.training.draft_layer import ColumnView, feature_cache
+
+    data, seqs = corpus
+    shards = load_shards(str(data))
+    fused, lab2, _ = feature_cache(tiny_llama, str(data), shards, (2, 4), progress=False)
+    last, lab1, _ = feature_cache(tiny_llama, str(data), shards, 0, progress=False)
+    assert fused.shape == (len(seqs) * 48, 256) and isinstance(last, ColumnView) and last.shape == (len(seqs) * 48, 128)
+    assert np.array_equal(last[0:96], np.asarray(fused[0:96])[:, 128:]) and np.array_equal(lab1, lab2)
+    vocab = np.arange(300)
+    one, two = build("layer", tiny_llama, vocab, 2, 0), build("layer", tiny_llama, vocab, 2, (2, 4))
+    two.load_state_dict(one.state_dict(), strict=False)
+    f = torch.from_numpy(np.asarray(fused[0:48], np.float32))[None]
+    x = torch.from_numpy(np.asarray(seqs[0][1:] + seqs[0][-1:], np.int64))[None]
+    with torch.no_grad():
+        for a, b in zip(one.unroll(f[..., 128:], x, 2), two.unroll(f, x, 2)):
+            torch.testing.assert_close(one.logits(a), two.logits(b), atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="last layer"):
+        build("layer", tiny_llama, vocab, 2, (4, 2))
+
+
 @pytest.mark.parametrize("family", ["layer", "mlp"])
 def test_both_families_learn_the_targets_next_tokens(tiny_llama, corpus, tmp_path, family):
     from vllm_adaspec.training.draft_layer import DraftTrainSettings, replay, train_draft_layer

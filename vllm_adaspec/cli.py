@@ -165,17 +165,19 @@ def add_train(sub) -> None:
                                                 "default for --model, seed 0)")
     d.add_argument("--out", required=True, help="checkpoint folder to write")
     d.add_argument("--family", choices=("layer", "mlp"), default="layer")
-    d.add_argument("-N", "--feature-layer", type=int, default=0, help="target layers the features come from (0: all)")
+    d.add_argument("-N", "--feature-layer", type=_layer_list, default=0,
+                   help="target layers the features come from (0: all); several joined by commas are fused (EAGLE-3: "
+                        "low, middle, high), the last one the model's last (not an engine path yet: replay only)")
     d.add_argument("--depth", type=int, default=3, help="draft steps trained on the layer's own outputs")
     d.add_argument("--draft-vocab", type=int, default=8192)
     d.add_argument("--epochs", type=float, default=1.0)
-    d.add_argument("--lr", type=float, default=3e-4)
+    d.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (1e-3 beat 3e-4 on a million tokens)")
     d.add_argument("--max-tokens", type=int, default=0, help="train on at most this many corpus tokens (0: all)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--labels", choices=("argmax", "topk", "distribution"), default=None,
+    d.add_argument("--labels", choices=("auto", "argmax", "topk", "distribution"), default="auto",
                    help="what a draft learns to match: the target's distribution over the draft vocabulary, read off "
-                        "the next position's feature (default for the layer on the last layer's features); its argmax "
-                        "(default otherwise); or its top-8 where the corpus keeps them")
+                        "the next position's feature; its argmax; or its top-8 where the corpus keeps them (auto: the "
+                        "distribution where the features end with the last layer, else the argmax)")
     d.set_defaults(func=cmd_train_draft_layer)
     c = tsub.add_parser("calibration", help="acceptance predictor of the thompson-cali policy, for one exit head")
     c.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
@@ -261,6 +263,12 @@ def _train_model(name: str) -> str | None:
         return None
 
 
+def _layer_list(text: str):
+    """'0' -> 0, '12' -> 12, '2,15,30' -> (2, 15, 30)."""
+    parts = [int(x) for x in text.split(",")]
+    return parts[0] if len(parts) == 1 else tuple(parts)
+
+
 def cmd_train_draft_layer(args) -> int:
     from vllm_adaspec.training.draft_layer import DraftTrainSettings, train_draft_layer
 
@@ -268,15 +276,15 @@ def cmd_train_draft_layer(args) -> int:
     if model is None:
         return 2
     data = args.data or default_distill_dir(args.model, 0)
-    if args.depth < 1 or args.feature_layer < 0 or args.draft_vocab < 1 or args.max_tokens < 0:
+    layers = args.feature_layer if isinstance(args.feature_layer, tuple) else (args.feature_layer,)
+    if args.depth < 1 or min(layers) < 0 or args.draft_vocab < 1 or args.max_tokens < 0:
         print("adaspec train draft-layer: --depth and --draft-vocab must be >= 1, --feature-layer and --max-tokens "
               ">= 0", file=sys.stderr)
         return 2
     st = DraftTrainSettings(model=model, data=data, out=args.out, family=args.family, feature_layer=args.feature_layer,
                             depth=args.depth, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
                             max_tokens=args.max_tokens, seed=args.seed,
-                            labels=args.labels or ("distribution" if args.family == "layer" and not args.feature_layer
-                                                   else "argmax"))
+                            labels=args.labels or "auto")
 
     def train(s):
         report = train_draft_layer(s)
