@@ -68,24 +68,35 @@ def main(argv=None) -> int:
     p.add_argument("--offset", type=int, default=7, help="first prompt index of each type (0-6: tuning prompts)")
     p.add_argument("--k", type=int, default=5, help="the longest draft chain replayed")
     p.add_argument("--out", default="benchmarks/out/draft_layer_replay.json")
+    p.add_argument("--sequences", default=None,
+                   help="a JSON file keeping the unseen continuations (written on the first run, read after: runs side "
+                        "by side then share one vLLM run)")
     args = p.parse_args(argv)
     if args.candidates and not args.checkpoints and not args.data:
         p.error("--data is needed to train --candidates")
 
     from vllm_adaspec.models import resolve_model
-    from vllm_adaspec.training.draft_layer import (DraftTrainSettings, draft_cost_ratio, load_draft_layer, replay,
+    from vllm_adaspec.training.draft_layer import (DraftTrainSettings, draft_cost_ratio, load_trained, replay,
                                                    train_draft_layer)
 
     model = resolve_model(args.model)
     t0 = time.perf_counter()
-    seqs = unseen_sequences(model, args.per_type, args.offset, 128)
+    cache = Path(args.sequences) if args.sequences else None
+    if cache and cache.exists():
+        seqs = json.loads(cache.read_text())
+    else:
+        seqs = unseen_sequences(model, args.per_type, args.offset, 128)
+        if cache:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(seqs))
     print(f"unseen continuations: {sum(map(len, seqs.values()))} prompts in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
     rows = []
     todo = [(c, None) for c in args.checkpoints] + [(None, c) for c in (args.candidates if args.data else [])]
     for folder, cand in todo:
         if folder:
-            (m, vocab), family, n, trained = load_draft_layer(model, folder), "layer", "0", {"curve": []}
+            m, vocab, family, layers = load_trained(model, folder)
+            n, trained = "+".join(map(str, layers)) if isinstance(layers, tuple) else str(layers), {"curve": []}
             cand = folder
         else:
             family, n, depth = cand.split(":")

@@ -616,6 +616,26 @@ def load_draft_layer(model: str, folder: str) -> tuple["DraftLayer", np.ndarray]
     return m.eval(), vocab
 
 
+def load_trained(model: str, folder: str) -> tuple[nn.Module, np.ndarray, str, object]:
+    """(module, draft vocabulary, family, feature layers) of a folder `train_draft_layer` wrote: an exit head the
+    engine loads, or a replay-only candidate (draft_layer.safetensors and its draft_layer.json)."""
+    from safetensors.torch import load_file
+
+    if os.path.exists(os.path.join(folder, "exit_head.json")):
+        m, vocab = load_draft_layer(model, folder)
+        return m, vocab, "layer", 0
+    with open(os.path.join(folder, "draft_layer.json")) as f:
+        st = json.load(f)["settings"]
+    t = load_file(os.path.join(folder, "draft_layer.safetensors"))
+    vocab = t.pop("draft_vocab").numpy()
+    layers = tuple(st["feature_layer"]) if isinstance(st["feature_layer"], list) else st["feature_layer"]
+    m = build(st["family"], model, vocab, st["depth"], layers)
+    missing, unexpected = m.load_state_dict({k: v.float() for k, v in t.items()}, strict=False)
+    if unexpected or {k for k in missing if not k.startswith(("embed", "head"))}:
+        raise ValueError(f"{folder}: tensors {unexpected} unknown, {missing} missing")
+    return m.eval(), vocab, st["family"], layers
+
+
 # --- the offline replay --------------------------------------------------------------------------------------------
 
 @torch.no_grad()
@@ -698,7 +718,8 @@ def draft_cost_ratio(model: nn.Module, family: str, model_dir: str, context: int
     lm = read_hf_tensors(model_dir, [_lm_name(cfg)])[_lm_name(cfg)]
     h = cfg["hidden_size"]
     with torch.no_grad():
-        x = torch.randn(1, 1, h * getattr(model, "n_layers", 1))
+        x = torch.randn(1, 1, h)
+        xf = torch.randn(1, 1, h * getattr(model, "n_layers", 1))  # the draft's first step reads fused features
         pos = torch.tensor([[context]])
         s = model.s
         kv = [(torch.randn(1, s.kv_heads, context, s.head_dim), torch.randn(1, s.kv_heads, context, s.head_dim))]
@@ -706,7 +727,7 @@ def draft_cost_ratio(model: nn.Module, family: str, model_dir: str, context: int
 
         def draft():
             if family == "layer":
-                g, _ = model.attend(model.inputs(x, torch.tensor([[1]])), pos, kv, mask)
+                g, _ = model.attend(model.inputs(xf, torch.tensor([[1]])), pos, kv, mask)
             else:
                 g = model.step(0, x, torch.tensor([[1]]))
             return model.logits(g).argmax(-1)
