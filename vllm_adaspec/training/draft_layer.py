@@ -6,13 +6,16 @@ Features: f_t, the target's hidden state at position t, the state that predicted
 layer, after the final norm (what the LM head reads and vLLM's runner returns, so the engine takes them from
 verification); for N < L, the residual stream after N layers. Labels: the target's own top-1 after f_{t+1} (what it
 would emit after x_{t+1}): the corpus' (vLLM's) on generated tokens, the prefill's on prompt tokens. Features are
-computed once per data set by a bfloat16 prefill (`feature_cache`), never stored by the corpus.
+computed once per data set by a bfloat16 prefill (`feature_cache`), never stored by the corpus. Several layers
+(EAGLE-3's low / middle / high, the last one L) are concatenated and fused by the layer family's first step into one
+feature (`DraftLayer.inputs`); later draft steps read the layer's own output as before.
 
     layer  (EAGLE):  u_t = W [norm(f_t) ; e(x_{t+1})],  g_t = decoder_layer(u)_t (causal),  q_t = head(norm(g_t))
                      g_t stands for f_{t+1}; a draft step feeds (g_t, its own token) as the next step's input
     mlp    (no attention): s_1 = f_t,  s_{d+1} = s_d + mlp_d([norm(s_d) ; e(x_{t+d})]),  q = head(norm(s_{d+1}))
 
-Training (`train_draft_layer`): cross-entropy of q with the target's argmax, plus (layer) a regression of g_t on
+Training (`train_draft_layer`): q against the target (`LABELS`: its whole next distribution, softmax(head(f_{t+1})),
+as a KL loss; its argmax; its corpus top-k), plus (layer) a regression of g_t on
 f_{t+1} (`reg_weight`); `depth` > 1 unrolls the layer on its own features: at step j the query of position t reads
 g^{(j-1)}_{t-1} (its own prediction of f_t) and attends to the true rows up to t - j + 1 and to the rows of steps
 2..j along its own draft chain (the attention a draft of depth j sees in decoding). The head is the target's LM
