@@ -48,12 +48,6 @@ def unseen_sequences(model: str, per_type: int, offset: int, max_tokens: int) ->
     return out
 
 
-def _layers(text: str):
-    """'0' -> 0; '2+15+30' -> (2, 15, 30): features of several layers, fused."""
-    parts = [int(x) for x in str(text).split("+")]
-    return parts[0] if len(parts) == 1 else tuple(parts)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -76,7 +70,8 @@ def main(argv=None) -> int:
         p.error("--data is needed to train --candidates")
 
     from vllm_adaspec.models import resolve_model
-    from vllm_adaspec.training.draft_layer import (DraftTrainSettings, draft_cost_ratio, load_trained, replay,
+    from vllm_adaspec.training.draft_layer import (DraftTrainSettings, draft_cost_ratio, load_trained,
+                                                   parse_feature_layers, replay,
                                                    train_draft_layer)
 
     model = resolve_model(args.model)
@@ -95,19 +90,18 @@ def main(argv=None) -> int:
     todo = [(c, None) for c in args.checkpoints] + [(None, c) for c in (args.candidates if args.data else [])]
     for folder, cand in todo:
         if folder:
-            m, vocab, family, layers = load_trained(model, folder)
-            n, trained = "+".join(map(str, layers)) if isinstance(layers, tuple) else str(layers), {"curve": []}
-            cand = folder
+            (m, vocab, family, layers), trained, cand = load_trained(model, folder), {"curve": []}, folder
         else:
             family, n, depth = cand.split(":")
+            layers = parse_feature_layers(n)
             st = DraftTrainSettings(model=model, data=args.data, out=str(Path(args.out).parent / f"draft_{cand}"),
-                                    family=family, feature_layer=_layers(n), depth=int(depth), max_tokens=args.max_tokens,
+                                    family=family, feature_layer=layers, depth=int(depth), max_tokens=args.max_tokens,
                                     epochs=args.epochs, labels=args.labels)
             trained = train_draft_layer(st)
             m, vocab = trained.pop("model"), trained.pop("vocab_ids")
         c = draft_cost_ratio(m, family, model)
-        per_type = {t: replay(m, family, vocab, model, s, args.k, _layers(n)) for t, s in seqs.items()}
-        everything = replay(m, family, vocab, model, [x for s in seqs.values() for x in s], args.k, _layers(n))
+        per_type = {t: replay(m, family, vocab, model, s, args.k, layers) for t, s in seqs.items()}
+        everything = replay(m, family, vocab, model, [x for s in seqs.values() for x in s], args.k, layers)
         implied = {k: round(tau / (VERIFY_COST[k] + k * c), 3) for k, tau in everything["tau_by_k"].items()}
         rows.append({"candidate": cand, "train": {k: v for k, v in trained.items() if k != "curve"},
                      "curve": trained["curve"], "draft_cost": round(c, 4), "replay": everything,

@@ -165,7 +165,7 @@ def add_train(sub) -> None:
                                                 "default for --model, seed 0)")
     d.add_argument("--out", required=True, help="checkpoint folder to write")
     d.add_argument("--family", choices=("layer", "mlp"), default="layer")
-    d.add_argument("-N", "--feature-layer", type=_layer_list, default=0,
+    d.add_argument("-N", "--feature-layer", type=_parse_feature_layers, default=0,
                    help="target layers the features come from (0: all); several joined by commas are fused (EAGLE-3: "
                         "low, middle, high), the last one the model's last (not an engine path yet: replay only)")
     d.add_argument("--depth", type=int, default=3, help="draft steps trained on the layer's own outputs")
@@ -263,10 +263,10 @@ def _train_model(name: str) -> str | None:
         return None
 
 
-def _layer_list(text: str):
-    """'0' -> 0, '12' -> 12, '2,15,30' -> (2, 15, 30)."""
-    parts = [int(x) for x in text.split(",")]
-    return parts[0] if len(parts) == 1 else tuple(parts)
+def _parse_feature_layers(text: str):
+    from vllm_adaspec.training.draft_layer import parse_feature_layers
+
+    return parse_feature_layers(text)
 
 
 def cmd_train_draft_layer(args) -> int:
@@ -283,8 +283,7 @@ def cmd_train_draft_layer(args) -> int:
         return 2
     st = DraftTrainSettings(model=model, data=data, out=args.out, family=args.family, feature_layer=args.feature_layer,
                             depth=args.depth, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
-                            max_tokens=args.max_tokens, seed=args.seed,
-                            labels=args.labels or "auto")
+                            max_tokens=args.max_tokens, seed=args.seed, labels=args.labels)
 
     def train(s):
         report = train_draft_layer(s)

@@ -75,11 +75,14 @@ def _acl_papers() -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _summarize(title: str, body: str) -> list[dict]:
+    return _messages(("user", f"Summarize the following part of a research paper titled \"{title}\" in one "
+                              f"paragraph of about 150 words.\n\n{body}"))
+
+
 def load_summarization(n: int | None = None) -> list[list[dict]]:
     """Summarize the first ~700 words of an ACL paper (every 5th paper of aclsum's 250, in file order)."""
-    papers = _acl_papers()[::5]
-    return _first([_messages(("user", f"Summarize the following part of a research paper titled \"{title}\" in one "
-                                      f"paragraph of about 150 words.\n\n{body}")) for title, body in papers], n)
+    return _first([_summarize(title, body) for title, body in _acl_papers()[::5]], n)
 
 
 # --- translation -------------------------------------------------------------------------------------------
@@ -117,16 +120,18 @@ def _hotpotqa() -> tuple[dict, ...]:
 def load_rag(n: int | None = None) -> list[list[dict]]:
     """A HotpotQA question over its ten retrieved passages (two supporting, eight distractors), every 37th record
     of the dev set whose passages fit MAX_DOC_WORDS."""
-    out = []
-    for rec in _hotpotqa()[::37]:
-        passages = [f"[{k + 1}] {title}: {''.join(sents).strip()}" for k, (title, sents) in enumerate(rec["context"])]
-        text = "\n\n".join(passages)
-        if _words(text) > MAX_DOC_WORDS:
-            continue
-        out.append(_messages(("user", f"Answer the question using only the passages below. First quote the sentences "
-                                      f"that support the answer, with their passage numbers, then give the answer."
-                                      f"\n\n{text}\n\nQuestion: {rec['question']}")))
-    return _first(out, n)
+    return _first([p for p in map(_rag_prompt, _hotpotqa()[::37]) if p], n)
+
+
+def _rag_prompt(rec: dict) -> list[dict] | None:
+    """A HotpotQA record as a prompt, None where its passages run past MAX_DOC_WORDS."""
+    passages = [f"[{k + 1}] {title}: {''.join(sents).strip()}" for k, (title, sents) in enumerate(rec["context"])]
+    text = "\n\n".join(passages)
+    if _words(text) > MAX_DOC_WORDS:
+        return None
+    return _messages(("user", f"Answer the question using only the passages below. First quote the sentences "
+                              f"that support the answer, with their passage numbers, then give the answer."
+                              f"\n\n{text}\n\nQuestion: {rec['question']}"))
 
 
 # --- grade-school math (generated) -------------------------------------------------------------------------
@@ -179,9 +184,12 @@ def gsm_problem(seed: int) -> tuple[str, int]:
 
 def load_math(n: int | None = None) -> list[list[dict]]:
     """Generated grade-school word problems (seeds 0, 1, 2, ...), answered step by step."""
-    count = 64 if n is None else n
-    return [_messages(("user", f"Solve this problem step by step. End with the line '#### <answer>'.\n\n"
-                               f"{gsm_problem(seed)[0]}")) for seed in range(count)]
+    return [_solve(seed) for seed in range(64 if n is None else n)]
+
+
+def _solve(seed: int) -> list[dict]:
+    return _messages(("user", f"Solve this problem step by step. End with the line '#### <answer>'.\n\n"
+                              f"{gsm_problem(seed)[0]}"))
 
 
 # --- code editing ------------------------------------------------------------------------------------------
@@ -447,32 +455,23 @@ def training_translation(n: int) -> list[list[dict]]:
 
 def training_summarization() -> list[list[dict]]:
     """The aclsum papers `load_summarization` skips (all but every 5th)."""
-    papers = [p for i, p in enumerate(_acl_papers()) if i % 5]
-    return [_messages(("user", f"Summarize the following part of a research paper titled \"{title}\" in one "
-                               f"paragraph of about 150 words.\n\n{body}")) for title, body in papers]
+    return [_summarize(title, body) for i, (title, body) in enumerate(_acl_papers()) if i % 5]
 
 
 def training_rag(n: int) -> list[list[dict]]:
     """HotpotQA records off `load_rag`'s stride (index not a multiple of 37), as `load_rag` builds them."""
     out = []
     for i, rec in enumerate(_hotpotqa()):
-        if i % 37 == 0:
-            continue
-        passages = [f"[{k + 1}] {title}: {''.join(sents).strip()}" for k, (title, sents) in enumerate(rec["context"])]
-        text = "\n\n".join(passages)
-        if _words(text) > MAX_DOC_WORDS:
-            continue
-        out.append(_messages(("user", f"Answer the question using only the passages below. First quote the sentences "
-                                      f"that support the answer, with their passage numbers, then give the answer."
-                                      f"\n\n{text}\n\nQuestion: {rec['question']}")))
-        if len(out) >= n:
-            break
+        prompt = _rag_prompt(rec) if i % 37 else None
+        if prompt:
+            out.append(prompt)
+            if len(out) >= n:
+                break
     return out
 
 
 def training_math(n: int) -> list[list[dict]]:
-    return [_messages(("user", f"Solve this problem step by step. End with the line '#### <answer>'.\n\n"
-                               f"{gsm_problem(seed)[0]}")) for seed in range(TRAIN_MATH_SEED, TRAIN_MATH_SEED + n)]
+    return [_solve(seed) for seed in range(TRAIN_MATH_SEED, TRAIN_MATH_SEED + n)]
 
 
 def training_code_edit() -> list[list[dict]]:

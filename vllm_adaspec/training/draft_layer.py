@@ -107,6 +107,12 @@ def feature_layers(n, L: int) -> tuple[int, ...]:
     return layers
 
 
+def parse_feature_layers(text: str):
+    """'0' -> 0, '12' -> 12, '2,15,30' or '2+15+30' -> (2, 15, 30): what `feature_layers` takes."""
+    parts = [int(x) for x in str(text).replace("+", ",").split(",")]
+    return parts[0] if len(parts) == 1 else tuple(parts)
+
+
 def _layers_name(layers: tuple[int, ...]) -> str:
     return "+".join(map(str, layers))
 
@@ -219,8 +225,7 @@ def corpus_features(model: str, data: str, n: int, max_tokens: int = 0, progress
         seqs = load_shards(d)
         f, lab, count = feature_cache(model, d, seqs, n, left, progress)
         total = int(seqs.offsets[count])
-        gen = seqs.gen_offsets()
-        parts.append(_first_sequences(seqs, count, gen))
+        parts.append(_first_sequences(seqs, count))
         feats.append(np.asarray(f[:total]))
         labels.append(lab[:total])
         if max_tokens:
@@ -231,11 +236,11 @@ def corpus_features(model: str, data: str, n: int, max_tokens: int = 0, progress
     return seqs, np.concatenate(feats), np.concatenate(labels), len(seqs)
 
 
-def _first_sequences(seqs, count: int, gen: np.ndarray):
+def _first_sequences(seqs, count: int):
     """The first `count` sequences of `seqs`."""
     from vllm_adaspec.training.distill import Sequences
 
-    t, g = int(seqs.offsets[count]), int(gen[count])
+    t, g = int(seqs.offsets[count]), int(seqs.gen_offsets()[count])
     return Sequences(tokens=seqs.tokens[:t], offsets=seqs.offsets[:count + 1], prompt_lens=seqs.prompt_lens[:count],
                      sampled=seqs.sampled[:count], topk_ids=seqs.topk_ids[:g], topk_logp=seqs.topk_logp[:g])
 
@@ -409,9 +414,11 @@ def _losses(model: nn.Module, family: str, feats, tokens, labels, to_sub, depth:
         outs = model.unroll(feats, tokens, depth)
         top = feats[..., -model.s.hidden:]  # the last layer's (fused features end with it)
         nxt = torch.cat([top[:, 1:], top[:, -1:]], 1)  # f_{t+1}
-        if isinstance(soft, str):
+        if isinstance(soft, str):  # the label's log-probabilities and entropy, once for every depth
             with torch.autocast("cpu", enabled=False):
-                dist = torch.softmax(nxt.float() @ model.head.T.float(), -1)  # [B, T, V']
+                logp = torch.log_softmax(nxt.float() @ model.head.T.float(), -1)  # [B, T, V']
+            p = logp.exp()
+            neg_entropy = (p * logp).sum(-1)  # [B, T]
         elif soft is not None:
             sid = to_sub[soft[0].clamp(min=0)].masked_fill(soft[0] < 0, -1)
             sp = soft[1]
@@ -422,8 +429,8 @@ def _losses(model: nn.Module, family: str, feats, tokens, labels, to_sub, depth:
             if soft is None:
                 ce = F.cross_entropy(lg[ok], y[ok])
             elif isinstance(soft, str):  # KL(target || draft): the cross-entropy less the label's entropy (0 at a match)
-                p = dist[:, j - 1:][ok]
-                ce = (p * (torch.log(p.clamp(min=1e-30)) - torch.log_softmax(lg[ok].float(), -1))).sum(-1).mean()
+                logq = torch.log_softmax(lg[ok].float(), -1)
+                ce = (neg_entropy[:, j - 1:][ok] - (p[:, j - 1:][ok] * logq).sum(-1)).mean()
             else:
                 ce = _soft_ce(lg[ok], sid[:, j - 1:][ok], sp[:, j - 1:][ok])
             loss = loss + ce + reg * F.smooth_l1_loss(g[:, j - 1:-1], nxt[:, j - 1:-1])
