@@ -102,11 +102,10 @@ def draft_layer_chains(model: str, folder: str, records: list[dict], depth: int 
 
     layer, vocab = load_draft_layer(model, folder)
     layer.vocab = torch.as_tensor(vocab, dtype=torch.long)  # (chain_drafts feeds tokens back in full ids)
-    n_layers = json.load(open(f"{model}/config.json"))["num_hidden_layers"]
     with torch.inference_mode():
         for rec in records:
             ids = np.asarray(rec["prompt"] + rec["output"])
-            f, _ = target_features(model, n_layers, ids)
+            f, _ = target_features(model, layer.feature_layers, ids)
             feats = torch.from_numpy(f.astype(np.float32))
             x = torch.from_numpy(np.concatenate([ids[1:], ids[-1:]]).astype(np.int64))  # [T] x_{t+1}
             chains = chain_drafts(layer, "layer", feats, x, depth)  # [T, depth]: row t guesses x_{t+2} on

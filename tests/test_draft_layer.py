@@ -191,6 +191,33 @@ def test_fused_features_start_as_the_last_layer_alone_and_share_its_cache(tiny_l
         build("layer", tiny_llama, vocab, 2, (4, 2))
 
 
+def test_a_fused_layer_saves_as_an_exit_head_that_drafts_the_same(tiny_llama, corpus, tmp_path):
+    """A layer on fused features is written as the exit head EarlyExitProposer loads (its depths in the meta, the
+    per-depth norms and the fuse map with the layer): loaded back, it drafts what was trained."""
+    from vllm_adaspec.heads import load_exit_head
+    from vllm_adaspec.training.draft_layer import DraftTrainSettings, _config, _save_as_exit_head, load_draft_layer
+
+    torch.manual_seed(0)
+    vocab = np.arange(300)
+    m = build("layer", tiny_llama, vocab, 2, (2, 4))
+    with torch.no_grad():
+        for p in (m.fuse.weight, m.part_norm, m.fc.weight, m.layer.self_attn.o_proj.weight):
+            p.add_(0.05 * torch.randn_like(p))
+        for p in m.parameters():  # (checkpoints are bfloat16; the embedding and head rows are the target's)
+            if p.requires_grad:
+                p.copy_(p.to(torch.bfloat16))
+    st = DraftTrainSettings(model=tiny_llama, data=str(corpus[0]), out=str(tmp_path / "head"), feature_layer=(2, 4))
+    _save_as_exit_head(st, _config(tiny_llama), m, vocab, (2, 4))
+    meta, _ = load_exit_head(st.out, tensors=False)
+    assert meta["feature_layers"] == [2, 4] and meta["input"] == "features" and meta["exit_layer"] == 4
+    back, vocab2 = load_draft_layer(tiny_llama, st.out)
+    assert back.feature_layers == (2, 4) and np.array_equal(vocab, vocab2)
+    f, x = torch.randn(1, 12, 256), torch.randint(0, 300, (1, 12))
+    with torch.no_grad():
+        for a, b in zip(m.unroll(f, x, 2), back.unroll(f, x, 2)):
+            torch.testing.assert_close(m.logits(a), back.logits(b))
+
+
 @pytest.mark.parametrize("family", ["layer", "mlp"])
 def test_both_families_learn_the_targets_next_tokens(tiny_llama, corpus, tmp_path, family):
     from vllm_adaspec.training.draft_layer import DraftTrainSettings, replay, train_draft_layer

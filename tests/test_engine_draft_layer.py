@@ -1,12 +1,10 @@
 """EarlyExitProposer with the shipped draft layer (an exit head on all of SmolLM2's layers that reads the target's
-final hidden state: training/draft_layer.py, engine/drafting.py `feed`), end to end: greedy output equals plain
+features: its final hidden state and, fused with it, the residual streams after some earlier layers, which vLLM returns
+from the forward as EAGLE-3's auxiliary hidden states: training/draft_layer.py, engine/drafting.py `feed`), end to
+end in vLLM's default compiled mode (the auxiliary outputs are part of the compiled graph): greedy output equals plain
 decoding on the mixed batch (prefills, prefix caching) and on its next turn, and the engine's drafts are the torch
 reference's: rounds and acceptance equal a torch replay of the same layer on the same text (a feature read one row
-off, or a KV row fed from the wrong feature, drafts garbage).
-
-Eager: the draft layer adds nothing to the target's compiled graph (it reads the forward's output and runs eagerly in
-either mode), and a compiled engine costs the suite ~3 minutes; the compiled path of the target with a drafter is
-test_engine_trees.py's, and the draft layer's compiled runs are RESULTS' bench (every output identical)."""
+off, a depth missing or out of order, or a KV row fed from the wrong feature, drafts garbage)."""
 
 import pytest
 
@@ -31,7 +29,8 @@ def test_draft_layer_is_lossless_and_drafts_what_a_torch_replay_predicts(smollm2
 
     from vllm_adaspec.training.draft_layer import load_draft_layer
 
-    spec = {**ENGINE, "speculative_config": {"model": SPEC, "num_speculative_tokens": K},
+    engine = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}  # vLLM's default: compiled
+    spec = {**engine, "speculative_config": {"model": SPEC, "num_speculative_tokens": K},
             # K drafts every round (no cost model, fixed length): the replay's chains of K
             "additional_config": {"adaspec": {"exit_head": draft_layer_folder(), "cost_model": "off",
                                               "policy": "fixed"}}}
@@ -49,6 +48,7 @@ def test_draft_layer_is_lossless_and_drafts_what_a_torch_replay_predicts(smollm2
         assert len(ids) == plen
         seqs.append((plen, ids + list(out)))
     layer, vocab = load_draft_layer(smollm2, draft_layer_folder())
+    assert len(layer.feature_layers) > 1  # the shipped layer fuses several depths: the auxiliary path is tested
     rounds, accepted = reference_rounds(smollm2, layer, vocab, seqs)
     engine_rounds = sum(st["round_lengths"][1:])
     # the engine's rounds are the reference's (K drafts from the same text), up to float32 noise between vLLM's
@@ -74,7 +74,7 @@ def reference_rounds(model_dir, layer, vocab, seqs) -> tuple[int, int]:
     rounds = accepted = 0
     for plen, ids in seqs:
         ids = np.asarray(ids)
-        f, _ = target_features(model_dir, 30, ids)
+        f, _ = target_features(model_dir, layer.feature_layers, ids)
         x = torch.from_numpy(np.concatenate([ids[1:], ids[-1:]]).astype(np.int64))
         drafts = layer.vocab[chain_drafts(layer, "layer", torch.from_numpy(f.astype(np.float32)), x, K)].numpy()
         c = plen + 1  # committed tokens after the prefill

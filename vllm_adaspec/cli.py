@@ -86,6 +86,9 @@ def add_distill(sub) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode (default: compiled, as vLLM)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="the target's dtype while it writes (default: vLLM's, the checkpoint's)")
+    p.add_argument("--kv-cache-gib", type=float, default=0.0,
+                   help="the engine's KV cache in GiB (default: room for a shard's sequences, at most half the free "
+                        "memory; set it to run several distillations side by side)")
     p.set_defaults(func=cmd_distill)
 
 
@@ -103,6 +106,9 @@ def cmd_distill(args) -> int:
         print("adaspec distill: --tokens, --max-tokens, --prompts-per-shard and --top-k-logprobs must be >= 1",
               file=sys.stderr)
         return 2
+    if not args.kv_cache_gib >= 0:
+        print(f"adaspec distill: --kv-cache-gib must be >= 0 (0: automatic); got {args.kv_cache_gib}", file=sys.stderr)
+        return 2
     try:
         model = resolve_model(args.model)
     except ValueError as e:
@@ -111,7 +117,8 @@ def cmd_distill(args) -> int:
     out = args.out or default_distill_dir(args.model, args.seed)
     settings = DistillSettings(model=model, tokens=args.tokens, seed=args.seed, max_tokens=args.max_tokens,
                                prompts_per_shard=args.prompts_per_shard, source=args.source,
-                               top_k_logprobs=args.top_k_logprobs, eager=args.enforce_eager, dtype=args.dtype)
+                               top_k_logprobs=args.top_k_logprobs, eager=args.enforce_eager, dtype=args.dtype,
+                               kv_cache_gib=args.kv_cache_gib)
     try:
         summary = generate_distill_data(settings, out)
     except ValueError as e:  # settings clash with existing data in --out
@@ -167,7 +174,8 @@ def add_train(sub) -> None:
     d.add_argument("--family", choices=("layer", "mlp"), default="layer")
     d.add_argument("-N", "--feature-layer", type=_parse_feature_layers, default=0,
                    help="target layers the features come from (0: all); several joined by commas are fused (EAGLE-3: "
-                        "low, middle, high), the last one the model's last (not an engine path yet: replay only)")
+                        "low, middle, high), the last one the model's last. A layer-family draft whose features end with the "
+                        "last layer is written as an exit head EarlyExitProposer loads; others serve the replay only")
     d.add_argument("--depth", type=int, default=3, help="draft steps trained on the layer's own outputs")
     d.add_argument("--draft-vocab", type=int, default=8192)
     d.add_argument("--epochs", type=float, default=1.0)

@@ -24,6 +24,9 @@ class Needs:
     verified_logits: int = 0  # > 0: the top-k of the target's logits at every verified row (k = this)
     trees: bool = False  # plans may be token trees (tree-mask attention, tree sampler, KV compaction)
     forward_rows: bool = False  # every row of the step's forward: its final hidden state, token and position
+    # target layers whose residual streams the forward returns too (vLLM's auxiliary hidden states): forward rows'
+    # features are then [those streams ; the final hidden state], in this order
+    aux_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,8 @@ class Taps:
 class ForwardRows:
     """Every row of the step's forward (Needs.forward_rows), in the forward's order: requests in batch order, a
     request's rows contiguous from query_start[i] (host [B + 1]). hidden [N, H] final-normed; input_ids, positions:
-    the runner's buffers (their first N rows are the forward's)."""
+    the runner's buffers (their first N rows are the forward's). With Needs.aux_layers, hidden is [N, (n + 1) * H]:
+    the residual streams after those layers, then the final-normed state."""
     hidden: object
     input_ids: object
     positions: object

@@ -14,7 +14,11 @@ A draft layer (`"input": "features"` in the checkpoint: training/draft_layer.py)
 target's final-normed hidden state instead: its input at position p is fc([norm(f_{p-1}) ; embed(x_p)]), f_{p-1}
 being the target's feature of the token before. No hook runs in the target's forward: at each propose call the
 drafter writes its KV for the tokens the step committed, from the forward's own hidden states (engine/drafting.py
-`feed`), then drafts with each step's output as the next step's feature.
+`feed`), then drafts with each step's output as the next step's feature. A layer trained on fused features
+(`"feature_layers"`: EAGLE-3's low / middle / high depths, then L) reads, for a committed token, the residual streams
+after those layers beside the final state: vLLM's model returns them from the same forward as EAGLE-3's auxiliary
+hidden states (engine/runner_hooks.py asks for them before the graph compiles), each is normed and the fuse map
+makes one feature of them.
 """
 
 from __future__ import annotations
@@ -143,7 +147,18 @@ class TrainedExit:
         self.head_rows = self.head_rows.to(_head_dtype(self.head_rows))
         self.layer_names = [layer.self_attn.attn.layer_name for layer in self.layers]
         self.reads_features = meta.get("input") == "features"
+        # a draft layer on several depths (EAGLE-3's fused features): the residual streams of these target layers
+        # come with every forward (vLLM's auxiliary hidden states), before the last layer's final-normed state
+        self.aux_layers, self.feature_width = (), hf.hidden_size
         if self.reads_features:
+            layers = tuple(meta.get("feature_layers", [num_layers]))
+            if list(layers) != sorted(set(layers)) or not 1 <= layers[0] or layers[-1] != num_layers:
+                raise AdaspecConfigError(f"vllm_adaspec: exit head {folder} reads features of layers {list(layers)}; "
+                                         f"they must rise from 1 or more to the last ({num_layers})")
+            self.aux_layers, self.feature_width = layers[:-1], hf.hidden_size * len(layers)
+            if self.aux_layers:
+                self.part_norm = tensors["input.part_norm.weight"].to(device, dtype)  # [n, H]
+                self.fuse_weight = tensors["input.fuse.weight"].to(device, dtype)  # [H, n * H]
             self.fc_weight = tensors["input.fc.weight"].to(device, dtype)  # [H, 2H]
             self.feat_norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps).to(device=device, dtype=dtype)
             self.feat_norm.weight.data.copy_(tensors["input.feat_norm.weight"].to(dtype))
@@ -174,7 +189,13 @@ class TrainedExit:
 
     def input_rows(self, features: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """A draft layer's input: features [B, H] (the target's final-normed state of the token before, or the
-        layer's own output for a drafted one), embeds [B, H] (the token's embedding) -> [B, H]."""
+        layer's own output for a drafted one) or [B, n * H] (the target's features at n depths: each normed, then
+        fused), embeds [B, H] (the token's embedding) -> [B, H]."""
+        if features.shape[-1] != embeds.shape[-1]:
+            parts = features.unflatten(-1, (len(self.part_norm), -1)).float()  # [B, n, H]
+            parts = (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.feat_norm.variance_epsilon))
+            features = torch.nn.functional.linear(parts.to(embeds.dtype).flatten(-2) * self.part_norm.flatten(),
+                                                  self.fuse_weight)
         return torch.nn.functional.linear(torch.cat([self.feat_norm(features), embeds], -1), self.fc_weight)
 
     def run_layers(self, positions, hidden, residual):

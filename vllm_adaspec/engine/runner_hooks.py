@@ -23,6 +23,16 @@ def install(runner, drafter, port) -> None:
     keep_hidden = needs.target_hidden
     keep_rows = needs.forward_rows
     step = {"proposed": False}
+    if needs.aux_layers:
+        # vLLM returns the residual streams after some layers for EAGLE-3 drafters only: asked for here, after the
+        # model loaded and before its first forward (which compiles the graph, outputs included)
+        if not hasattr(runner.model, "set_aux_hidden_state_layers"):
+            from vllm_adaspec.config import AdaspecConfigError
+
+            raise AdaspecConfigError(f"vllm_adaspec: {type(runner.model).__name__} cannot return the hidden states of "
+                                     f"layers {list(needs.aux_layers)} that the draft layer reads")
+        runner.model.set_aux_hidden_state_layers(needs.aux_layers)
+        runner.use_aux_hidden_state_outputs = True
 
     def propose_with_feedback(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                               sample_hidden_states, aux_hidden_states, spec_decode_metadata, *rest, **kw):
@@ -30,7 +40,9 @@ def install(runner, drafter, port) -> None:
         if keep_hidden:
             port.taps.hidden = sample_hidden_states
         if keep_rows and rest:  # rest[0]: the forward's attention layout (vLLM's CommonAttentionMetadata)
-            port.taps.forward = ForwardRows(hidden_states, runner.input_ids.gpu, runner.positions,
+            # (vLLM keeps the auxiliary states in ascending layer order, the order the draft layer reads them)
+            feats = torch.cat([*aux_hidden_states, hidden_states], -1) if needs.aux_layers else hidden_states
+            port.taps.forward = ForwardRows(feats, runner.input_ids.gpu, runner.positions,
                                             rest[0].query_start_loc_cpu.numpy().copy())
         port.verified_rows = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
         return propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,

@@ -81,7 +81,7 @@ class EarlyExitDrafter(Drafter):
         self.pass_prior = min(1.0, layers / self.vllm_config.model_config.hf_text_config.num_hidden_layers
                               + PASS_OVERHEAD)
         if self.prefix.reads_features:  # a draft layer: its KV is fed from every forward's rows (feed)
-            self.needs = replace(self.needs, forward_rows=True)
+            self.needs = replace(self.needs, forward_rows=True, aux_layers=self.prefix.exit.aux_layers)
             self._can_pause_feed = True  # its feed is eager code of ours in either mode
         if self.tree is not None and self.tree.builder == "c2t":
             from vllm_adaspec.heads.c2t import load_c2t
@@ -159,9 +159,10 @@ class EarlyExitDrafter(Drafter):
         for j, (i, _) in enumerate(ends):
             self._carry[view.req_ids[i]] = last[j]
 
-    def _carried(self, view: BatchView, rows: list[int], like: torch.Tensor) -> torch.Tensor:
-        """[R, H] each row's carried feature (zeros before its first forward), in `like`'s dtype and device."""
-        zero = like.new_zeros(like.shape[-1])
+    def _carried(self, view: BatchView, rows: list[int], like: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """[R, W] each row's carried feature (zeros of `width`, default like's last, before its first forward), in
+        `like`'s dtype and device."""
+        zero = like.new_zeros(width or like.shape[-1])
         return torch.stack([self._carry.get(view.req_ids[i], zero) for i in rows])
 
     def on_step(self, scheduled: dict, pure: bool) -> None:
@@ -252,7 +253,7 @@ class EarlyExitDrafter(Drafter):
         entries = list(range(len(rows)))  # index into rows/budgets/policies for each active request
         feats = None
         if self.prefix.reads_features:  # a draft layer: the first step reads each request's carried feature
-            feats = self._carried(view, rows, self.prefix.exit.feat_norm.weight)  # [B, H]
+            feats = self._carried(view, rows, self.prefix.exit.feat_norm.weight, self.prefix.exit.feature_width)
         for depth in range(1, max(budgets) + 1):
             t_pass = time.perf_counter()
             hidden, residual = self.prefix.forward(blocks, tokens, positions, max_seq_len, features=feats)

