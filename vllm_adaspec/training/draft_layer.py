@@ -770,7 +770,8 @@ def draft_cost_ratio(model: nn.Module, family: str, model_dir: str, context: int
             for layer in stack.layers:
                 a = layer.self_attn
                 z = rms_norm(y, layer.input_layernorm.weight, s.eps)
-                q, k_, v = a.q_proj(z), a.k_proj(z), a.v_proj(z)
+                q = a.q_proj(z)
+                a.k_proj(z), a.v_proj(z)  # (their cost, not their values)
                 y = y + a.o_proj(q)
                 z = rms_norm(y, layer.post_attention_layernorm.weight, s.eps)
                 y = y + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(z)) * layer.mlp.up_proj(z))
