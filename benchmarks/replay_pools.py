@@ -91,38 +91,39 @@ def medusa_tops(model: str, folder: str, records: list[dict], width: int = 10) -
             rec["medusa"] = (vocab[i].numpy(), p.numpy())
 
 
-def draft_layer_chains(model: str, folder: str, records: list[dict], depth: int = 3) -> None:
+def draft_layer_trees(model: str, folder: str, records: list[dict], widths: tuple[int, ...] = (1, 1, 1)) -> None:
     """Per record, what a draft layer (EarlyExitProposer's, an exit head that reads features) drafts at each step g
-    (root out[g - 1], or the prompt's last token): rec["draft"] = (ids [G, depth] its greedy chain, full vocabulary
-    ids; probs [G] its first draft's probability under the layer). Plain torch, float32, teacher-forced: the layer's
-    KV holds the target's true features of every committed token, as the engine's feed writes them."""
+    (root out[g - 1], or the prompt's last token): rec["draft"][g] = [(ids [n_j] full vocabulary ids, probs [n_j]
+    given the parent) per depth j], a tree from the layer's top-k (`tree_drafts`: widths (1, 1, 1) is its greedy
+    chain of 3). Plain torch, float32, teacher-forced: the layer's KV holds the target's true features of every
+    committed token, as the engine's feed writes them."""
     import torch
 
-    from vllm_adaspec.training.draft_layer import chain_drafts, load_draft_layer, target_features
+    from vllm_adaspec.training.draft_layer import load_draft_layer, target_features, tree_drafts
 
     layer, vocab = load_draft_layer(model, folder)
-    layer.vocab = torch.as_tensor(vocab, dtype=torch.long)  # (chain_drafts feeds tokens back in full ids)
+    layer.vocab = torch.as_tensor(vocab, dtype=torch.long)  # (drafts are fed back in full ids)
     with torch.inference_mode():
         for rec in records:
             ids = np.asarray(rec["prompt"] + rec["output"])
             f, _ = target_features(model, layer.feature_layers, ids)
             feats = torch.from_numpy(f.astype(np.float32))
             x = torch.from_numpy(np.concatenate([ids[1:], ids[-1:]]).astype(np.int64))  # [T] x_{t+1}
-            chains = chain_drafts(layer, "layer", feats, x, depth)  # [T, depth]: row t guesses x_{t+2} on
-            first = layer.logits(layer.attend(layer.inputs(feats[None], x[None]), torch.arange(len(ids))[None], [],
-                                              None)[0])[0].softmax(-1).max(-1).values  # [T]
-            # step g's root is ids[P + g - 1]: its drafts are the row before it (P: the prompt's length)
-            rows = np.arange(len(rec["prompt"]) - 2, len(ids) - 2)
-            rec["draft"] = (vocab[chains[rows].numpy()], first[rows].numpy())
+            levels = [(vocab[i.numpy()], q.numpy()) for i, q in tree_drafts(layer, feats, x, widths)]
+            # step g's root is ids[P + g - 1]: its drafts start at the row before it (P: the prompt's length)
+            rec["draft"] = [[(i[t], q[t]) for i, q in levels] for t in range(len(rec["prompt"]) - 2, len(ids) - 2)]
+    for rec in records:
+        rec["draft_widths"] = widths
 
 
-def propose_draft_layer(ids: np.ndarray, first_prob: float) -> Candidates:
-    """The draft layer's chain as one pool's candidates (its first node's probability under the layer; deeper nodes
-    a flat guess the online calibration corrects per depth), evidence = depth."""
+def propose_draft_layer(levels: list, widths: tuple[int, ...]) -> Candidates:
+    """The draft layer's tree (draft_layer_trees) as one pool's candidates, each node's probability given its parent
+    the layer's (the online calibration corrects it per depth), evidence = depth."""
     c = Candidates(pool="draft")
-    parent = -1
-    for d, tok in enumerate(ids.tolist()):
-        parent = c.add(parent, tok, float(first_prob) if d == 0 else 0.5, d + 1)
+    prev: list[int] = []
+    for j, (ids, probs) in enumerate(levels):
+        prev = [c.add(prev[b // widths[j]] if j else -1, tok, float(q), j + 1)
+                for b, (tok, q) in enumerate(zip(ids.tolist(), probs.tolist()))]
     return c
 
 
@@ -161,7 +162,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
     record: append (features [n, F], accepted [n]) of every trie node (labels for all of them: the replay knows
     the continuation). classifier: rank the trie's nodes by a pool-node classifier instead of path probability.
     draft_cost: what the draft layer's passes and KV upkeep add to every step, relative to a plain step ("draft"
-    pool: the records' rec["draft"], draft_layer_chains)."""
+    pool: the records' rec["draft"], draft_layer_trees)."""
     from vllm_adaspec.pools.corpus import propose_corpus
     from vllm_adaspec.pools.medusa import MAX_NODES, propose_medusa, sparse_tree
     from vllm_adaspec.pools.suffix import SuffixPool
@@ -194,7 +195,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
                 tree = trees.get(budget) or trees.setdefault(budget, sparse_tree(medusa_acc, min(budget, MAX_NODES)))
                 cands.append(propose_medusa(tree, rec["medusa"][0][g], rec["medusa"][1][g]))
             if "draft" in pools:
-                cands.append(propose_draft_layer(rec["draft"][0][g], rec["draft"][1][g]))
+                cands.append(propose_draft_layer(rec["draft"][g], rec["draft_widths"]))
             if vllm_suffix:  # vLLM's `suffix` method: the path mode of the same cache at its defaults
                 d = suffix.cache.speculate(rid, np.asarray(context[-24:], dtype=np.int32), max_spec_tokens=budget,
                                            max_spec_factor=1.0, min_token_prob=0.1, use_tree_spec=False)
@@ -303,6 +304,9 @@ def main() -> None:
     ap.add_argument("--offset", type=int, default=0, help="first prompt of each dataset (unseen ones: 7)")
     ap.add_argument("--draft-layer", default=None, help="the \"draft\" pool's draft layer (an exit head folder "
                     "that reads features; default: the shipped one for the model)")
+    ap.add_argument("--draft-widths", default="1,1,1",
+                    help="the draft pool's tree: children per node at each depth from the layer's top-k (1,1,1: its "
+                         "greedy chain of 3; 3,2,1: 3 + 6 + 6 nodes)")
     ap.add_argument("--draft-cost", type=float, default=0.25,
                     help="what the draft pool adds to every step over a plain step's time (passes + KV upkeep)")
     ap.add_argument("--cost", default=None, help='JSON {rows: relative step time}, e.g. \'{"1": 1.0, "9": 1.5}\'')
@@ -354,8 +358,8 @@ def main() -> None:
         if "draft" in used:
             from vllm_adaspec.heads import SHIPPED_DIR
 
-            draft_layer_chains(model, args.draft_layer or f"{SHIPPED_DIR}/{Path(model).name.lower()}-draft-layer",
-                               refs[ds])
+            draft_layer_trees(model, args.draft_layer or f"{SHIPPED_DIR}/{Path(model).name.lower()}-draft-layer",
+                              refs[ds], tuple(int(w) for w in args.draft_widths.split(",")))
     if args.node_classifier:
         return compare_node_classifier(args, refs, sets[0], cost, vocab, corpus, medusa_acc)
     for ds, pools, b in itertools.product(args.datasets, sets, args.budgets):

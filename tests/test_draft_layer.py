@@ -57,6 +57,35 @@ def test_batched_chains_equal_chains_drafted_one_step_at_a_time(layer):
             assert got[start].tolist() == want, (start, got[start].tolist(), want)
 
 
+def test_a_draft_tree_from_top_k_holds_the_chain_and_branches_like_it(layer):
+    """tree_drafts: the all-first-children path is the greedy chain; a node's children are what a chain drafts from
+    it (its second child's subtree is the chain fed that token); probabilities are the layer's, best first."""
+    from vllm_adaspec.training.draft_layer import tree_drafts
+
+    g = torch.Generator().manual_seed(2)
+    t, h = 12, layer.s.hidden
+    feats, tokens = torch.randn(t, h, generator=g), torch.randint(0, 300, (t,), generator=g)
+    layer.vocab = torch.arange(300)
+    chain = chain_drafts(layer, "layer", feats, tokens, 3)
+    assert all(torch.equal(ids[:, 0], chain[:, j]) for j, (ids, _) in enumerate(tree_drafts(layer, feats, tokens,
+                                                                                              (1, 1, 1))))
+    (i1, p1), (i2, p2), (i3, p3) = tree_drafts(layer, feats, tokens, (2, 2, 1))
+    assert i1.shape == (t, 2) and i2.shape == (t, 4) and i3.shape == (t, 4)
+    ok = slice(0, t - 2)  # starts with all three depths inside the sequence
+    assert torch.equal(i1[:, 0], chain[:, 0]) and torch.equal(i2[ok, 0], chain[ok, 1]) and torch.equal(i3[ok, 0],
+                                                                                                       chain[ok, 2])
+    assert (p1[:, 0] >= p1[:, 1]).all() and (p2[ok, 0] >= p2[ok, 1]).all() and (p1.sum(1) <= 1 + 1e-6).all()
+    # the second depth-1 child's first child, drafted one step at a time from that token
+    with torch.no_grad():
+        pos = torch.arange(t)[None]
+        g1, kv = layer.attend(layer.inputs(feats[None], tokens[None]), pos, [], None)
+        for start in range(t - 2):
+            keys = (kv[0][:, :, :start + 1], kv[1][:, :, :start + 1])
+            u = layer.inputs(g1[:, start:start + 1], i1[start:start + 1, 1][None])
+            g2, _ = layer.attend(u, torch.tensor([[start + 1]]), [keys], torch.ones(1, start + 2, dtype=torch.bool))
+            assert int(layer.logits(g2[0, 0]).argmax()) == int(i2[start, 2]), start
+
+
 def _corpus(folder, model, sequences=24, prompt=8, length=48, seed=0):
     """A corpus in `adaspec distill`'s layout: random prompts over 300 tokens, each continued greedily by the target
     (as `adaspec distill` has the target write its own text)."""

@@ -704,6 +704,40 @@ def chain_drafts(model: nn.Module, family: str, feats: torch.Tensor, tokens: tor
     return out
 
 
+@torch.no_grad()
+def tree_drafts(model: "DraftLayer", feats: torch.Tensor, tokens: torch.Tensor, widths: tuple[int, ...]) -> list:
+    """From every position t of one sequence (as chain_drafts), a tree of drafts from the layer's top-k: each node at
+    depth j has the top widths[j] tokens of the layer (fed its parent's own output and token) as children, as EarlyExit
+    would draft it with trees. Returns per depth j (ids [T, n_j], probs [T, n_j]) in draft-vocabulary indices,
+    n_j = widths[0] * ... * widths[j-1]: node b's parent at depth j - 1 is b // widths[j-1]; probs are each node's
+    probability given its parent under the layer. widths (1, 1, ...) is chain_drafts."""
+    t = feats.shape[0]
+    pos = torch.arange(t)[None]
+    g, kv = model.attend(model.inputs(feats[None], tokens[None]), pos, [], None)
+    p, ids = model.logits(g)[0].float().softmax(-1).topk(widths[0], -1)  # [T, w], position-indexed
+    # each branch: (its output g [1, T, H] and token [T] by position, its chain's keys, conditional probs by position)
+    branches = [(g, ids[:, i], [kv]) for i in range(widths[0])]
+    out = [(ids, p)]
+    for j, w in enumerate(widths[1:], start=2):
+        level_ids, level_p, grown = [], [], []
+        for g, cur, keys in branches:  # step j at position p reads step j-1's output at p - 1 and its token there
+            prev_g = torch.cat([g[:, :1], g[:, :-1]], 1)
+            prev_tok = torch.cat([cur[:1], cur[:-1]])
+            g2, kv = model.attend(model.inputs(prev_g, model.vocab[prev_tok][None]), pos, keys,
+                                  ttt_mask(t, j, feats.device))
+            p2, ids2 = model.logits(g2)[0].float().softmax(-1).topk(w, -1)  # [T, w] by position p
+            for i in range(w):
+                grown.append((g2, ids2[:, i], keys + [kv]))
+            # by chain start s = p - j + 1 (rows past the sequence's end: zeros)
+            a, b = torch.zeros(t, w, dtype=torch.long), torch.zeros(t, w)
+            a[:t - j + 1], b[:t - j + 1] = ids2[j - 1:], p2[j - 1:]
+            level_ids.append(a)
+            level_p.append(b)
+        branches = grown
+        out.append((torch.cat(level_ids, 1), torch.cat(level_p, 1)))
+    return out
+
+
 def replay(model: nn.Module, family: str, vocab_ids: np.ndarray, model_dir: str, sequences: list[tuple[int, list]],
            k: int = 5, feature_layer: int = 0) -> dict:
     """sequences: [(prompt length, prompt + greedy continuation ids)] of unseen prompts. From every position of each
