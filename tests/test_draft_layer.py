@@ -3,6 +3,8 @@ the training-time test's attention is a draft chain's, so the replay's batched c
 at a time with each step's own keys; both families train (loss down, held-out agreement up) on a corpus the target
 wrote."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -270,3 +272,24 @@ def test_both_families_learn_the_targets_next_tokens(tiny_llama, corpus, tmp_pat
     assert res["positions"] == 2 * 39 and len(res["accept_at_depth"]) == 3
     a = res["accept_at_depth"]
     assert a[0] >= a[1] >= a[2] and res["tau_by_k"][1] == pytest.approx(1 + a[0], abs=0.35), res
+
+
+def test_training_goes_on_from_a_checkpoint_it_wrote(tiny_llama, corpus, tmp_path):
+    """`init` starts from a checkpoint's weights and draft vocabulary: before its first step the second run agrees
+    with the target exactly as the first ended (same held-out split), and a checkpoint of another shape is refused."""
+    from vllm_adaspec.heads import load_exit_head
+    from vllm_adaspec.training.draft_layer import DraftTrainSettings, train_draft_layer
+
+    data, _ = corpus
+    st = DraftTrainSettings(model=tiny_llama, data=str(data), out=str(tmp_path / "a"), feature_layer=(2, 4), depth=2,
+                            draft_vocab=400, epochs=4, lr=3e-3, batch_tokens=1024, holdout_every=6, amp=False)
+    first = train_draft_layer(st, progress=False, log=lambda *a: None)
+    assert first["agreement_after"] != first["agreement_before"]  # it trained: the warm start has something to keep
+    go_on = replace(st, out=str(tmp_path / "b"), init=st.out, draft_vocab=50, epochs=1)
+    second = train_draft_layer(go_on, progress=False, log=lambda *a: None)
+    # (checkpoints are bfloat16: a near-tie may flip)
+    assert second["agreement_before"] == pytest.approx(first["agreement_after"], abs=0.02), (first, second)
+    vocab_a = load_exit_head(st.out)[1]["draft_vocab"]
+    assert torch.equal(load_exit_head(go_on.out)[1]["draft_vocab"], vocab_a) and len(vocab_a) == 400
+    with pytest.raises(ValueError, match="layers"):
+        train_draft_layer(replace(go_on, feature_layer=0, out=str(tmp_path / "c")), progress=False)

@@ -9,20 +9,22 @@ import numpy as np
 import torch
 
 from vllm_adaspec.proposers.early_exit import EarlyExitDrafter, EarlyExitStats
+from vllm_adaspec.step import ForwardRows
 
 
 class FakePrefix:
     reads_features = True
 
     def __init__(self):
-        self.exit = SimpleNamespace(feeding=True)
+        self.exit = SimpleNamespace(feeding=True, feature_width=4)
         self.fed = []
 
     def ensure_attached(self):
         pass
 
-    def feed(self, rows, counts, first, hidden, input_ids, positions, batch_rows, max_seq_len):
+    def feed(self, rows, counts, first, feats, input_ids, positions, batch_rows, max_seq_len):
         self.fed.append((rows.tolist(), list(counts), first.clone(), batch_rows.tolist()))
+        self.feats = feats.clone()
 
 
 def drafter():
@@ -37,8 +39,8 @@ def step(d, sampled, num_tokens, sched, drafted):
     """One propose call's observe: requests "a", "b" with `sched` rows each in the forward; hidden row r = r."""
     qs = np.concatenate([[0], np.cumsum(sched)])
     n = int(qs[-1])
-    fwd = SimpleNamespace(query_start=qs, hidden=torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 4),
-                          input_ids=torch.arange(n), positions=torch.arange(n))
+    fwd = ForwardRows(parts=(torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 4),),
+                      input_ids=torch.arange(n), positions=torch.arange(n), query_start=qs)
     view = SimpleNamespace(req_ids=["a", "b"], sampled=sampled, num_tokens=np.array(num_tokens))
     outcomes = {i: SimpleNamespace(drafted=k, tree=False) for i, k in enumerate(drafted)}
     d.observe(view, outcomes, SimpleNamespace(forward=fwd))
@@ -68,6 +70,25 @@ def test_a_primed_row_from_an_older_call_or_another_position_is_run():
     step(d, sampled=[[5], [7]], num_tokens=[11, 30], sched=[1, 1], drafted=[1, 0])
     ((rows, counts, _, _),) = d.prefix.fed
     assert rows == [0, 1] and counts == [1, 1] and d.stats.feed_rows_reused == 0
+
+
+def test_a_committed_row_reads_the_features_of_the_row_before_it_at_every_depth():
+    d = drafter()
+    d.prefix.exit.feature_width = 8  # two depths of width 4, joined
+    d._steps = 2
+    qs = np.array([0, 3, 4])
+    low, top = torch.arange(4.0)[:, None].repeat(1, 4), 100 + torch.arange(4.0)[:, None].repeat(1, 4)
+    fwd = ForwardRows(parts=(low, top), input_ids=torch.arange(4), positions=torch.arange(10, 14), query_start=qs)
+    view = SimpleNamespace(req_ids=["a", "b"], sampled=[[5, 6, 7], [8]], num_tokens=np.array([14, 30]))
+    d.observe(view, {0: SimpleNamespace(drafted=2, tree=False), 1: SimpleNamespace(drafted=0, tree=False)},
+              SimpleNamespace(forward=fwd))
+    ((rows, counts, first, _),) = d.prefix.fed
+    assert rows == [0, 1, 2, 3] and counts == [3, 1]
+    # rows 1, 2 of "a" read rows 0, 1: both depths, low first; a request's first row is replaced by the feed
+    assert d.prefix.feats[1].tolist() == [0.0] * 4 + [100.0] * 4
+    assert d.prefix.feats[2].tolist() == [1.0] * 4 + [101.0] * 4
+    assert first.shape == (2, 8) and first.abs().sum() == 0  # nothing carried yet: zeros of the joined width
+    assert d._carry["a"].tolist() == [2.0] * 4 + [102.0] * 4 and d._carry["b"].tolist() == [3.0] * 4 + [103.0] * 4
 
 
 def test_the_feed_pauses_once_plain_decoding_wins_and_its_requests_never_draft_again():

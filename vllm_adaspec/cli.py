@@ -186,6 +186,9 @@ def add_train(sub) -> None:
                    help="what a draft learns to match: the target's distribution over the draft vocabulary, read off "
                         "the next position's feature; its argmax; or its top-8 where the corpus keeps them (auto: the "
                         "distribution where the features end with the last layer, else the argmax)")
+    d.add_argument("--init", default="", metavar="DIR",
+                   help="start from this checkpoint (one this command wrote, same family and -N): train it further on "
+                        "a grown corpus or for more epochs; its draft vocabulary is kept")
     d.set_defaults(func=cmd_train_draft_layer)
     c = tsub.add_parser("calibration", help="acceptance predictor of the thompson-cali policy, for one exit head")
     c.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
@@ -291,7 +294,7 @@ def cmd_train_draft_layer(args) -> int:
         return 2
     st = DraftTrainSettings(model=model, data=data, out=args.out, family=args.family, feature_layer=args.feature_layer,
                             depth=args.depth, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
-                            max_tokens=args.max_tokens, seed=args.seed, labels=args.labels)
+                            max_tokens=args.max_tokens, seed=args.seed, labels=args.labels, init=args.init)
 
     def train(s):
         report = train_draft_layer(s)

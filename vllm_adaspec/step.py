@@ -137,13 +137,18 @@ class Taps:
 @dataclass
 class ForwardRows:
     """Every row of the step's forward (Needs.forward_rows), in the forward's order: requests in batch order, a
-    request's rows contiguous from query_start[i] (host [B + 1]). hidden [N, H] final-normed; input_ids, positions:
-    the runner's buffers (their first N rows are the forward's). With Needs.aux_layers, hidden is [N, (n + 1) * H]:
-    the residual streams after those layers, then the final-normed state."""
-    hidden: object
+    request's rows contiguous from query_start[i] (host [B + 1]). parts: [N, H] each, the residual streams after
+    Needs.aux_layers (ascending), then the final-normed state; input_ids, positions: the runner's buffers (their
+    first N rows are the forward's)."""
+    parts: tuple
     input_ids: object
     positions: object
     query_start: object
+
+    def features(self, rows):
+        """rows [M] -> [M, len(parts) * H] those rows' features (gathered before joining: a step feeds a few rows
+        of a forward that may hold thousands)."""
+        return self.parts[0][rows] if len(self.parts) == 1 else torch.cat([p[rows] for p in self.parts], -1)
 
 
 # Tree drafting (a drafter that runs the target's own layers over tree nodes, proposers/early_exit.py) hands the

@@ -142,21 +142,20 @@ class TargetPrefix:
                 hidden, residual = self.exit.run_layers(positions, hidden, residual)
         return hidden, residual
 
-    def feed(self, rows: torch.Tensor, counts: list[int], first: torch.Tensor, hidden: torch.Tensor,
+    def feed(self, rows: torch.Tensor, counts: list[int], first: torch.Tensor, feats: torch.Tensor,
              input_ids: torch.Tensor, positions: torch.Tensor, batch_rows: torch.Tensor, max_seq_len: int) -> None:
         """A draft layer's KV for the tokens a step committed, from that step's forward: for each request (batch row
         `batch_rows` [R]) its `counts` [R] committed tokens are the forward's rows `rows` [M] (concatenated per
-        request, in order); the first of them reads the feature `first` [R, H] (carried from the step before), each
-        other the forward's hidden state `hidden` of the row before it. input_ids, positions: the forward's [N]."""
+        request, in order); the first of them reads the feature `first` [R, W] (carried from the step before), each
+        other `feats` [M, W], the forward's features of the row before it. input_ids, positions: the forward's [N]."""
         r, m = len(counts), int(rows.shape[0])
-        device = hidden.device
+        device = feats.device
         qsl_cpu = torch.zeros(r + 1, dtype=torch.int32)
         qsl_cpu[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0)
         qsl = qsl_cpu.to(device)
         pos = positions[rows]  # [M]
         heads = qsl[:-1].long()  # each request's first row
-        feats = hidden[(rows - 1).clamp(min=0)]  # [M, H] the row before's feature ...
-        # ... but a request's first row reads the carried one (none at position 0: a prompt's start, or a
+        # a request's first row reads the carried feature (none at position 0: a prompt's start, or a
         # preempted request computed again)
         feats[heads] = torch.where((pos[heads] == 0)[:, None], 0, first.to(feats.dtype))
         blocks = self.block_rows(batch_rows)  # [R, max_blocks]

@@ -31,6 +31,7 @@ import torch
 
 from vllm_adaspec.config import AdaspecConfigError
 from vllm_adaspec.engine.vllm_surface import vllm_object
+from vllm_adaspec.training.layers import rms_norm
 
 logger = logging.getLogger("vllm_adaspec")
 
@@ -192,10 +193,10 @@ class TrainedExit:
         layer's own output for a drafted one) or [B, n * H] (the target's features at n depths: each normed, then
         fused), embeds [B, H] (the token's embedding) -> [B, H]."""
         if features.shape[-1] != embeds.shape[-1]:
-            parts = features.unflatten(-1, (len(self.part_norm), -1)).float()  # [B, n, H]
-            parts = (parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + self.feat_norm.variance_epsilon))
-            features = torch.nn.functional.linear(parts.to(embeds.dtype).flatten(-2) * self.part_norm.flatten(),
-                                                  self.fuse_weight)
+            parts = features.unflatten(-1, (len(self.part_norm), -1))  # [B, n, H]
+            # (the trainer's norm: the engine drafts with the numerics the layer was trained with)
+            parts = rms_norm(parts, self.part_norm, self.feat_norm.variance_epsilon)
+            features = torch.nn.functional.linear(parts.flatten(-2), self.fuse_weight)
         return torch.nn.functional.linear(torch.cat([self.feat_norm(features), embeds], -1), self.fc_weight)
 
     def run_layers(self, positions, hidden, residual):

@@ -41,8 +41,8 @@ def install(runner, drafter, port) -> None:
             port.taps.hidden = sample_hidden_states
         if keep_rows and rest:  # rest[0]: the forward's attention layout (vLLM's CommonAttentionMetadata)
             # (vLLM keeps the auxiliary states in ascending layer order, the order the draft layer reads them)
-            feats = torch.cat([*aux_hidden_states, hidden_states], -1) if needs.aux_layers else hidden_states
-            port.taps.forward = ForwardRows(feats, runner.input_ids.gpu, runner.positions,
+            parts = (*aux_hidden_states, hidden_states) if needs.aux_layers else (hidden_states,)
+            port.taps.forward = ForwardRows(parts, runner.input_ids.gpu, runner.positions,
                                             rest[0].query_start_loc_cpu.numpy().copy())
         port.verified_rows = None if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
         return propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,

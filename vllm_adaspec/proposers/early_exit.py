@@ -145,24 +145,25 @@ class EarlyExitDrafter(Drafter):
             return
         self.stats.feed_rows += sum(counts)
         self.stats.feed_rows_reused += reused
-        device = fwd.hidden.device
+        device = fwd.parts[0].device
+        width = self.prefix.exit.feature_width
         if live:
             self.prefix.ensure_attached()
             rows = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts)]).to(device)  # [M]
-            first = self._carried(view, live, fwd.hidden)  # [R, H] ... or, past a skipped row, that row's feature
+            feats = fwd.features((rows - 1).clamp(min=0))  # [M, W] the row before's feature ...
+            first = self._carried(view, live, feats, width)  # [R, W] ... or, past a skipped row, that row's feature
             if any(skipped):
                 past = torch.tensor([j for j, k in enumerate(skipped) if k], device=device)
-                first[past] = fwd.hidden[torch.tensor([a - 1 for a, k in zip(starts, skipped) if k], device=device)]
-            self.prefix.feed(rows, counts, first, fwd.hidden, fwd.input_ids, fwd.positions,
+                first[past] = fwd.features(torch.tensor([a - 1 for a, k in zip(starts, skipped) if k], device=device))
+            self.prefix.feed(rows, counts, first, feats, fwd.input_ids, fwd.positions,
                              torch.tensor(live, device=device), int(view.num_tokens.max()) + 1)
-        last = fwd.hidden[torch.tensor([e for _, e in ends], device=device)]  # [R, H]
+        last = fwd.features(torch.tensor([e for _, e in ends], device=device))  # [R, W]
         for j, (i, _) in enumerate(ends):
             self._carry[view.req_ids[i]] = last[j]
 
-    def _carried(self, view: BatchView, rows: list[int], like: torch.Tensor, width: int | None = None) -> torch.Tensor:
-        """[R, W] each row's carried feature (zeros of `width`, default like's last, before its first forward), in
-        `like`'s dtype and device."""
-        zero = like.new_zeros(width or like.shape[-1])
+    def _carried(self, view: BatchView, rows: list[int], like: torch.Tensor, width: int) -> torch.Tensor:
+        """[R, width] each row's carried feature (zeros before its first forward), in `like`'s dtype and device."""
+        zero = like.new_zeros(width)
         return torch.stack([self._carry.get(view.req_ids[i], zero) for i in rows])
 
     def on_step(self, scheduled: dict, pure: bool) -> None:

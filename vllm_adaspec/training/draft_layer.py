@@ -69,6 +69,8 @@ class DraftTrainSettings:
     seed: int = 0
     labels: str = "auto"  # LABELS, or auto: "distribution" where the layer family reads the last layer, else "argmax"
     amp: bool = True  # bfloat16 autocast (weights and optimizer in float32): ~5x float32 GEMMs on AMX CPUs
+    init: str = ""  # a folder this trainer wrote: start from its weights and draft vocabulary (training goes on
+    # over a grown corpus or for more epochs instead of starting over; the learning rate warms up again)
 
 
 def _autocast(on: bool):
@@ -490,8 +492,12 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     train_tok = np.concatenate([labels[seqs.offsets[i]:seqs.offsets[i + 1]] for i in range(count) if not held[i]])
-    vocab_ids, coverage = most_frequent(train_tok, st.draft_vocab, cfg["vocab_size"], eos)
-    model = build(st.family, st.model, vocab_ids, st.depth, n)
+    if st.init:
+        model, vocab_ids = _warm_start(st, n)
+        coverage = float(np.isin(train_tok, vocab_ids).mean())
+    else:
+        vocab_ids, coverage = most_frequent(train_tok, st.draft_vocab, cfg["vocab_size"], eos)
+        model = build(st.family, st.model, vocab_ids, st.depth, n)
     to_sub = torch.full((cfg["vocab_size"],), -1, dtype=torch.long)
     to_sub[torch.as_tensor(vocab_ids)] = torch.arange(len(vocab_ids))
     win = 256
@@ -584,6 +590,18 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     with open(os.path.join(st.out, "draft_layer.json"), "w") as f:
         json.dump(report, f, indent=1)
     return {**report, "model": model, "vocab_ids": vocab_ids}
+
+
+def _warm_start(st: DraftTrainSettings, n: tuple) -> tuple[nn.Module, np.ndarray]:
+    """(the module of `st.init` in training mode, its draft vocabulary), refused where it is not what `st` trains."""
+    m, vocab, family, layers = load_trained(st.model, st.init)
+    layers = feature_layers(layers, _config(st.model)["num_hidden_layers"])
+    if family != st.family or tuple(layers) != tuple(n):
+        raise ValueError(f"init {st.init} is a {family} draft on features of layers {list(layers)}, not the "
+                         f"{st.family} on layers {list(n)} being trained")
+    if family == "mlp" and len(m.up) != st.depth:
+        raise ValueError(f"init {st.init} drafts {len(m.up)} steps, not depth {st.depth}")
+    return m.train(), vocab
 
 
 def _save_as_exit_head(st: DraftTrainSettings, cfg: dict, model: "DraftLayer", vocab_ids: np.ndarray,
