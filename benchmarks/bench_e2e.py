@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -114,6 +115,16 @@ def methods(args) -> dict[str, dict]:
                 "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer",
                                        "num_speculative_tokens": tree["budget"]},
                 "additional_config": {"adaspec": {"exit_head": args.exit_head, "cost_model": "off", "tree": tree}},
+            }
+        for spec in args.ee:
+            # EarlyExitProposer with these settings (cost model on unless they turn it off); "k": its K (default 3)
+            settings = json.loads(spec)
+            k = settings.pop("k", 3)
+            label = f"early-exit K={k} " + " ".join(
+                f"{key}={os.path.basename(str(v).rstrip('/'))}" for key, v in settings.items())
+            out[label.strip()] = {
+                "speculative_config": {"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": k},
+                "additional_config": {"adaspec": settings},
             }
         if args.default_k:
             out[f"adaspec default (cost model, K={args.default_k})"] = {
@@ -320,6 +331,9 @@ def main(argv=None) -> int:
     p.add_argument("--policy-k", type=int, default=10)
     p.add_argument("--trees", nargs="*", default=[],
                    help='tree-mode rows, JSON each: \'{"budget": 8, "top_k": 2}\' (K = budget, no cost model)')
+    p.add_argument("--ee", nargs="*", default=[],
+                   help='EarlyExitProposer rows (method "adaspec"), JSON each: \'{"exit_head": "DIR", "k": 1, '
+                        '"cost_model": "off"}\' (k: its K, default 3; the other keys: its settings)')
     p.add_argument("--vllm-medusa", default=None, help="folder of heads in vLLM's medusa layout (method 'medusa')")
     p.add_argument("--mb", nargs="*", default=['{}'],
                    help='MultiBranchProposer rows (method "multibranch"), JSON each: \'{"pools": ["context", "suffix"], '

@@ -8,8 +8,12 @@ processes; compare them at equal work (same prompts, same tokens). Run alone: ti
     .venv/bin/python benchmarks/profile_step.py --methods suffix '{"pools": ["suffix"]}' --batch-size 1
     .venv/bin/python benchmarks/profile_step.py --methods plain default --datasets mix --num-prompts 1
 
-A method is "plain", "suffix" (vLLM's), "ngram" (vLLM's), "default" (MultiBranchProposer's defaults) or a JSON
-object of MultiBranchProposer settings (K = the tree budget, default 16).
+A method is "plain", "suffix" (vLLM's), "ngram" (vLLM's), "default" (MultiBranchProposer's defaults), a JSON
+object of MultiBranchProposer settings (K = the tree budget, default 16), or "early-exit" / "early-exit:K"
+(EarlyExitProposer: its defaults, or K drafts fixed with the cost model off; --exit-head names its head).
+
+    .venv/bin/python benchmarks/profile_step.py --methods plain early-exit early-exit:1 --datasets translation \
+        --exit-head vllm_adaspec/heads/smollm2-135m-instruct-draft-layer
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ PARTS = [
     ("      adaspec propose", "vllm_adaspec.proposers.driver:Driver", "propose"),
     ("        drafter observe", "vllm_adaspec.proposers.drafter:Drafter", "observe"),
     ("        drafter draft", "vllm_adaspec.proposers.drafter:Drafter", "draft"),
+    ("          draft layer / exit passes", "vllm_adaspec.engine.drafting:TargetPrefix", "forward"),
+    ("        draft layer KV upkeep", "vllm_adaspec.engine.drafting:TargetPrefix", "feed"),
     ("          pools propose", "vllm_adaspec.pools:PoolSet", "propose"),
     ("            context pool", "vllm_adaspec.pools.context:ContextPool", "propose"),
     ("            suffix pool", "vllm_adaspec.pools.suffix:SuffixPool", "propose"),
@@ -62,7 +68,7 @@ PARTS = [
 ]
 
 
-def method_config(spec: str, budget_default: int = 16) -> dict:
+def method_config(spec: str, budget_default: int = 16, exit_head: str = "auto") -> dict:
     if spec == "plain":
         return {}
     if spec == "suffix":  # vLLM's defaults (K = 24, 10000 cached responses)
@@ -70,6 +76,10 @@ def method_config(spec: str, budget_default: int = 16) -> dict:
     if spec == "ngram":
         return {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
                                        "prompt_lookup_min": 2}}
+    if spec.startswith("early-exit"):
+        k = spec.partition(":")[2]
+        return {"speculative_config": {"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": int(k or 3)},
+                "additional_config": {"adaspec": {"exit_head": exit_head, **({"cost_model": "off"} if k else {})}}}
     settings = {} if spec == "default" else json.loads(spec)
     k = settings.get("tree", {}).get("budget", budget_default)
     return {"speculative_config": {"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": k},
@@ -185,7 +195,8 @@ def child(args) -> dict:
         shadow_gpu_planning(acc, model)
     # vLLM's default mode (compiled) unless --eager
     llm = LLM(model=model, dtype="float32", max_model_len=2048, seed=0, kv_cache_memory_bytes=2**30,
-              disable_log_stats=False, **({"enforce_eager": True} if args.eager else {}), **method_config(args.method))
+              disable_log_stats=False, **({"enforce_eager": True} if args.eager else {}),
+              **method_config(args.method, exit_head=args.exit_head))
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     for label, where, name in PARTS:
         if where is None:
@@ -227,6 +238,7 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode)")
     p.add_argument("--gpu-plan", action="store_true",
                    help="also time the GPU runtime's planning of every tree step (host side of a GPU tree step)")
+    p.add_argument("--exit-head", default="auto", help="EarlyExitProposer's exit_head (default: auto)")
     p.add_argument("--method", help=argparse.SUPPRESS)  # child side
     args = p.parse_args()
     if args.method is not None:
@@ -236,7 +248,8 @@ def main() -> None:
     for m in args.methods:
         cmd = [sys.executable, __file__, "--method", m, "--model", args.model, "--datasets", *args.datasets,
                "--num-prompts", str(args.num_prompts), "--batch-size", str(args.batch_size),
-               "--max-tokens", str(args.max_tokens)] + (["--eager"] if args.eager else []) \
+               "--max-tokens", str(args.max_tokens), "--exit-head", args.exit_head] \
+            + (["--eager"] if args.eager else []) \
             + (["--gpu-plan"] if args.gpu_plan else [])
         if args.cprofile:
             cmd += ["--cprofile", f"{args.cprofile}.{len(results)}"]

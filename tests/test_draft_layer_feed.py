@@ -104,3 +104,35 @@ def test_the_feed_pauses_once_plain_decoding_wins_and_its_requests_never_draft_a
     assert d.prefix.exit.feeding is True and d.eligible("c") and not d.eligible("a")
     d.finish(["a", "b"])
     assert d.live()["paused_requests"] == 0
+
+
+def test_the_start_up_warm_up_writes_only_into_vllms_null_block():
+    """The first draft pass and feed of a process are slow (lazy set-up): start-up runs them on dummy rows, which
+    must land in block 0 (the block pool never gives it to a request) and nowhere else."""
+    calls = []
+
+    class WarmPrefix(FakePrefix):
+        device, block_size = torch.device("cpu"), 16
+
+        def forward(self, blocks, tokens, positions, max_seq_len, features=None):
+            calls.append(("forward", blocks.tolist(), positions.tolist(), tuple(features.shape)))
+            return torch.zeros(1, 4), torch.zeros(1, 4)
+
+        def head(self, hidden, residual):
+            calls.append(("head",))
+
+        def feed(self, rows, counts, first, feats, input_ids, positions, batch_rows, max_seq_len, blocks=None):
+            calls.append(("feed", blocks.tolist(), positions[rows].tolist(), list(counts)))
+
+    d = drafter()
+    d.prefix = WarmPrefix()
+    d.prefix.exit.feat_norm = SimpleNamespace(weight=torch.ones(4))
+    d.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    d.warm_up()
+    assert calls[0] == ("forward", [[0]], [0], (1, 4)) and calls[1] == ("head",)
+    assert calls[2] == ("feed", [[0]], list(range(8)), [8])  # a dummy prompt of 8 rows, all in block 0
+    assert d._carry == {} and d._primed == {} and d.stats.feed_rows == 0  # no request's state touched
+    calls.clear()
+    d.vllm_config.parallel_config.tensor_parallel_size = 2  # every rank would have to agree: not warmed
+    d.warm_up()
+    assert calls == []

@@ -143,11 +143,13 @@ class TargetPrefix:
         return hidden, residual
 
     def feed(self, rows: torch.Tensor, counts: list[int], first: torch.Tensor, feats: torch.Tensor,
-             input_ids: torch.Tensor, positions: torch.Tensor, batch_rows: torch.Tensor, max_seq_len: int) -> None:
+             input_ids: torch.Tensor, positions: torch.Tensor, batch_rows: torch.Tensor, max_seq_len: int,
+             blocks: torch.Tensor | None = None) -> None:
         """A draft layer's KV for the tokens a step committed, from that step's forward: for each request (batch row
         `batch_rows` [R]) its `counts` [R] committed tokens are the forward's rows `rows` [M] (concatenated per
         request, in order); the first of them reads the feature `first` [R, W] (carried from the step before), each
-        other `feats` [M, W], the forward's features of the row before it. input_ids, positions: the forward's [N]."""
+        other `feats` [M, W], the forward's features of the row before it. input_ids, positions: the forward's [N].
+        blocks [R, max_blocks]: the requests' block-table rows (default: the batch's rows `batch_rows`)."""
         r, m = len(counts), int(rows.shape[0])
         device = feats.device
         qsl_cpu = torch.zeros(r + 1, dtype=torch.int32)
@@ -158,7 +160,8 @@ class TargetPrefix:
         # a request's first row reads the carried feature (none at position 0: a prompt's start, or a
         # preempted request computed again)
         feats[heads] = torch.where((pos[heads] == 0)[:, None], 0, first.to(feats.dtype))
-        blocks = self.block_rows(batch_rows)  # [R, max_blocks]
+        if blocks is None:
+            blocks = self.block_rows(batch_rows)  # [R, max_blocks]
         blk = blocks.repeat_interleave(torch.tensor(counts, device=device), 0)  # [M, max_blocks]
         slots = blk.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1).long() * self.block_size + (
             pos % self.block_size)

@@ -75,6 +75,11 @@ class AdaspecWorkerMixin:
             runner = self.model_runner
             runtime.ready(runner.kv_caches, runner.input_batch.block_table[0].block_table.gpu)
 
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        out = super().compile_or_warm_up_model(*args, **kwargs)
+        self.model_runner.drafter.warm_up()  # (after vLLM's warm-up: the KV cache exists, no request holds it)
+        return out
+
     def execute_model(self, scheduler_output):
         drafter = self.model_runner.drafter
         drafter.on_schedule(

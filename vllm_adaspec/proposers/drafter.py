@@ -71,6 +71,10 @@ class Drafter:
     def load_model(self, target_model) -> None:
         """vLLM's target model, once loaded."""
 
+    def warm_up(self) -> None:
+        """Once at start-up, after vLLM's own warm-up, the KV cache allocated and no request in it: run what the
+        first request would otherwise pay for once (lazy set-up, first kernel calls)."""
+
     def max_drafts(self) -> int:
         """The most drafts a request may get in one step (policies are built with it)."""
         return self.cfg.num_speculative_tokens

@@ -125,6 +125,15 @@ class Driver:
         """vLLM calls this with the target model once it is loaded."""
         self.drafter.load_model(target_model)
 
+    def warm_up(self) -> None:
+        """At start-up (engine/worker.py): the drafter's first passes, so the first request does not pay for them.
+        A fault here is contained like one in drafting: the engine starts, and drafting sets itself up lazily."""
+        try:
+            with torch.inference_mode():
+                self.drafter.warm_up()
+        except Exception as e:  # our code only saves time: never the engine's fault
+            self.faults.record("warming up the drafter", e)
+
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def attach(self, port) -> None:
         """The engine port (engine/port.py): the batch view, feedback, tree runtime and rank broadcast."""

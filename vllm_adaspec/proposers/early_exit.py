@@ -92,6 +92,30 @@ class EarlyExitDrafter(Drafter):
             self.calibration = self.driver.port.acceptance_calibration(self.exit_head, self.cfg.policy,
                                                                 next(target_model.parameters()).device)
 
+    def warm_up(self) -> None:
+        """One draft pass (and, for a draft layer, one KV feed) of a dummy row at position 0 (and a feed of a dummy prompt) in vLLM's null block
+        (block 0: the block pool keeps it out of every request's table). Their first calls in a process cost ~0.3 s
+        on a 2-core CPU (lazy set-up of the attention metadata and kernels), a quarter of a short first request.
+        One rank only: under tensor parallelism a fault on one rank would leave the others in a collective."""
+        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            return
+        p = self.prefix
+        p.ensure_attached()
+        device = p.device
+        blocks = torch.zeros(1, 1, dtype=torch.int32, device=device)  # [1, 1] the null block
+        tokens = torch.zeros(1, dtype=torch.long, device=device)
+        positions = torch.zeros(1, dtype=torch.long, device=device)
+        feats = None
+        if p.reads_features:
+            feats = torch.zeros(1, p.exit.feature_width, dtype=p.exit.feat_norm.weight.dtype, device=device)
+        hidden, residual = p.forward(blocks, tokens, positions, 1, features=feats)
+        p.head(hidden, residual)
+        if p.reads_features:  # a prompt's rows (a query of several rows: the attention's prefill path)
+            m = min(8, p.block_size)
+            rows = torch.arange(m, device=device)
+            p.feed(rows, [m], feats, feats.new_zeros(m, feats.shape[-1]), rows, rows,
+                   torch.zeros(1, dtype=torch.long, device=device), m, blocks=blocks)
+
     def eligible(self, req_id: str) -> bool:
         return req_id not in self._stale
 
