@@ -136,3 +136,33 @@ def test_the_start_up_warm_up_writes_only_into_vllms_null_block():
     d.vllm_config.parallel_config.tensor_parallel_size = 2  # every rank would have to agree: not warmed
     d.warm_up()
     assert calls == []
+
+
+def sizing_drafter(engine_accepted, engine_rejected):
+    import random
+
+    from vllm_adaspec.requests import RequestState
+
+    d = drafter()
+    d.tree, d.pass_prior, d._plain_streak, d._rng = None, 0.2, 0, random.Random(0)
+    states = {}
+    d.driver = SimpleNamespace(
+        observers=[], chain_counts=(engine_accepted, engine_rejected),
+        states=SimpleNamespace(get=lambda r: states.setdefault(r, RequestState(policy=None))),
+        step_seconds=lambda decoding: (lambda rows: 0.025 * (1 + 0.05 * (rows - 1)), 0.0, None), costs=SimpleNamespace(unit=0.025),
+        draft_costs=SimpleNamespace(per_pass=lambda decoding: 0.004))
+    return d, states
+
+
+def test_a_new_request_measures_its_own_acceptance_before_the_engines_rate_silences_it():
+    # the engine's earlier requests accepted 1 draft in 40: by that rate alone nothing pays
+    d, states = sizing_drafter(1, 39)
+    view = SimpleNamespace(req_ids=["math"], num_tokens=np.array([50]))
+    d._plain_streak = 40  # the requests before it paused the feed
+    assert d.size(view, [0], [3], 1) == [1]  # one draft: its own evidence, not the engine's rate
+    assert d._plain_streak == 0 and d._feed_next  # ... and the feed goes on while it measures
+    states["math"].drafted, states["math"].rejected = 8, 8  # its own 8 drafts all rejected: now the rate is its own
+    d._rng.random = lambda: 1.0  # (no random exploration)
+    assert d.size(view, [0], [3], 1) == [0] and d._plain_streak == 1
+    states["math"].accepted, states["math"].rejected = 7, 1  # ... or mostly accepted: it drafts on its own merit
+    assert d.size(view, [0], [3], 1)[0] >= 1 and d._plain_streak == 0

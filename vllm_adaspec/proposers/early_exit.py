@@ -29,6 +29,10 @@ from vllm_adaspec.trees.c2t import ENTROPY_TOP_N, confidence, node_features, sel
 ACCEPT_PRIOR = 4.0  # a request's acceptance starts from the engine's rate, worth this many drafts
 PASS_OVERHEAD = 0.05  # a draft pass / a plain target step, besides its share of the layers (until measured)
 EXPLORE = 0.03  # share of steps that draft one token where the cost model drafts nothing
+# A request drafts one token where nothing pays until this many of its own drafts were verified: the engine's rate
+# it starts from comes from other requests (a translation's 14% says little of a math answer's 56%), and once the
+# feed pauses a request never drafts again, so it must measure its own rate early.
+OWN_EVIDENCE = 8
 PAUSE_AFTER = 32  # decode steps without drafts after which the exit layers' KV upkeep stops
 
 
@@ -205,7 +209,8 @@ class EarlyExitDrafter(Drafter):
         drafts accepted, from a prior at the engine's rate); drafts are taken best first across the batch while the
         batch's expected tokens per second rise, a step costing its verified rows (the fitted curve) plus one draft
         pass per depth drafted. Tree mode keeps the budgets (the tree builder sizes trees). When nothing pays, now
-        and then (EXPLORE) every request drafts one token so that acceptance keeps being measured."""
+        and then (EXPLORE) every request drafts one token so that acceptance keeps being measured, and a request
+        with fewer than OWN_EVIDENCE verified drafts of its own drafts one."""
         if self.tree is not None:
             return budgets
         req_ids = view.req_ids
@@ -232,7 +237,11 @@ class EarlyExitDrafter(Drafter):
         sized = [0] * len(rows)
         for _, e, j in units[:keep]:
             sized[e] = max(sized[e], j)
-        # The streak counts the cost model's "nothing pays" answers; an exploring step does not reset it.
+        for e, i in enumerate(rows):
+            if not sized[e] and budgets[e] and self.driver.states.get(req_ids[i]).drafted < OWN_EVIDENCE:
+                sized[e] = 1
+        # The streak counts steps where nothing drafts but a random exploring one (which does not reset it); a
+        # request still measuring its own rate keeps the feed on.
         self._plain_streak = 0 if any(sized) else self._plain_streak + 1
         self._feed_next = self._plain_streak < PAUSE_AFTER
         if not any(sized) and self._rng.random() < EXPLORE:
