@@ -216,9 +216,10 @@ class EarlyExitDrafter(Drafter):
         req_ids = view.req_ids
         total_acc, total_rej = self.driver.chain_counts
         engine_rate = (total_acc + 1) / (total_acc + total_rej + 2)
-        units = []
+        units, own = [], []
         for e, (i, budget) in enumerate(zip(rows, budgets)):
             st = self.driver.states.get(req_ids[i])
+            own.append(st.drafted)
             a = (st.accepted + ACCEPT_PRIOR * engine_rate) / (st.accepted + st.rejected + ACCEPT_PRIOR)
             units += [(a ** j, e, j) for j in range(1, budget + 1)]
         units.sort(key=lambda u: (-u[0], u[2]))
@@ -237,8 +238,8 @@ class EarlyExitDrafter(Drafter):
         sized = [0] * len(rows)
         for _, e, j in units[:keep]:
             sized[e] = max(sized[e], j)
-        for e, i in enumerate(rows):
-            if not sized[e] and budgets[e] and self.driver.states.get(req_ids[i]).drafted < OWN_EVIDENCE:
+        for e, drafted in enumerate(own):
+            if not sized[e] and budgets[e] and drafted < OWN_EVIDENCE:
                 sized[e] = 1
         # The streak counts steps where nothing drafts but a random exploring one (which does not reset it); a
         # request still measuring its own rate keeps the feed on.
