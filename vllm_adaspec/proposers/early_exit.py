@@ -97,8 +97,8 @@ class EarlyExitDrafter(Drafter):
                                                                 next(target_model.parameters()).device)
 
     def warm_up(self) -> None:
-        """One draft pass (and, for a draft layer, one KV feed) of a dummy row at position 0 (and a feed of a dummy prompt) in vLLM's null block
-        (block 0: the block pool keeps it out of every request's table). Their first calls in a process cost ~0.3 s
+        """One draft pass of a dummy row at position 0 (and, for a draft layer, the KV feed of a dummy prompt) in
+        vLLM's null block (block 0: the block pool keeps it out of every request's table). Their first calls in a process cost ~0.3 s
         on a 2-core CPU (lazy set-up of the attention metadata and kernels), a quarter of a short first request.
         One rank only: under tensor parallelism a fault on one rank would leave the others in a collective."""
         if self.vllm_config.parallel_config.tensor_parallel_size > 1:
