@@ -10,6 +10,8 @@ CPU. training/draft_layer.py holds the families, the trainer and the replay.
         --candidates layer:30:3 mlp:30:3 layer:24:3 --out benchmarks/out/draft_layer_replay.json
     # trained layers (exit-head folders that read features), replayed as they are:
     .venv/bin/python benchmarks/draft_layer_replay.py --checkpoints vllm_adaspec/heads/smollm2-135m-instruct-draft-layer
+    # ... and again with the numerics of the engine's int8 draft weights (kernels/int8_linear.py):
+    .venv/bin/python benchmarks/draft_layer_replay.py --checkpoints DIR --int8
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import sys
 import time
 from pathlib import Path
+
 
 # the engine's step with k verified drafts against a plain step, SmolLM2 on this CPU (../shared/notes/cpu-setup.md:
 # K = 1 / 4 / 8: 1.10 / 1.16 / 1.37; linear between)
@@ -61,6 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--per-type", type=int, default=3, help="unseen prompts per task type")
     p.add_argument("--offset", type=int, default=7, help="first prompt index of each type (0-6: tuning prompts)")
     p.add_argument("--k", type=int, default=5, help="the longest draft chain replayed")
+    p.add_argument("--int8", action="store_true",
+                   help="replay with the engine's int8 draft weights (bfloat16 activations) instead of float32")
     p.add_argument("--out", default="benchmarks/out/draft_layer_replay.json")
     p.add_argument("--sequences", default=None,
                    help="a JSON file keeping the unseen continuations (written on the first run, read after: runs side "
@@ -71,8 +76,8 @@ def main(argv=None) -> int:
 
     from vllm_adaspec.models import resolve_model
     from vllm_adaspec.training.draft_layer import (DraftTrainSettings, draft_cost_ratio, load_trained,
-                                                   parse_feature_layers, replay,
-                                                   train_draft_layer)
+                                                   parse_feature_layers, replay, train_draft_layer,
+                                                   with_int8_weights)
 
     model = resolve_model(args.model)
     t0 = time.perf_counter()
@@ -99,6 +104,8 @@ def main(argv=None) -> int:
                                     epochs=args.epochs, labels=args.labels)
             trained = train_draft_layer(st)
             m, vocab = trained.pop("model"), trained.pop("vocab_ids")
+        if args.int8 and family == "layer":
+            m = with_int8_weights(m)
         c = draft_cost_ratio(m, family, model)
         per_type = {t: replay(m, family, vocab, model, s, args.k, layers) for t, s in seqs.items()}
         everything = replay(m, family, vocab, model, [x for s in seqs.values() for x in s], args.k, layers)

@@ -3,8 +3,9 @@ features: its final hidden state and, fused with it, the residual streams after 
 from the forward as EAGLE-3's auxiliary hidden states: training/draft_layer.py, engine/drafting.py `feed`), end to
 end in vLLM's default compiled mode (the auxiliary outputs are part of the compiled graph): greedy output equals plain
 decoding on the mixed batch (prefills, prefix caching) and on its next turn, and the engine's drafts are the torch
-reference's: rounds and acceptance equal a torch replay of the same layer on the same text (a feature read one row
-off, a depth missing or out of order, or a KV row fed from the wrong feature, drafts garbage)."""
+reference's: rounds and acceptance equal a torch replay of the same layer, its weights int8 as the engine's default
+runs them, on the same text (a feature read one row off, a depth missing or out of order, a KV row fed from the wrong
+feature or a wrong int8 row, drafts garbage)."""
 
 import pytest
 
@@ -27,7 +28,7 @@ def test_draft_layer_is_lossless_and_drafts_what_a_torch_replay_predicts(smollm2
                                                                                        engines):
     from transformers import AutoTokenizer
 
-    from vllm_adaspec.training.draft_layer import load_draft_layer
+    from vllm_adaspec.training.draft_layer import load_draft_layer, with_int8_weights
 
     engine = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}  # vLLM's default: compiled
     spec = {**engine, "speculative_config": {"model": SPEC, "num_speculative_tokens": K},
@@ -48,6 +49,9 @@ def test_draft_layer_is_lossless_and_drafts_what_a_torch_replay_predicts(smollm2
         assert len(ids) == plen
         seqs.append((plen, ids + list(out)))
     layer, vocab = load_draft_layer(smollm2, draft_layer_folder())
+    # the default on this CPU: the layer's weights as int8 rows (kernels/int8_linear.py); the reference computes so
+    assert st["config"]["draft_weights"] == "int8"
+    layer = with_int8_weights(layer)
     assert len(layer.feature_layers) > 1  # the shipped layer fuses several depths: the auxiliary path is tested
     rounds, accepted = reference_rounds(smollm2, layer, vocab, seqs)
     engine_rounds = sum(st["round_lengths"][1:])

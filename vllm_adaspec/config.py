@@ -33,8 +33,8 @@ SUPPORTED_ARCHITECTURES = (
 # its own. Keys of another proposer are refused like unknown keys.
 COMMON_KEYS = ("policy", "cost_model", "speed_guard", "tree", "fault_limit")
 PROPOSER_KEYS = {
-    "early_exit": ("exit_layer", "policy", "exit_head", "cost_model", "speed_guard", "tree", "acceptance",
-                   "fault_limit"),
+    "early_exit": ("exit_layer", "policy", "exit_head", "draft_weights", "cost_model", "speed_guard", "tree",
+                   "acceptance", "fault_limit"),
     "multi_branch": ("pools", "corpus", "medusa", "policy", "cost_model", "speed_guard", "tree", "acceptance",
                      "branches", "branch_length", "branch_init", "suffix_cache_requests", "fault_limit"),
     "probe": ("policy", "cost_model", "speed_guard", "tree", "fault_limit"),
@@ -44,6 +44,7 @@ PROPOSER_KEYS = {
 #   "prior"   the shipped curve only, never refitted (MultiBranchProposer; early exit: as "off")
 #   "off"     no cost model: every candidate within the budget is verified (early exit: the policy's length)
 COST_MODELS = ("online", "prior", "off")
+DRAFT_WEIGHTS = ("int8", "float")
 OLD_NAMES = ("speed_guard",)  # still accepted, not listed
 PROPOSER_CLASSES = {"early_exit": "EarlyExitProposer", "multi_branch": "MultiBranchProposer",
                     "probe": "ProbeProposer"}
@@ -146,6 +147,9 @@ class AdaspecConfig:
     # model if there is one (else the untrained exit, with a warning); "none" = the untrained exit
     # (final norm + LM head on h_N).
     exit_head: str = "auto"
+    # A draft layer's weights on CPU (DRAFT_WEIGHTS): "int8" rows with a scale each for passes of a few rows
+    # (kernels/int8_linear.py), "float" the checkpoint's weights in the model's dtype.
+    draft_weights: str = "int8"
     # How drafts are sized against their verification cost (COST_MODELS). `speed_guard` is its older name:
     # true = "online", false = "prior" (MultiBranchProposer) / "off" (early exit), what it meant before.
     cost_model: str = "online"
@@ -300,8 +304,12 @@ def parse_adaspec_config(additional_config: Mapping[str, Any] | None, proposer: 
     exit_head = section.get("exit_head", "auto")
     if not isinstance(exit_head, str) or not exit_head:
         raise _fail("exit_head", f"must be 'auto', 'none' or a checkpoint folder; got {show(exit_head)}")
+    draft_weights = section.get("draft_weights", "int8")
+    if draft_weights not in DRAFT_WEIGHTS:
+        raise _fail("draft_weights", f"must be one of {', '.join(map(repr, DRAFT_WEIGHTS))}; got {show(draft_weights)}")
     pools = _parse_pools(section.get("pools", DEFAULT_POOLS))
     return AdaspecConfig(exit_layer=exit_layer, policy=policy, policy_params=policy_params, exit_head=exit_head,
+                         draft_weights=draft_weights,
                          cost_model=_parse_cost_model(section, proposer),
                          tree=_parse_tree(section.get("tree"), proposer),
                          pools=pools, pools_given="pools" in section,
@@ -419,6 +427,7 @@ class EarlyExitSettings(CommonSettings):
     exit_layer: int
     exit_head: str | None = None  # checkpoint folder, or None for the untrained exit
     exit_head_setting: str = "auto"  # what the user asked for: "auto", "none" or a folder
+    draft_weights: str = "int8"  # DRAFT_WEIGHTS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -538,6 +547,7 @@ def resolve_config(
     return EarlyExitSettings(exit_layer=exit_layer, num_layers=num_layers, num_speculative_tokens=k,
                              policy=cfg.policy, policy_params=cfg.policy_params, exit_head=head,
                              cost_model=cfg.cost_model, exit_head_setting=cfg.exit_head, tree=cfg.tree,
+                             draft_weights=cfg.draft_weights,
                              acceptance=cfg.acceptance, fault_limit=cfg.fault_limit)
 
 

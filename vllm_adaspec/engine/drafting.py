@@ -187,8 +187,7 @@ class TargetPrefix:
         """
         if self.exit is not None:
             normed, _ = self.exit.norm(hidden, residual)
-            rows = self.exit.head_rows
-            return F.linear(normed.to(rows.dtype), rows).float(), self.exit.vocab, normed
+            return self.exit.logits(normed), self.exit.vocab, normed
         normed, _ = self.inner.norm(hidden, residual)
         return self.model.compute_logits(normed), None, normed
 

@@ -19,6 +19,10 @@ drafter writes its KV for the tokens the step committed, from the forward's own 
 after those layers beside the final state: vLLM's model returns them from the same forward as EAGLE-3's auxiliary
 hidden states (engine/runner_hooks.py asks for them before the graph compiles), each is normed and the fuse map
 makes one feature of them.
+
+A draft layer's weights (its input maps, its layer's linears, its head) run as int8 rows with a scale each
+(`draft_weights: "int8"`, the default on CPU: kernels/int8_linear.py) on calls of a few rows: a pass at batch 1 reads
+every weight once, so its time is their bytes. Calls with more rows keep the float weights. Only drafts change.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from vllm_adaspec.config import AdaspecConfigError
 from vllm_adaspec.engine.vllm_surface import vllm_object
+from vllm_adaspec.kernels.int8_linear import Int8Rows, few_rows, int8_available, int8_linear
 from vllm_adaspec.training.layers import rms_norm
 
 logger = logging.getLogger("vllm_adaspec")
@@ -113,11 +118,47 @@ def _head_dtype(rows: torch.Tensor, reps: int = 20) -> torch.dtype:
     return torch.bfloat16 if seconds[torch.bfloat16] < 0.8 * seconds[torch.float32] else torch.float32
 
 
+class _Int8OrDense:
+    """A vLLM linear's method: int8 rows on calls of a few rows, the layer's own method (its float weight) else."""
+
+    def __init__(self, dense, rows: Int8Rows):
+        self.dense, self.rows = dense, rows
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if few_rows(x):
+            return int8_linear(x, self.rows, bias)
+        return self.dense.apply(layer, x, bias)
+
+    def __getattr__(self, name):  # anything else vLLM asks of a linear's method
+        return getattr(self.dense, name)
+
+
+def _cpu_kernels(layer) -> None:
+    """Dispatch the vLLM custom ops of a draft layer (norms, rotary embedding, activation) to their CPU kernels.
+
+    In compiled mode vLLM turns its custom ops off, for inductor to fuse their torch code into the target's graph. A
+    draft layer runs outside that graph, where an op turned off runs its torch code eagerly, some of it behind a
+    torch.compile of its own (SiluAndMul: a guard check and a graph call, ~0.3 ms a pass for a [1, 3072] product).
+    Only this layer's modules change; vLLM's record of which ops are on is left alone."""
+    CustomOp = vllm_object("CustomOp")
+    for m in layer.modules():
+        if isinstance(m, CustomOp):
+            m._forward_method = m.forward_cpu
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, rows: Int8Rows | None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T, with int8 rows where there are some and the call has few rows."""
+    if rows is not None and few_rows(x):
+        return int8_linear(x, rows)
+    return torch.nn.functional.linear(x.to(weight.dtype), weight).to(x.dtype)
+
+
 class TrainedExit:
     """Exit layers + norm + draft-vocabulary head, and the hook that keeps the exit layers' KV current."""
 
-    def __init__(self, target_model, vllm_config, folder: str, exit_layer: int):
+    def __init__(self, target_model, vllm_config, folder: str, exit_layer: int, draft_weights: str = "float"):
         RMSNorm = vllm_object("RMSNorm")
+        LinearBase = vllm_object("LinearBase")
         process_weights_after_loading = vllm_object("process_weights_after_loading")
 
         from vllm_adaspec.heads import check_against_model, load_exit_head
@@ -132,11 +173,21 @@ class TrainedExit:
         device = next(target_model.parameters()).device
         dtype = vllm_config.model_config.dtype
         self.meta = meta
+        self.reads_features = meta.get("input") == "features"
+        # int8 rows for a draft layer only: an exit layer on h_N also runs inside the target's compiled forward
+        # (the hook below), where a branch on the row count would be traced once
+        self.int8 = draft_weights == "int8" and self.reads_features and int8_available(device)
         self.layers = []
         for j in range(meta["num_exit_layers"]):
             layer = _new_decoder_layer(target_model, vllm_config, num_layers + j).to(device)
             _load_layer_weights(layer, tensors, j)
+            linears = [m for m in layer.modules() if isinstance(m, LinearBase)]
+            rows = [Int8Rows.of(m.weight) for m in linears] if self.int8 else []  # before vLLM repacks the weights
             process_weights_after_loading(layer, vllm_config.model_config, device)
+            for m, r in zip(linears, rows):
+                m.quant_method = _Int8OrDense(m.quant_method, r)
+            if self.reads_features and device.type == "cpu":  # (an exit layer on h_N is traced into the target's graph)
+                _cpu_kernels(layer)
             self.layers.append(layer)
         self.norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps).to(device=device, dtype=dtype)
         self.norm.weight.data.copy_(tensors["norm.weight"].to(dtype))
@@ -145,9 +196,9 @@ class TrainedExit:
             self.head_rows = tensors["lm_head.weight"].to(device, dtype)
         else:  # shared: the target's own LM head rows (a copy: [V', H] contiguous for one GEMM)
             self.head_rows = target_model.lm_head.weight[: hf.vocab_size][self.vocab].detach().clone()
+        self.head_int8 = Int8Rows.of(self.head_rows) if self.int8 else None
         self.head_rows = self.head_rows.to(_head_dtype(self.head_rows))
         self.layer_names = [layer.self_attn.attn.layer_name for layer in self.layers]
-        self.reads_features = meta.get("input") == "features"
         # a draft layer on several depths (EAGLE-3's fused features): the residual streams of these target layers
         # come with every forward (vLLM's auxiliary hidden states), before the last layer's final-normed state
         self.aux_layers, self.feature_width = (), hf.hidden_size
@@ -157,10 +208,13 @@ class TrainedExit:
                 raise AdaspecConfigError(f"vllm_adaspec: exit head {folder} reads features of layers {list(layers)}; "
                                          f"they must rise from 1 or more to the last ({num_layers})")
             self.aux_layers, self.feature_width = layers[:-1], hf.hidden_size * len(layers)
+            self.fuse_int8 = None
             if self.aux_layers:
                 self.part_norm = tensors["input.part_norm.weight"].to(device, dtype)  # [n, H]
                 self.fuse_weight = tensors["input.fuse.weight"].to(device, dtype)  # [H, n * H]
+                self.fuse_int8 = Int8Rows.of(self.fuse_weight) if self.int8 else None
             self.fc_weight = tensors["input.fc.weight"].to(device, dtype)  # [H, 2H]
+            self.fc_int8 = Int8Rows.of(self.fc_weight) if self.int8 else None
             self.feat_norm = RMSNorm(hf.hidden_size, eps=hf.rms_norm_eps).to(device=device, dtype=dtype)
             self.feat_norm.weight.data.copy_(tensors["input.feat_norm.weight"].to(dtype))
             self.feeding = True  # whether the current step's committed rows get fed (EarlyExitDrafter._feed)
@@ -169,8 +223,8 @@ class TrainedExit:
             self.feeding = True
             self._hook = target_model.model.layers[exit_layer - 1].register_forward_hook(self._feed,
                                                                                           with_kwargs=True)
-        logger.info("vllm_adaspec: exit head %s (N=%d, %d exit layer(s), draft vocabulary %d)", folder, exit_layer,
-                    len(self.layers), len(self.vocab))
+        logger.info("vllm_adaspec: exit head %s (N=%d, %d exit layer(s), draft vocabulary %d, %s weights)", folder,
+                    exit_layer, len(self.layers), len(self.vocab), "int8" if self.int8 else "float")
 
     def _feed(self, module, args, kwargs, output):
         """After target layer N-1: write the exit layers' KV for every token of this target forward.
@@ -196,8 +250,12 @@ class TrainedExit:
             parts = features.unflatten(-1, (len(self.part_norm), -1))  # [B, n, H]
             # (the trainer's norm: the engine drafts with the numerics the layer was trained with)
             parts = rms_norm(parts, self.part_norm, self.feat_norm.variance_epsilon)
-            features = torch.nn.functional.linear(parts.flatten(-2), self.fuse_weight)
-        return torch.nn.functional.linear(torch.cat([self.feat_norm(features), embeds], -1), self.fc_weight)
+            features = _linear(parts.flatten(-2), self.fuse_weight, self.fuse_int8)
+        return _linear(torch.cat([self.feat_norm(features), embeds], -1), self.fc_weight, self.fc_int8)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """normed [B, H] -> float32 logits over the draft vocabulary [B, V']."""
+        return _linear(normed, self.head_rows, self.head_int8).float()
 
     def run_layers(self, positions, hidden, residual):
         for layer in self.layers:
@@ -205,7 +263,8 @@ class TrainedExit:
         return hidden, residual
 
 
-def load_trained_exit(target_model, vllm_config, folder: str | None, exit_layer: int, setting: str):
+def load_trained_exit(target_model, vllm_config, folder: str | None, exit_layer: int, setting: str,
+                      draft_weights: str = "float"):
     """TrainedExit, or None for the untrained exit. `setting` is the user's `exit_head` ("auto", "none" or a
     folder). A shipped head picked by "auto" that does not fit the loaded weights falls back to the untrained exit
     with a warning; an explicitly named one fails start-up."""
@@ -216,7 +275,7 @@ def load_trained_exit(target_model, vllm_config, folder: str | None, exit_layer:
                            "`adaspec train exit-layer`", f" with exit_layer={exit_layer}" if exit_layer else "")
         return None
     try:
-        return TrainedExit(target_model, vllm_config, folder, exit_layer)
+        return TrainedExit(target_model, vllm_config, folder, exit_layer, draft_weights)
     except AdaspecConfigError as e:
         if setting not in ("auto", "none"):
             raise

@@ -96,14 +96,15 @@ class EnginePort:
         return self.runner.device
 
     # --- what drafters build on the target model (vLLM hands it to their load_model) ---
-    def target_prefix(self, target_model, exit_layer: int, exit_head: str, exit_setting: str):
+    def target_prefix(self, target_model, exit_layer: int, exit_head: str, exit_setting: str,
+                      draft_weights: str = "float"):
         """The target's first `exit_layer` layers + the exit (trained or not) as a drafter (engine/drafting.py),
         reading the runner's KV cache and block tables and marking its tree steps on the runtime."""
         from vllm_adaspec.engine.drafting import TargetPrefix
         from vllm_adaspec.engine.exit_head import load_trained_exit
 
         config = self.runner.vllm_config
-        trained = load_trained_exit(target_model, config, exit_head, exit_layer, exit_setting)
+        trained = load_trained_exit(target_model, config, exit_head, exit_layer, exit_setting, draft_weights)
         runs = 0 if trained is not None and trained.reads_features else exit_layer  # a draft layer runs none
         prefix = TargetPrefix(target_model, runs, config, trained_exit=trained)
         prefix.bind(self.runner, self.runtime)

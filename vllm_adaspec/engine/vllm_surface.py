@@ -84,6 +84,8 @@ _V0_32 = {
     "LlamaDecoderLayer": "vllm.model_executor.models.llama:LlamaDecoderLayer",
     "Qwen2DecoderLayer": "vllm.model_executor.models.qwen2:Qwen2DecoderLayer",
     "RMSNorm": "vllm.model_executor.layers.layernorm:RMSNorm",
+    "LinearBase": "vllm.model_executor.layers.linear:LinearBase",
+    "CustomOp": "vllm.model_executor.custom_op:CustomOp",
     "process_weights_after_loading": "vllm.model_executor.model_loader.utils:process_weights_after_loading",
 }
 USED = {"0.32": _V0_32, "0.33": _V0_32}  # release -> name -> "module" or "module:attribute"

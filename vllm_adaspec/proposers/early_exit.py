@@ -78,7 +78,7 @@ class EarlyExitDrafter(Drafter):
     # --- wiring (called by vLLM and by engine/worker.py) ---
     def load_model(self, target_model) -> None:
         self.prefix = self.driver.port.target_prefix(target_model, self.cfg.exit_layer, self.cfg.exit_head,
-                                              self.cfg.exit_head_setting)
+                                                     self.cfg.exit_head_setting, self.cfg.draft_weights)
         self.exit_head = self.cfg.exit_head if self.prefix.exit is not None else None
         # until a pass is timed: its share of the target's layers (N of them + the exit's own) and some overhead
         layers = len(self.prefix.layers) + (len(self.prefix.exit.layers) if self.prefix.exit is not None else 0)
@@ -525,4 +525,7 @@ class EarlyExitDrafter(Drafter):
     def config(self) -> dict:
         return {"exit_layer": self.cfg.exit_layer, "exit_head": self.exit_head,
                 "exit_kv_layers": self.prefix.exit_kv_layers() if self.prefix is not None else [],
+                # what a draft layer's weights run as here ("int8" only where the setting asks and the kernel exists)
+                "draft_weights": ("int8" if self.prefix is not None and self.prefix.exit is not None
+                                  and self.prefix.exit.int8 else "float"),
                 "plain_requests": len(self._stale)}

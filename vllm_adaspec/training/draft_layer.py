@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_adaspec.kernels.int8_linear import int8_linear_emulated, quantize_rows
 from vllm_adaspec.training.layers import DecoderLayer, LayerShape, load_layer, read_hf_tensors, rms_norm, rope
 
 __all__ = ["DraftTrainSettings", "DraftLayer", "DraftMLP", "feature_cache", "train_draft_layer", "replay"]
@@ -314,6 +315,30 @@ class DraftLayer(nn.Module):
             outs.append(g)
             keys.append(kv)
         return outs
+
+
+class _Int8Emulated(nn.Module):
+    """A linear as the engine runs it with int8 draft weights (kernels/int8_linear.py), emulated."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        q, scale = quantize_rows(weight)
+        self.w, self.bias = q.float() * scale[:, None], bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear_emulated(x, self.w, self.bias)
+
+
+def with_int8_weights(model: "DraftLayer") -> "DraftLayer":
+    """`model` with its linears and head computing as the engine's int8 draft weights do (`draft_weights: "int8"`,
+    the default on CPU), for replays and tests of what the engine drafts. Changes `model` in place."""
+    for m in list(model.modules()):
+        for name, lin in list(m.named_children()):
+            if isinstance(lin, nn.Linear):
+                setattr(m, name, _Int8Emulated(lin.weight.detach(), lin.bias))
+    head = _Int8Emulated(model.head.detach())
+    model.logits = lambda g: head(rms_norm(g, model.norm, model.s.eps))
+    return model
 
 
 def ttt_mask(t: int, j: int, device) -> torch.Tensor:
