@@ -10,7 +10,8 @@ processes; compare them at equal work (same prompts, same tokens). Run alone: ti
 
 A method is "plain", "suffix" (vLLM's), "ngram" (vLLM's), "default" (MultiBranchProposer's defaults), a JSON
 object of MultiBranchProposer settings (K = the tree budget, default 16), or "early-exit" / "early-exit:K"
-(EarlyExitProposer: its defaults, or K drafts fixed with the cost model off; --exit-head names its head).
+(EarlyExitProposer: its defaults, or K drafts fixed with the cost model off; --exit-head names its head; a suffix
+":float" or ":int8" sets a draft layer's weights).
 
     .venv/bin/python benchmarks/profile_step.py --methods plain early-exit early-exit:1 --datasets translation \
         --exit-head vllm_adaspec/heads/smollm2-135m-instruct-draft-layer
@@ -76,10 +77,15 @@ def method_config(spec: str, budget_default: int = 16, exit_head: str = "auto") 
     if spec == "ngram":
         return {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
                                        "prompt_lookup_min": 2}}
-    if spec.startswith("early-exit"):
-        k = spec.partition(":")[2]
+    if spec.startswith("early-exit"):  # early-exit[:K][:int8|float] (the draft layer's weights)
+        parts = spec.split(":")[1:]
+        weights = [p for p in parts if p in ("int8", "float")]
+        k = next((p for p in parts if p.isdigit()), "")
+        extra = {"cost_model": "off"} if k else {}
+        if weights:
+            extra["draft_weights"] = weights[0]
         return {"speculative_config": {"model": "vllm_adaspec.EarlyExitProposer", "num_speculative_tokens": int(k or 3)},
-                "additional_config": {"adaspec": {"exit_head": exit_head, **({"cost_model": "off"} if k else {})}}}
+                "additional_config": {"adaspec": {"exit_head": exit_head, **extra}}}
     settings = {} if spec == "default" else json.loads(spec)
     k = settings.get("tree", {}).get("budget", budget_default)
     return {"speculative_config": {"model": "vllm_adaspec.MultiBranchProposer", "num_speculative_tokens": k},
