@@ -110,6 +110,7 @@ class Gen:
             "exit_layer": lambda: rng.randint(1, 29),
             "policy": self.policy,
             "exit_head": lambda: self.choice(["auto", "none"], ["/no/such/head", ""]),
+            "draft_weights": lambda: self.choice(["int8", "float"], ["int4", "", 8]),
             "cost_model": lambda: self.choice(["online", "prior", "off"], ["fast"]),
             "speed_guard": lambda: self.choice([True, False], ["yes"]),
             "tree": lambda: self.tree(proposer, k),

@@ -33,8 +33,8 @@ SUPPORTED_ARCHITECTURES = (
 # its own. Keys of another proposer are refused like unknown keys.
 COMMON_KEYS = ("policy", "cost_model", "speed_guard", "tree", "fault_limit")
 PROPOSER_KEYS = {
-    "early_exit": ("exit_layer", "policy", "exit_head", "draft_weights", "cost_model", "speed_guard", "tree",
-                   "acceptance", "fault_limit"),
+    "early_exit": ("exit_layer", "policy", "exit_head", "cost_model", "speed_guard", "tree", "acceptance",
+                   "draft_weights", "fault_limit"),
     "multi_branch": ("pools", "corpus", "medusa", "policy", "cost_model", "speed_guard", "tree", "acceptance",
                      "branches", "branch_length", "branch_init", "suffix_cache_requests", "fault_limit"),
     "probe": ("policy", "cost_model", "speed_guard", "tree", "fault_limit"),
