@@ -18,8 +18,8 @@ draft-layer replay's `--int8`).
 
 Contents: `quantize_rows` (float weight -> int8 rows + scales), `Int8Rows` (one weight's, built once), `few_rows`
 (whether a call is one for them), `int8_linear` (the launcher: aten's `_weight_int8pack_mm` CPU kernel; PyTorch has
-it since 2.3), `int8_linear_reference` (plain torch, float64 in the tests), `int8_linear_emulated` (its numerics with float32
-GEMMs, for replays of many rows), `int8_available`.
+it since 2.3), `int8_linear_reference` (plain torch, float64 in the tests), `int8_linear_emulated` (its numerics
+with float32 GEMMs, for replays of many rows), `int8_available`.
 """
 
 from __future__ import annotations
