@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-
 # the engine's step with k verified drafts against a plain step, SmolLM2 on this CPU (../shared/notes/cpu-setup.md:
 # K = 1 / 4 / 8: 1.10 / 1.16 / 1.37; linear between)
 VERIFY_COST = {0: 1.0, 1: 1.10, 2: 1.12, 3: 1.14, 4: 1.16, 5: 1.21, 6: 1.26, 7: 1.32, 8: 1.37}
