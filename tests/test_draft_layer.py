@@ -198,17 +198,50 @@ def test_several_corpus_folders_train_as_their_concatenation(tiny_llama, corpus,
     assert c3 == 1 and f3.shape[0] == 48
 
 
-def test_fused_features_start_as_the_last_layer_alone_and_share_its_cache(tiny_llama, corpus):
+def test_the_feature_cache_prefills_only_the_shards_it_lacks(tiny_llama, corpus, tmp_path):
+    """Features are cached per corpus shard: a grown corpus prefills its new shards only, an interrupted prefill's
+    leftovers are ignored, and rows read across shards are the shards' concatenation."""
+    import shutil
+
+    from vllm_adaspec.training.distill import load_shards
+    from vllm_adaspec.training.draft_layer import feature_cache
+
+    data, seqs = corpus
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    shutil.copy(data / "shard-00000.npz", grown / "shard-00000.npz")
+    first, lab1, c1 = feature_cache(tiny_llama, str(grown), load_shards(str(grown)), 0, progress=False)
+    shard0 = grown / "features-N4" / "shard-00000.npy"
+    stamp = shard0.stat().st_mtime_ns
+    shutil.copy(data / "shard-00000.npz", grown / "shard-00001.npz")  # the corpus grew by a shard
+    (grown / "features-N4" / "shard-00001.npy.999.tmp.npy").write_bytes(b"half a prefill")
+    both, lab2, c2 = feature_cache(tiny_llama, str(grown), load_shards(str(grown)), 0, progress=False)
+    assert shard0.stat().st_mtime_ns == stamp and c2 == 2 * c1 and len(both) == 2 * len(first)
+    n = len(first)
+    assert np.array_equal(both[n - 5:n + 5], np.concatenate([first[n - 5:n], first[0:5]]))
+    assert np.array_equal(lab2, np.concatenate([lab1, lab1]))
+    assert np.array_equal(np.asarray(both), np.concatenate([np.asarray(first)] * 2))
+    # max_tokens within the first shard reads that shard only
+    part, _, c3 = feature_cache(tiny_llama, str(grown), load_shards(str(grown)), 0, max_tokens=100, progress=False)
+    assert c3 == 2 and len(part) == 96 and len(part.parts) == 1
+
+
+def test_fused_features_start_as_the_last_layer_alone_and_share_its_cache(tiny_llama, corpus, tmp_path):
     """Features of several depths (EAGLE-3's low / middle / high) are cached once; a draft reading fewer of them reads
     that cache's columns; the fused layer starts out drafting exactly as the one on the last layer alone."""
     from vllm_adaspec.training.distill import load_shards
     from vllm_adaspec.training.draft_layer import ColumnView, feature_cache
 
-    data, seqs = corpus
+    import shutil
+
+    data, seqs = tmp_path / "data", corpus[1]
+    data.mkdir()
+    shutil.copy(corpus[0] / "shard-00000.npz", data / "shard-00000.npz")  # no cache yet
     shards = load_shards(str(data))
     fused, lab2, _ = feature_cache(tiny_llama, str(data), shards, (2, 4), progress=False)
     last, lab1, _ = feature_cache(tiny_llama, str(data), shards, 0, progress=False)
-    assert fused.shape == (len(seqs) * 48, 256) and isinstance(last, ColumnView) and last.shape == (len(seqs) * 48, 128)
+    assert fused.shape == (len(seqs) * 48, 256) and last.shape == (len(seqs) * 48, 128)
+    assert all(isinstance(p, ColumnView) for p in last.parts) and not (data / "features-N4").exists()
     assert np.array_equal(last[0:96], np.asarray(fused[0:96])[:, 128:]) and np.array_equal(lab1, lab2)
     vocab = np.arange(300)
     one, two = build("layer", tiny_llama, vocab, 2, 0), build("layer", tiny_llama, vocab, 2, (2, 4))

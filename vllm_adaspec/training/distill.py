@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from vllm_adaspec.engine.vllm_surface import vllm_object
 
-__all__ = ["DistillSettings", "generate_distill_data", "load_shards", "Sequences"]
+__all__ = ["DistillSettings", "generate_distill_data", "load_shards", "shard_sizes", "Sequences"]
 
 
 @dataclass(frozen=True)
@@ -247,6 +247,16 @@ def load_shards(folder: str) -> Sequences:
         with np.load(_shard_path(folder, i)) as z:
             parts.append(Sequences(**{k: z[k] for k in z.files}))
     return concat_sequences(parts)
+
+
+def shard_sizes(folder: str) -> list[int]:
+    """Sequences per complete shard of `folder`, in order: shard i holds sequences sum(sizes[:i]) .. of
+    `load_shards(folder)`."""
+    sizes = []
+    while os.path.exists(_shard_path(folder, len(sizes))):
+        with np.load(_shard_path(folder, len(sizes))) as z:
+            sizes.append(int(z["prompt_lens"].shape[0]))
+    return sizes
 
 
 def concat_sequences(parts: list[Sequences]) -> Sequences:

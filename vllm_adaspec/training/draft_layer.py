@@ -6,7 +6,7 @@ Features: f_t, the target's hidden state at position t, the state that predicted
 layer, after the final norm (what the LM head reads and vLLM's runner returns, so the engine takes them from
 verification); for N < L, the residual stream after N layers. Labels: the target's own top-1 after f_{t+1} (what it
 would emit after x_{t+1}): the corpus' (vLLM's) on generated tokens, the prefill's on prompt tokens. Features are
-computed once per data set by a bfloat16 prefill (`feature_cache`), never stored by the corpus. Several layers
+computed once per corpus shard by a bfloat16 prefill (`feature_cache`), never stored by the corpus. Several layers
 (EAGLE-3's low / middle / high, the last one L) are concatenated and fused by the layer family's first step into one
 feature (`DraftLayer.inputs`); later draft steps read the layer's own output as before.
 
@@ -157,15 +157,58 @@ class ColumnView:
         return self.shape[0]
 
 
-def _cached(data: str, layers: tuple[int, ...], count: int, hidden: int):
-    """(features, labels) of a cache in `data` for `count` sequences holding every layer of `layers` (itself or a
-    superset), else None."""
+class RowChunks:
+    """Feature matrices (one per corpus shard, of one or several folders) read as their row-wise concatenation, the
+    first `total` rows, without loading them: rows[a:b] inside one part is that part's (memory-mapped) slice, across
+    parts a copy. A corpus at scale has more features than memory (3M tokens of 4 depths: 14 GB)."""
+
+    def __init__(self, parts: list, total: int | None = None):
+        self.parts = parts
+        self.starts = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
+        rows = int(self.starts[-1]) if total is None else int(total)
+        self.shape = (rows, parts[0].shape[1])
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __getitem__(self, rows):
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError("RowChunks reads contiguous row slices")
+        a, b, _ = rows.indices(self.shape[0])
+        if b <= a:
+            return np.zeros((0, self.shape[1]), np.float16)
+        i = int(np.searchsorted(self.starts, a, side="right")) - 1
+        if b <= self.starts[i + 1]:
+            return self.parts[i][a - self.starts[i]:b - self.starts[i]]
+        out, j = [], i
+        while j < len(self.parts) and self.starts[j] < b:
+            s0 = int(self.starts[j])
+            out.append(np.asarray(self.parts[j][max(a, s0) - s0:min(b, int(self.starts[j + 1])) - s0]))
+            j += 1
+        return np.concatenate(out)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[0:self.shape[0]]
+        return np.asarray(out, dtype=dtype)
+
+
+def _feature_dir(data: str, layers: tuple[int, ...]) -> str:
+    return os.path.join(data, f"features-N{_layers_name(layers)}")
+
+
+def _shard_files(folder: str, i: int) -> tuple[str, str]:
+    return os.path.join(folder, f"shard-{i:05d}.npy"), os.path.join(folder, f"shard-{i:05d}.labels.npy")
+
+
+def _cached_shard(data: str, layers: tuple[int, ...], i: int, hidden: int):
+    """(features, labels) of shard i from a cache in `data` holding every layer of `layers` (its own, or one of more
+    layers: their columns), else None."""
     import glob
 
-    for fpath in sorted(glob.glob(os.path.join(data, f"feat-N*-{count}.npy"))):
-        have = tuple(int(k) for k in os.path.basename(fpath)[len("feat-N"):-len(f"-{count}.npy")].split("+"))
-        lpath = fpath.replace("feat-N", "lab-N", 1)
-        if set(layers) <= set(have) and os.path.exists(lpath):
+    for d in sorted(glob.glob(os.path.join(data, "features-N*"))):
+        have = tuple(int(k) for k in os.path.basename(d)[len("features-N"):].split("+"))
+        fpath, lpath = _shard_files(d, i)
+        if set(layers) <= set(have) and os.path.exists(fpath):  # labels are written first
             arr = np.load(fpath, mmap_mode="r")
             if have == layers:
                 return arr, np.load(lpath)
@@ -174,49 +217,74 @@ def _cached(data: str, layers: tuple[int, ...], count: int, hidden: int):
     return None
 
 
+def _shard_features(model: str, seqs, first: int, last: int, layers, parts, out: str, bar) -> None:
+    """Prefill sequences first..last-1 of `seqs` (one shard) into OUT/shard-i.npy and its labels, atomically: labels
+    first, the features' rename last, so a shard whose features exist is complete."""
+    a0, b0 = int(seqs.offsets[first]), int(seqs.offsets[last])
+    fpath, lpath = out
+    tmp = f"{fpath}.{os.getpid()}.tmp.npy"
+    stack, head = parts
+    feats = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(b0 - a0, head[1].shape[1] * len(layers)))
+    labels = np.zeros(b0 - a0, np.int32)
+    gen = seqs.gen_offsets()
+    for i in range(first, last):
+        a, b = int(seqs.offsets[i]) - a0, int(seqs.offsets[i + 1]) - a0
+        feats[a:b], labels[a:b] = target_features(model, layers, seqs.tokens[a0 + a:a0 + b], stack, head)
+        # position t's label is the token after it: generated rows g0.. cover positions a + plen - 1 ..
+        plen, g0, g1 = int(seqs.prompt_lens[i]), int(gen[i]), int(gen[i + 1])
+        labels[a + plen - 1:a + plen - 1 + g1 - g0] = seqs.topk_ids[g0:g1, 0]
+        bar.update(b - a)
+    feats.flush()
+    del feats
+    np.save(lpath + f".{os.getpid()}.tmp.npy", labels)
+    os.replace(lpath + f".{os.getpid()}.tmp.npy", lpath)
+    os.replace(tmp, fpath)
+
+
 def feature_cache(model: str, data: str, seqs, n, max_tokens: int = 0, progress: bool = True,
                   dtype: torch.dtype = torch.bfloat16) -> tuple:
-    """(features [T, H * layers] float16 memmap, labels [T] int32, sequences) for every token of the first sequences
-    of `seqs` holding at most max_tokens tokens (0: all), computed once and kept in DATA/feat-N{layers}-{count}.npy /
-    lab-...npy (a cache of more layers serves fewer). A generated position's label is the corpus' own top-1 (vLLM's,
-    in the dtype it generated with); a prompt position's, the prefill's argmax."""
+    """(features [T, H * layers] float16 (`RowChunks` of memory maps), labels [T] int32, sequences) for every token of
+    the first sequences of `seqs` (the folder's `load_shards`) holding at most max_tokens tokens (0: all), computed
+    once per shard of the corpus and kept in DATA/features-N{layers}/shard-i.npy and shard-i.labels.npy (a cache of
+    more layers serves fewer): an interrupted prefill resumes at its first missing shard, a grown corpus prefills its
+    new shards only. A generated position's label is the corpus' own top-1 (vLLM's, in the dtype it generated with);
+    a prompt position's, the prefill's argmax."""
     from tqdm import tqdm
 
+    from vllm_adaspec.training.distill import shard_sizes
+
     cfg = _config(model)
-    L = cfg["num_hidden_layers"]
-    layers = feature_layers(n, L)
+    layers = feature_layers(n, cfg["num_hidden_layers"])
     lengths = np.diff(seqs.offsets)
     count = len(seqs) if not max_tokens else max(1, int(np.searchsorted(np.cumsum(lengths), max_tokens)))
     total = int(seqs.offsets[count])
-    hit = _cached(data, layers, count, cfg["hidden_size"])
-    if hit is not None:
-        return (*hit, count)
-    fpath = os.path.join(data, f"feat-N{_layers_name(layers)}-{count}.npy")
-    lpath = os.path.join(data, f"lab-N{_layers_name(layers)}-{count}.npy")
-    stack, head = _target_parts(model, dtype)
-    feats = np.lib.format.open_memmap(fpath + ".tmp.npy", mode="w+", dtype=np.float16,
-                                      shape=(total, cfg["hidden_size"] * len(layers)))
-    labels = np.zeros(total, np.int32)
-    gen = seqs.gen_offsets()
-    with tqdm(total=total, unit="tok", desc=f"target features (N={_layers_name(layers)}, prefill)",
-              disable=not progress) as bar:
-        for i in range(count):
-            a, b = int(seqs.offsets[i]), int(seqs.offsets[i + 1])
-            feats[a:b], labels[a:b] = target_features(model, layers, seqs.tokens[a:b], stack, head)
-            # position t's label is the token after it: generated rows g0.. cover positions a + plen - 1 ..
-            plen, g0, g1 = int(seqs.prompt_lens[i]), int(gen[i]), int(gen[i + 1])
-            labels[a + plen - 1:a + plen - 1 + g1 - g0] = seqs.topk_ids[g0:g1, 0]
-            bar.update(b - a)
-    feats.flush()
-    del feats
-    os.replace(fpath + ".tmp.npy", fpath)
-    np.save(lpath, labels)
-    return np.load(fpath, mmap_mode="r"), labels, count
+    bounds = np.concatenate([[0], np.cumsum(shard_sizes(data))])
+    bounds = bounds[bounds <= len(seqs)]  # shards a running `distill` wrote after `seqs` was read are not in it
+    if bounds[-1] < count:
+        raise ValueError(f"{data}: its shards hold {bounds[-1]} sequences, {count} asked")
+    shards = int(np.searchsorted(bounds, count, side="left"))  # shards 0..shards-1 cover the first `count`
+    cached = [_cached_shard(data, layers, i, cfg["hidden_size"]) for i in range(shards)]
+    todo = [i for i, c in enumerate(cached) if c is None]
+    if todo:
+        out = _feature_dir(data, layers)
+        os.makedirs(out, exist_ok=True)
+        parts = _target_parts(model, dtype)
+        work = sum(int(seqs.offsets[bounds[i + 1]] - seqs.offsets[bounds[i]]) for i in todo)
+        with tqdm(total=work, unit="tok", desc=f"target features (N={_layers_name(layers)}, prefill, "
+                  f"{len(todo)} of {shards} shards)", disable=not progress) as bar:
+            for i in todo:
+                _shard_features(model, seqs, int(bounds[i]), int(bounds[i + 1]), layers, parts,
+                                _shard_files(out, i), bar)
+                cached[i] = _cached_shard(data, layers, i, cfg["hidden_size"])
+    feats = RowChunks([f for f, _ in cached], total)
+    labels = np.concatenate([lab for _, lab in cached])[:total]
+    return feats, labels, count
 
 
 def corpus_features(model: str, data: str, n: int, max_tokens: int = 0, progress: bool = True) -> tuple:
-    """(sequences, features [T, H], labels [T], sequences used) of one `adaspec distill` folder or several joined by
-    commas (each folder's features cached in it), taking folders in order up to max_tokens tokens (0: all)."""
+    """(sequences, features [T, H] (`RowChunks`), labels [T], sequences used) of one `adaspec distill` folder or
+    several joined by commas (each folder's features cached in it), taking folders in order up to max_tokens tokens
+    (0: all)."""
     from vllm_adaspec.training.distill import concat_sequences, load_shards
 
     folders = [d for d in data.split(",") if d]
@@ -229,14 +297,20 @@ def corpus_features(model: str, data: str, n: int, max_tokens: int = 0, progress
         f, lab, count = feature_cache(model, d, seqs, n, left, progress)
         total = int(seqs.offsets[count])
         parts.append(_first_sequences(seqs, count))
-        feats.append(np.asarray(f[:total]))
+        feats += _rows(f, total)
         labels.append(lab[:total])
         if max_tokens:
             left -= total
             if left <= 0:
                 break
     seqs = concat_sequences(parts)
-    return seqs, np.concatenate(feats), np.concatenate(labels), len(seqs)
+    return seqs, RowChunks(feats), np.concatenate(labels), len(seqs)
+
+
+def _rows(f: RowChunks, total: int) -> list:
+    """f's parts cut to its first `total` rows (views)."""
+    cut = lambda p, k: ColumnView(p.arr[:k], p.cols) if isinstance(p, ColumnView) else p[:k]  # noqa: E731
+    return [cut(p, total - int(s)) for p, s in zip(f.parts, f.starts) if s < total]
 
 
 def _first_sequences(seqs, count: int):
