@@ -102,6 +102,36 @@ def test_train_exit_layer_writes_a_checkpoint_that_learned(distilled, smollm2):
     assert bad.returncode == 2 and "1 <= N < 30" in bad.stderr
 
 
+def test_train_draft_layer_prefills_features_per_shard_then_trains_an_exit_head(distilled, smollm2, capsys):
+    """The two commands a new model's draft layer takes from a corpus: the features' prefill alone (per shard, the
+    shipped layer's depths), then training on them into an exit head EarlyExitProposer loads."""
+    out, layers = distilled["out"], "2,15,27,30"
+    shards = len([f for f in os.listdir(out) if f.startswith("shard-")])
+    p = cli(["train", "draft-layer", "--model", smollm2, "--data", str(out), "-N", layers, "--features-only"],
+            distilled["dir"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(p.stdout[p.stdout.index("{"):])
+    assert report["feature_columns"] == 4 * 576 and report["tokens"] == int(load_shards(str(out)).offsets[-1])
+    cache = out / "features-N2+15+27+30"
+    assert sorted(os.listdir(cache)) == sorted(f"shard-{i:05d}{e}" for i in range(shards) for e in (".npy", ".labels.npy"))
+    from vllm_adaspec.cli import main
+
+    assert main(["train", "draft-layer", "--model", smollm2, "--data", str(out)]) == 2
+    assert "--out is required" in capsys.readouterr().err
+    head = distilled["dir"] / "draft-layer"
+    p = cli(["train", "draft-layer", "--model", smollm2, "--data", str(out), "-N", layers, "--out", str(head),
+             "--depth", "2", "--draft-vocab", "256", "--epochs", "3"], distilled["dir"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "target features" not in p.stderr  # the cache served it: no second prefill
+    report = json.loads(p.stdout[p.stdout.index("{"):])
+    assert report["settings"]["prompt_context"] == 64 and report["steps"] >= 1 and len(report["agreement_after"]) == 2
+    from vllm_adaspec.heads import load_exit_head
+
+    meta, t = load_exit_head(str(head))
+    assert meta["input"] == "features" and meta["feature_layers"] == [2, 15, 27, 30] and meta["exit_layer"] == 30
+    assert not (head / "train-state.pt").exists()
+
+
 def test_build_corpus_counts_the_distilled_text_for_this_tokenizer(distilled, smollm2):
     from collections import Counter
 

@@ -326,3 +326,48 @@ def test_training_goes_on_from_a_checkpoint_it_wrote(tiny_llama, corpus, tmp_pat
     assert torch.equal(load_exit_head(go_on.out)[1]["draft_vocab"], vocab_a) and len(vocab_a) == 400
     with pytest.raises(ValueError, match="layers"):
         train_draft_layer(replace(go_on, feature_layer=0, out=str(tmp_path / "c")), progress=False)
+
+
+def test_a_run_cut_short_resumes_where_it_stopped_and_ends_as_an_uncut_one(tiny_llama, corpus, tmp_path, monkeypatch):
+    """Progress is saved (OUT/train-state.pt) while training: run again with the same settings, a run killed
+    mid-way goes on from its last save and ends with the weights an uncut run ends with; other settings are refused
+    by name, and the state is gone once the checkpoint is written."""
+    from vllm_adaspec.training import draft_layer as dl
+
+    data, _ = corpus
+    st = dl.DraftTrainSettings(model=tiny_llama, data=str(data), out=str(tmp_path / "uncut"), depth=2,
+                               draft_vocab=300, epochs=2, lr=3e-3, batch_tokens=1024, holdout_every=6, amp=False)
+    whole = dl.train_draft_layer(st, progress=False, log=lambda *a: None)
+    assert whole["steps"] >= 4
+    cut = dl.replace(st, out=str(tmp_path / "cut"), save_minutes=0.0)
+    saves, real_save = [], dl._save_state
+
+    def save_then_die(path, *a, **k):
+        real_save(path, *a, **k)
+        saves.append(a[-1]["step"])
+        if len(saves) == 2:
+            raise KeyboardInterrupt  # the session's hard end
+
+    monkeypatch.setattr(dl, "_save_state", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        dl.train_draft_layer(cut, progress=False, log=lambda *a: None)
+    assert saves == [1, 2] and (tmp_path / "cut" / dl.TRAIN_STATE).exists()
+    with pytest.raises(ValueError, match="lr differ"):
+        dl.train_draft_layer(dl.replace(cut, lr=1e-3), progress=False, log=lambda *a: None)
+    monkeypatch.setattr(dl, "_save_state", real_save)
+    said = []
+    again = dl.train_draft_layer(cut, progress=False, log=said.append)
+    assert any("resuming" in s and "at step 2 of" in s for s in said), said
+    assert again["agreement_before"] == whole["agreement_before"] and again["curve"][0] == whole["curve"][0]
+    for k, v in dl._trainable(whole["model"]).items():
+        torch.testing.assert_close(dl._trainable(again["model"])[k], v, rtol=1e-5, atol=1e-6)
+    assert not (tmp_path / "cut" / dl.TRAIN_STATE).exists()
+
+
+def test_training_windows_start_a_few_prompt_tokens_before_each_response():
+    from vllm_adaspec.training.draft_layer import _windows
+
+    offsets, plens = np.array([0, 500, 600]), np.array([400, 20])
+    # the first label of sequence 0's response sits at position 399 (it predicts token 400)
+    assert _windows(offsets, 2, 256, plens, 64) == [(335, 500), (500, 600)]
+    assert _windows(offsets, 2, 256, plens, -1) == [(0, 256), (256, 500), (500, 600)]

@@ -170,7 +170,11 @@ def add_train(sub) -> None:
     d.add_argument("--model", default="smollm2-135m-instruct", help="known short name or a Hugging Face folder")
     d.add_argument("--data", default=None, help="`adaspec distill` folder, or several joined by commas (default: its "
                                                 "default for --model, seed 0)")
-    d.add_argument("--out", required=True, help="checkpoint folder to write")
+    d.add_argument("--out", default=None, help="checkpoint folder to write (a run cut short resumes from its "
+                                                "train-state.pt when run again with the same settings)")
+    d.add_argument("--features-only", action="store_true",
+                   help="only prefill the target's features of --data into its cache (per shard, resumable; one "
+                        "process per folder runs folders side by side), then stop")
     d.add_argument("--family", choices=("layer", "mlp"), default="layer")
     d.add_argument("-N", "--feature-layer", type=_parse_feature_layers, default=0,
                    help="target layers the features come from (0: all); several joined by commas are fused (EAGLE-3: "
@@ -182,6 +186,8 @@ def add_train(sub) -> None:
     d.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (1e-3 beat 3e-4 on a million tokens)")
     d.add_argument("--max-tokens", type=int, default=0, help="train on at most this many corpus tokens (0: all)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--prompt-context", type=int, default=64,
+                   help="prompt tokens trained on before each response (-1: whole sequences, prompts included)")
     d.add_argument("--labels", choices=("auto", "argmax", "topk", "distribution"), default="auto",
                    help="what a draft learns to match: the target's distribution over the draft vocabulary, read off "
                         "the next position's feature; its argmax; or its top-8 where the corpus keeps them (auto: the "
@@ -288,13 +294,19 @@ def cmd_train_draft_layer(args) -> int:
         return 2
     data = args.data or default_distill_dir(args.model, 0)
     layers = args.feature_layer if isinstance(args.feature_layer, tuple) else (args.feature_layer,)
-    if args.depth < 1 or min(layers) < 0 or args.draft_vocab < 1 or args.max_tokens < 0:
+    if args.depth < 1 or min(layers) < 0 or args.draft_vocab < 1 or args.max_tokens < 0 or args.prompt_context < -1:
         print("adaspec train draft-layer: --depth and --draft-vocab must be >= 1, --feature-layer and --max-tokens "
-              ">= 0", file=sys.stderr)
+              ">= 0, --prompt-context >= -1", file=sys.stderr)
+        return 2
+    if args.features_only:
+        return _run_trainer(_prefill_features, (model, data, args.feature_layer, args.max_tokens))
+    if not args.out:
+        print("adaspec train draft-layer: --out is required (or --features-only)", file=sys.stderr)
         return 2
     st = DraftTrainSettings(model=model, data=data, out=args.out, family=args.family, feature_layer=args.feature_layer,
                             depth=args.depth, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
-                            max_tokens=args.max_tokens, seed=args.seed, labels=args.labels, init=args.init)
+                            max_tokens=args.max_tokens, seed=args.seed, labels=args.labels, init=args.init,
+                            prompt_context=args.prompt_context)
 
     def train(s):
         report = train_draft_layer(s)
@@ -302,6 +314,14 @@ def cmd_train_draft_layer(args) -> int:
         return report
 
     return _run_trainer(train, st)
+
+
+def _prefill_features(job: tuple) -> dict:
+    from vllm_adaspec.training.draft_layer import corpus_features
+
+    model, data, layers, max_tokens = job
+    seqs, feats, _, count = corpus_features(model, data, layers, max_tokens)
+    return {"data": data, "sequences": count, "tokens": int(seqs.offsets[count]), "feature_columns": feats.shape[1]}
 
 
 def cmd_train_exit(args) -> int:

@@ -69,7 +69,10 @@ class DraftTrainSettings:
     max_tokens: int = 0  # train on at most this many tokens of the corpus (0: all)
     seed: int = 0
     labels: str = "auto"  # LABELS, or auto: "distribution" where the layer family reads the last layer, else "argmax"
+    save_minutes: float = 10.0  # a run saves its progress (OUT/train-state.pt) this often and resumes from it
     amp: bool = True  # bfloat16 autocast (weights and optimizer in float32): ~5x float32 GEMMs on AMX CPUs
+    prompt_context: int = 64  # prompt tokens trained on before each response (-1: whole sequences): a draft runs
+    # on what the target writes, and EAGLE / HASS mask their losses to responses; half a corpus' tokens are prompts
     init: str = ""  # a folder this trainer wrote: start from its weights and draft vocabulary (training goes on
     # over a grown corpus or for more epochs instead of starting over; the learning rate warms up again)
 
@@ -486,11 +489,15 @@ def build(family: str, model: str, vocab_ids: np.ndarray, depth: int, feature_la
     return m
 
 
-def _windows(offsets: np.ndarray, count: int, length: int) -> list[tuple[int, int]]:
-    """[a, b) token windows of at most `length` inside each of the first `count` sequences."""
+def _windows(offsets: np.ndarray, count: int, length: int, prompt_lens: np.ndarray | None = None,
+             prompt_context: int = -1) -> list[tuple[int, int]]:
+    """[a, b) token windows of at most `length` inside each of the first `count` sequences, from `prompt_context`
+    tokens before the response's first label (-1: from the sequence's start)."""
     out = []
     for i in range(count):
         a, b = int(offsets[i]), int(offsets[i + 1])
+        if prompt_context >= 0 and prompt_lens is not None:
+            a = max(a, a + int(prompt_lens[i]) - 1 - prompt_context)
         for w in range(a, b - 2, length):
             out.append((w, min(b, w + length)))
     return out
@@ -600,7 +607,7 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     to_sub = torch.full((cfg["vocab_size"],), -1, dtype=torch.long)
     to_sub[torch.as_tensor(vocab_ids)] = torch.arange(len(vocab_ids))
     win = 256
-    windows = _windows(seqs.offsets, count, win)
+    windows = _windows(seqs.offsets, count, win, seqs.prompt_lens, st.prompt_context)
     seq_of = np.searchsorted(seqs.offsets[1:count + 1], [a for a, _ in windows], side="right")
     train_w = [w for w, i in zip(windows, seq_of) if not held[i]]
     held_w = [w for w, i in zip(windows, seq_of) if held[i]]
@@ -646,13 +653,20 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
         model.train()
         return (hits / max(1, tot)).round(4).tolist()
 
-    before = evaluate()
+    state_path = os.path.join(st.out, TRAIN_STATE)
+    resumed = _load_state(state_path, st, model, opt, sched)
+    if resumed:
+        first, before, curve, ema = resumed["step"], resumed["before"], resumed["curve"], resumed["ema"]
+        log(f"resuming {state_path} at step {first} of {steps}")
+    else:
+        first, curve, ema = 0, [], None
+        before = evaluate()
     log(f"held-out top-1 agreement by depth before training: {before}")
-    curve, ema = [], None
     order = rng.permutation(len(train_w))
-    with tqdm(total=steps, desc=f"draft {st.family} (N={n}, depth {st.depth})", unit="step",
+    saved = time.perf_counter()
+    with tqdm(total=steps, initial=first, desc=f"draft {st.family} (N={n}, depth {st.depth})", unit="step",
               disable=not progress) as bar:
-        for step in range(steps):
+        for step in range(first, steps):
             idx = order[(step * per_batch) % len(order):][:per_batch]
             if len(idx) < per_batch:
                 idx = np.concatenate([idx, order[:per_batch - len(idx)]])
@@ -669,6 +683,10 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
                 curve.append((step, round(ema, 4), [round(a, 4) for a in agree]))
             bar.set_postfix(loss=f"{ema:.3f}", top1=f"{agree[0]:.2f}")
             bar.update(1)
+            if time.perf_counter() - saved > st.save_minutes * 60 and step + 1 < steps:
+                _save_state(state_path, st, model, opt, sched,
+                            {"step": step + 1, "before": before, "curve": curve, "ema": ema})
+                saved = time.perf_counter()
     after = evaluate()
     log(f"held-out top-1 agreement by depth after training: {after}")
     os.makedirs(st.out, exist_ok=True)
@@ -688,7 +706,42 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
               "seconds": round(time.perf_counter() - t0, 1)}
     with open(os.path.join(st.out, "draft_layer.json"), "w") as f:
         json.dump(report, f, indent=1)
+    if os.path.exists(state_path):
+        os.remove(state_path)  # the checkpoint is written: a run with these settings starts over
     return {**report, "model": model, "vocab_ids": vocab_ids}
+
+
+TRAIN_STATE = "train-state.pt"
+
+
+def _trainable(model: nn.Module) -> dict:
+    """The module's state without the target's frozen embedding and head rows."""
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(("embed", "head"))}
+
+
+def _save_state(path: str, st: DraftTrainSettings, model: nn.Module, opt, sched, progress: dict) -> None:
+    """What resumes a run cut short (a session's end): weights, optimizer, schedule, the step reached."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"settings": asdict(st), "model": _trainable(model), "opt": opt.state_dict(),
+                "sched": sched.state_dict(), **progress}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _load_state(path: str, st: DraftTrainSettings, model: nn.Module, opt, sched) -> dict | None:
+    """The saved progress of a run with these very settings (loaded into model, opt, sched), None without one;
+    refused where the folder holds another run's."""
+    if not os.path.exists(path):
+        return None
+    state = torch.load(path, weights_only=False)
+    mine, theirs = asdict(st), state["settings"]
+    diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k) and k != "save_minutes")
+    if diff:
+        raise ValueError(f"{path} resumes a run with other settings ({', '.join(diff)} differ): pass those settings, "
+                         "or delete it to start over")
+    model.load_state_dict(state["model"], strict=False)
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    return state
 
 
 def _warm_start(st: DraftTrainSettings, n: tuple) -> tuple[nn.Module, np.ndarray]:
