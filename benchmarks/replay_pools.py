@@ -157,12 +157,15 @@ def classifier_order(trie, params, calib) -> list[int]:
 def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] | None, vocab_size: int,
            corpus=None, strength: float = 4.0, streak: bool = True, tree_factor: float = 1.0,
            vllm_suffix: bool = False, medusa_acc: list | None = None, record: list | None = None,
-           classifier: dict | None = None, draft_cost: float = 0.0) -> dict:
+           classifier: dict | None = None, draft_cost: float = 0.0, draft_gate: float | None = None,
+           draft_upkeep: float = 0.0) -> dict:
     """cost None: verify the `budget` most probable nodes every step; else choose the count on the cost curve.
     record: append (features [n, F], accepted [n]) of every trie node (labels for all of them: the replay knows
     the continuation). classifier: rank the trie's nodes by a pool-node classifier instead of path probability.
     draft_cost: what the draft layer's passes and KV upkeep add to every step, relative to a plain step ("draft"
-    pool: the records' rec["draft"], draft_layer_trees)."""
+    pool: the records' rec["draft"], draft_layer_trees). draft_gate: run the draft layer only on steps whose copied
+    candidates promise fewer than this many accepted tokens (their cost-aware choice's summed path probabilities);
+    draft_upkeep: what the layer's KV upkeep adds to every step, drafting or not."""
     from vllm_adaspec.pools.corpus import propose_corpus
     from vllm_adaspec.pools.medusa import MAX_NODES, propose_medusa, sparse_tree
     from vllm_adaspec.pools.suffix import SuffixPool
@@ -171,7 +174,7 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
     calib = Calibration(strength)
     table = RecycleTable(vocab_size)
     suffix = SuffixPool() if "suffix" in pools else None
-    steps = tokens = nodes = accepted = only_draft = 0
+    steps = tokens = nodes = accepted = only_draft = drafting = 0
     time = predicted = 0.0
     for rid, rec in enumerate(records):
         prompt, out = rec["prompt"], rec["output"]
@@ -194,7 +197,13 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
             if medusa_acc is not None and "medusa" in pools:
                 tree = trees.get(budget) or trees.setdefault(budget, sparse_tree(medusa_acc, min(budget, MAX_NODES)))
                 cands.append(propose_medusa(tree, rec["medusa"][0][g], rec["medusa"][1][g]))
-            if "draft" in pools:
+            drafted = "draft" in pools
+            if drafted and draft_gate is not None and cands:  # what the copies promise without the layer
+                copy = merge(cands, calib, streak_state(last_acc) if streak else ())
+                top = ranked(copy)[:budget]
+                k = best_prefix([copy.path[i] for i in top], 1.0, cost or DEFAULT_COST, 1)
+                drafted = sum(copy.path[i] for i in top[:k]) < draft_gate
+            if drafted:
                 cands.append(propose_draft_layer(rec["draft"][g], rec["draft_widths"]))
             if vllm_suffix:  # vLLM's `suffix` method: the path mode of the same cache at its defaults
                 d = suffix.cache.speculate(rid, np.asarray(context[-24:], dtype=np.int32), max_spec_tokens=budget,
@@ -242,14 +251,16 @@ def replay(records: list[dict], pools: set[str], budget: int, cost: list[float] 
             tokens += len(commit)
             nodes += len(chosen)
             rows_cost = (cost or DEFAULT_COST)(1 + len(chosen))
-            time += rows_cost * (tree_factor if _is_tree(trie, chosen) else 1.0) + ("draft" in pools) * draft_cost
+            time += rows_cost * (tree_factor if _is_tree(trie, chosen) else 1.0) + drafted * draft_cost
+            time += ("draft" in pools) * draft_upkeep
+            drafting += drafted
             if "draft" in pools:  # where the draft layer's chain alone was accepted: what it adds to the copies
                 only_draft += bool(path) and set(calib.key(trie.codes[path[0]])[0]) == {"draft"}
         if suffix:
             suffix.stop(rid)
     return {"tau": tokens / steps, "nodes_per_step": nodes / steps, "speedup_est": tokens / time,
             "predicted_accepted": predicted / steps, "accepted": accepted / steps,
-            "draft_only_first": only_draft / steps}
+            "draft_only_first": only_draft / steps, "drafting_steps": drafting / steps}
 
 
 def accepted_path(trie, chosen, out: list[int], g: int) -> list[int]:
@@ -309,6 +320,11 @@ def main() -> None:
                          "greedy chain of 3; 3,2,1: 3 + 6 + 6 nodes)")
     ap.add_argument("--draft-cost", type=float, default=0.25,
                     help="what the draft pool adds to every step over a plain step's time (passes + KV upkeep)")
+    ap.add_argument("--draft-gate", type=float, nargs="+", default=None,
+                    help="run the draft layer only on steps whose copied candidates promise fewer accepted tokens "
+                         "than this (one replay per value; default: every step)")
+    ap.add_argument("--draft-upkeep", type=float, default=0.0,
+                    help="what the draft layer's KV upkeep adds to every step, drafting or not (with --draft-gate)")
     ap.add_argument("--cost", default=None, help='JSON {rows: relative step time}, e.g. \'{"1": 1.0, "9": 1.5}\'')
     ap.add_argument("--combos", action="store_true", help="every pool alone, all, and leave-one-out")
     ap.add_argument("--sets", nargs="+", default=None, help="pool sets to replay, e.g. context+suffix medusa")
@@ -362,16 +378,21 @@ def main() -> None:
                               refs[ds], tuple(int(w) for w in args.draft_widths.split(",")))
     if args.node_classifier:
         return compare_node_classifier(args, refs, sets[0], cost, vocab, corpus, medusa_acc)
-    for ds, pools, b in itertools.product(args.datasets, sets, args.budgets):
+    gates = [None] + (args.draft_gate or [])
+    for ds, pools, b, gate in itertools.product(args.datasets, sets, args.budgets, gates):
+        if gate is not None and "draft" not in pools:
+            continue
         recs = refs[ds]
         kw = dict(streak=not args.no_streak, tree_factor=args.tree_factor, medusa_acc=medusa_acc,
-                  draft_cost=args.draft_cost)
+                  draft_cost=args.draft_cost, draft_gate=gate, draft_upkeep=args.draft_upkeep)
         fixed = replay(recs, pools, b, None, vocab, corpus, **kw)
         aware = replay(recs, pools, b, cost, vocab, corpus, **kw)
-        print(f"| {ds} | {'+'.join(sorted(pools))} | {b} | {fixed['tau']:.2f} | {fixed['nodes_per_step']:.1f} | "
+        name = "+".join(sorted(pools)) + (f" (draft when copies < {gate}: {aware['drafting_steps']:.0%} of steps)"
+                                          if gate is not None else "")
+        print(f"| {ds} | {name} | {b} | {fixed['tau']:.2f} | {fixed['nodes_per_step']:.1f} | "
               f"{fixed['speedup_est']:.2f} | {aware['tau']:.2f} | {aware['nodes_per_step']:.1f} | "
               f"{aware['speedup_est']:.2f} | {aware['draft_only_first']:.2f} |", flush=True)
-        rows.append({"dataset": ds, "pools": "+".join(sorted(pools)), "budget": b, "fixed": fixed, "cost_aware": aware})
+        rows.append({"dataset": ds, "pools": name, "budget": b, "fixed": fixed, "cost_aware": aware})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     plot(rows, Path(args.out).with_suffix(".png"))
