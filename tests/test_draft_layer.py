@@ -135,6 +135,10 @@ def test_features_are_the_final_normed_state_and_labels_the_corpus_top1(tiny_lla
         # a generated position's label is the corpus' token after it; a prompt position's, the prefill's argmax
         assert got_l[7:47].tolist() == seqs[i][8:48]
         assert (got_l[:7] == want_l[:7]).mean() >= 6 / 7
+        assert got_l[47] == -1  # the last token has no next one in the corpus
+        # labels of the first `labelled` positions only: the same argmax there, -1 after
+        _, some = target_features(tiny_llama, 4, np.asarray(seqs[i]), labelled=7)
+        assert some[:7].tolist() == want_l[:7].tolist() and (some[7:] == -1).all()
 
 
 def test_the_soft_label_loss_is_cross_entropy_against_the_targets_top_k():

@@ -124,9 +124,11 @@ def _layers_name(layers: tuple[int, ...]) -> str:
 
 
 @torch.inference_mode()
-def target_features(model: str, n, ids: np.ndarray, stack=None, head=None) -> tuple[np.ndarray, np.ndarray]:
+def target_features(model: str, n, ids: np.ndarray, stack=None, head=None,
+                    labelled: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One sequence's token ids [T] -> (features [T, H * len(layers)] float16, labels [T] int32: the target's argmax
-    at each position), n an int or a tuple of layers (`feature_layers`). The features of the last layer L are its
+    at each position, or at the first `labelled` only and -1 after them: a corpus has the rest, and the full-vocabulary
+    logits are a fifth of a prefill), n an int or a tuple of layers (`feature_layers`). The features of the last layer L are its
     final-normed hidden state (what the LM head reads and what vLLM's runner returns from a forward, so the engine
     reads them off verification); of a layer N < L, the residual stream after N layers; several are concatenated in
     order. Computed in the dtype of `stack` (bfloat16: ~3x float32 here, AMX)."""
@@ -140,7 +142,9 @@ def target_features(model: str, n, ids: np.ndarray, stack=None, head=None) -> tu
     pos = torch.arange(x.shape[1])[None]
     hs = stack(x, pos, capture=tuple(sorted(set(layers) | {L})))
     top = rms_norm(hs[L][0], norm_w, eps)  # [T, H]
-    labels = (top @ lm.T).argmax(-1)
+    labels = torch.full((top.shape[0],), -1, dtype=torch.long)
+    m = top.shape[0] if labelled is None else max(0, min(labelled, top.shape[0]))
+    labels[:m] = (top[:m] @ lm.T).max(-1).indices  # (argmax is ~4x slower than max on CPU)
     feats = torch.cat([top if k == L else hs[k][0] for k in layers], -1)
     return feats.to(torch.float16).numpy(), labels.to(torch.int32).numpy()
 
@@ -232,9 +236,9 @@ def _shard_features(model: str, seqs, first: int, last: int, layers, parts, out:
     gen = seqs.gen_offsets()
     for i in range(first, last):
         a, b = int(seqs.offsets[i]) - a0, int(seqs.offsets[i + 1]) - a0
-        feats[a:b], labels[a:b] = target_features(model, layers, seqs.tokens[a0 + a:a0 + b], stack, head)
         # position t's label is the token after it: generated rows g0.. cover positions a + plen - 1 ..
         plen, g0, g1 = int(seqs.prompt_lens[i]), int(gen[i]), int(gen[i + 1])
+        feats[a:b], labels[a:b] = target_features(model, layers, seqs.tokens[a0 + a:a0 + b], stack, head, plen - 1)
         labels[a + plen - 1:a + plen - 1 + g1 - g0] = seqs.topk_ids[g0:g1, 0]
         bar.update(b - a)
     feats.flush()
@@ -598,6 +602,7 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     train_tok = np.concatenate([labels[seqs.offsets[i]:seqs.offsets[i + 1]] for i in range(count) if not held[i]])
+    train_tok = train_tok[train_tok >= 0]  # (a sequence's last position has no next token to learn)
     if st.init:
         model, vocab_ids = _warm_start(st, n)
         coverage = float(np.isin(train_tok, vocab_ids).mean())
