@@ -225,6 +225,10 @@ def test_the_feature_cache_prefills_only_the_shards_it_lacks(tiny_llama, corpus,
     assert np.array_equal(both[n - 5:n + 5], np.concatenate([first[n - 5:n], first[0:5]]))
     assert np.array_equal(lab2, np.concatenate([lab1, lab1]))
     assert np.array_equal(np.asarray(both), np.concatenate([np.asarray(first)] * 2))
+    # a third shard without features: cached_only trains on the two before it and prefills nothing
+    shutil.copy(data / "shard-00000.npz", grown / "shard-00002.npz")
+    two, _, c4 = feature_cache(tiny_llama, str(grown), load_shards(str(grown)), 0, progress=False, cached_only=True)
+    assert c4 == c2 and len(two) == len(both) and not (grown / "features-N4" / "shard-00002.npy").exists()
     # max_tokens within the first shard reads that shard only
     part, _, c3 = feature_cache(tiny_llama, str(grown), load_shards(str(grown)), 0, max_tokens=100, progress=False)
     assert c3 == 2 and len(part) == 96 and len(part.parts) == 1

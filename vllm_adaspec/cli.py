@@ -175,6 +175,9 @@ def add_train(sub) -> None:
     d.add_argument("--features-only", action="store_true",
                    help="only prefill the target's features of --data into its cache (per shard, resumable; one "
                         "process per folder runs folders side by side), then stop")
+    d.add_argument("--cached-only", action="store_true",
+                   help="train on each folder's leading shards whose features are already cached (a --features-only "
+                        "run still going), prefilling nothing")
     d.add_argument("--family", choices=("layer", "mlp"), default="layer")
     d.add_argument("-N", "--feature-layer", type=_parse_feature_layers, default=0,
                    help="target layers the features come from (0: all); several joined by commas are fused (EAGLE-3: "
@@ -306,7 +309,7 @@ def cmd_train_draft_layer(args) -> int:
     st = DraftTrainSettings(model=model, data=data, out=args.out, family=args.family, feature_layer=args.feature_layer,
                             depth=args.depth, draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr,
                             max_tokens=args.max_tokens, seed=args.seed, labels=args.labels, init=args.init,
-                            prompt_context=args.prompt_context)
+                            prompt_context=args.prompt_context, cached_only=args.cached_only)
 
     def train(s):
         report = train_draft_layer(s)

@@ -67,6 +67,7 @@ class DraftTrainSettings:
     batch_tokens: int = 4096
     holdout_every: int = 20
     max_tokens: int = 0  # train on at most this many tokens of the corpus (0: all)
+    cached_only: bool = False  # train on each folder's leading shards whose features are cached, prefill nothing
     seed: int = 0
     labels: str = "auto"  # LABELS, or auto: "distribution" where the layer family reads the last layer, else "argmax"
     save_minutes: float = 10.0  # a run saves its progress (OUT/train-state.pt) this often and resumes from it
@@ -249,13 +250,14 @@ def _shard_features(model: str, seqs, first: int, last: int, layers, parts, out:
 
 
 def feature_cache(model: str, data: str, seqs, n, max_tokens: int = 0, progress: bool = True,
-                  dtype: torch.dtype = torch.bfloat16) -> tuple:
+                  dtype: torch.dtype = torch.bfloat16, cached_only: bool = False) -> tuple:
     """(features [T, H * layers] float16 (`RowChunks` of memory maps), labels [T] int32, sequences) for every token of
     the first sequences of `seqs` (the folder's `load_shards`) holding at most max_tokens tokens (0: all), computed
     once per shard of the corpus and kept in DATA/features-N{layers}/shard-i.npy and shard-i.labels.npy (a cache of
     more layers serves fewer): an interrupted prefill resumes at its first missing shard, a grown corpus prefills its
     new shards only. A generated position's label is the corpus' own top-1 (vLLM's, in the dtype it generated with);
-    a prompt position's, the prefill's argmax."""
+    a prompt position's, the prefill's argmax. cached_only: the leading shards already cached only (a prefill still
+    running), nothing prefilled."""
     from tqdm import tqdm
 
     from vllm_adaspec.training.distill import shard_sizes
@@ -271,6 +273,12 @@ def feature_cache(model: str, data: str, seqs, n, max_tokens: int = 0, progress:
         raise ValueError(f"{data}: its shards hold {bounds[-1]} sequences, {count} asked")
     shards = int(np.searchsorted(bounds, count, side="left"))  # shards 0..shards-1 cover the first `count`
     cached = [_cached_shard(data, layers, i, cfg["hidden_size"]) for i in range(shards)]
+    if cached_only:
+        shards = next((i for i, c in enumerate(cached) if c is None), shards)
+        if shards == 0:
+            raise ValueError(f"{data}: no features of layers {_layers_name(layers)} cached for its first shard")
+        cached, count = cached[:shards], min(count, int(bounds[shards]))
+        total = int(seqs.offsets[count])
     todo = [i for i, c in enumerate(cached) if c is None]
     if todo:
         out = _feature_dir(data, layers)
@@ -288,7 +296,8 @@ def feature_cache(model: str, data: str, seqs, n, max_tokens: int = 0, progress:
     return feats, labels, count
 
 
-def corpus_features(model: str, data: str, n: int, max_tokens: int = 0, progress: bool = True) -> tuple:
+def corpus_features(model: str, data: str, n: int, max_tokens: int = 0, progress: bool = True,
+                    cached_only: bool = False) -> tuple:
     """(sequences, features [T, H] (`RowChunks`), labels [T], sequences used) of one `adaspec distill` folder or
     several joined by commas (each folder's features cached in it), taking folders in order up to max_tokens tokens
     (0: all)."""
@@ -297,11 +306,11 @@ def corpus_features(model: str, data: str, n: int, max_tokens: int = 0, progress
     folders = [d for d in data.split(",") if d]
     if len(folders) == 1:
         seqs = load_shards(folders[0])
-        return (seqs, *feature_cache(model, folders[0], seqs, n, max_tokens, progress))
+        return (seqs, *feature_cache(model, folders[0], seqs, n, max_tokens, progress, cached_only=cached_only))
     parts, feats, labels, left = [], [], [], max_tokens
     for d in folders:
         seqs = load_shards(d)
-        f, lab, count = feature_cache(model, d, seqs, n, left, progress)
+        f, lab, count = feature_cache(model, d, seqs, n, left, progress, cached_only=cached_only)
         total = int(seqs.offsets[count])
         parts.append(_first_sequences(seqs, count))
         feats += _rows(f, total)
@@ -609,7 +618,7 @@ def train_draft_layer(st: DraftTrainSettings, progress: bool = True, log=print) 
     if st.labels == "auto":
         st = replace(st, labels="distribution" if st.family == "layer" and n[-1] == cfg["num_hidden_layers"]
                      else "argmax")
-    seqs, feats, labels, count = corpus_features(st.model, st.data, n, st.max_tokens, progress)
+    seqs, feats, labels, count = corpus_features(st.model, st.data, n, st.max_tokens, progress, st.cached_only)
     held = np.random.default_rng(12345).permutation(count) % st.holdout_every == 0
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
