@@ -103,12 +103,12 @@ def test_train_exit_layer_writes_a_checkpoint_that_learned(distilled, smollm2):
 
 
 def test_train_draft_layer_prefills_features_per_shard_then_trains_an_exit_head(distilled, smollm2, capsys):
-    """The two commands a new model's draft layer takes from a corpus: the features' prefill alone (per shard, the
-    shipped layer's depths), then training on them into an exit head EarlyExitProposer loads."""
-    out, layers = distilled["out"], "2,15,27,30"
+    """The two commands a new model's draft layer takes from a corpus: the features' prefill alone (per shard, by
+    default the shipped layer's depths: EAGLE-3's low / middle / high and the last), then training on them into an
+    exit head EarlyExitProposer loads."""
+    out = distilled["out"]
     shards = len([f for f in os.listdir(out) if f.startswith("shard-")])
-    p = cli(["train", "draft-layer", "--model", smollm2, "--data", str(out), "-N", layers, "--features-only"],
-            distilled["dir"])
+    p = cli(["train", "draft-layer", "--model", smollm2, "--data", str(out), "--features-only"], distilled["dir"])
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(p.stdout[p.stdout.index("{"):])
     assert report["feature_columns"] == 4 * 576 and report["tokens"] == int(load_shards(str(out)).offsets[-1])
@@ -119,7 +119,7 @@ def test_train_draft_layer_prefills_features_per_shard_then_trains_an_exit_head(
     assert main(["train", "draft-layer", "--model", smollm2, "--data", str(out)]) == 2
     assert "--out is required" in capsys.readouterr().err
     head = distilled["dir"] / "draft-layer"
-    p = cli(["train", "draft-layer", "--model", smollm2, "--data", str(out), "-N", layers, "--out", str(head),
+    p = cli(["train", "draft-layer", "--model", smollm2, "--data", str(out), "--out", str(head),
              "--depth", "2", "--draft-vocab", "256", "--epochs", "3"], distilled["dir"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "target features" not in p.stderr  # the cache served it: no second prefill

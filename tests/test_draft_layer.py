@@ -379,3 +379,12 @@ def test_training_windows_start_a_few_prompt_tokens_before_each_response():
     # the first label of sequence 0's response sits at position 399 (it predicts token 400)
     assert _windows(offsets, 2, 256, plens, 64) == [(335, 500), (500, 600)]
     assert _windows(offsets, 2, 256, plens, -1) == [(0, 256), (256, 500), (500, 600)]
+
+
+def test_the_default_features_are_eagle3s_low_middle_and_high_depths_and_the_last():
+    from vllm_adaspec.training.draft_layer import fused_layers, parse_feature_layers
+
+    assert fused_layers(30) == (2, 15, 27, 30)  # the shipped layer's (SmolLM2)
+    assert fused_layers(24) == (2, 12, 21, 24)  # Qwen2.5-0.5B
+    assert fused_layers(4) == (1, 2, 4)
+    assert parse_feature_layers("auto") == "auto" and parse_feature_layers("2+15,30") == (2, 15, 30)

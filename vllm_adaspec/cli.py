@@ -179,9 +179,10 @@ def add_train(sub) -> None:
                    help="train on each folder's leading shards whose features are already cached (a --features-only "
                         "run still going), prefilling nothing")
     d.add_argument("--family", choices=("layer", "mlp"), default="layer")
-    d.add_argument("-N", "--feature-layer", type=_parse_feature_layers, default=0,
-                   help="target layers the features come from (0: all); several joined by commas are fused (EAGLE-3: "
-                        "low, middle, high), the last one the model's last. A layer-family draft whose features end with the "
+    d.add_argument("-N", "--feature-layer", type=_parse_feature_layers, default="auto",
+                   help="target layers the features come from (0: the last; auto: EAGLE-3's low, middle and high and "
+                        "the last, (2, L/2, L-3, L), with the layer family); several joined by commas are fused, the "
+                        "last one the model's last. A layer-family draft whose features end with the "
                         "last layer is written as an exit head EarlyExitProposer loads; others serve the replay only")
     d.add_argument("--depth", type=int, default=3, help="draft steps trained on the layer's own outputs")
     d.add_argument("--draft-vocab", type=int, default=8192)
@@ -296,6 +297,10 @@ def cmd_train_draft_layer(args) -> int:
     if model is None:
         return 2
     data = args.data or default_distill_dir(args.model, 0)
+    if args.feature_layer == "auto":
+        from vllm_adaspec.training.draft_layer import _config, fused_layers
+
+        args.feature_layer = fused_layers(_config(model)["num_hidden_layers"]) if args.family == "layer" else 0
     layers = args.feature_layer if isinstance(args.feature_layer, tuple) else (args.feature_layer,)
     if args.depth < 1 or min(layers) < 0 or args.draft_vocab < 1 or args.max_tokens < 0 or args.prompt_context < -1:
         print("adaspec train draft-layer: --depth and --draft-vocab must be >= 1, --feature-layer and --max-tokens "
