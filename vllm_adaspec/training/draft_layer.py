@@ -234,8 +234,8 @@ def _cached_shard(data: str, layers: tuple[int, ...], i: int, hidden: int):
     return None
 
 
-def _shard_features(model: str, seqs, first: int, last: int, layers, parts, out: str, bar) -> None:
-    """Prefill sequences first..last-1 of `seqs` (one shard) into OUT/shard-i.npy and its labels, atomically: labels
+def _shard_features(model: str, seqs, first: int, last: int, layers, parts, out: tuple[str, str], bar) -> None:
+    """Prefill sequences first..last-1 of `seqs` (one shard) into out = (shard-i.npy, its labels), atomically: labels
     first, the features' rename last, so a shard whose features exist is complete."""
     a0, b0 = int(seqs.offsets[first]), int(seqs.offsets[last])
     fpath, lpath = out
