@@ -688,9 +688,9 @@ def test_each_proposer_has_one_settings_class_over_the_common_part():
         assert set(policy_params(name)) <= set(PARAM_RANGES), name
 
 
-def test_a_draft_layer_sits_on_every_layer_and_refuses_trees(smollm2):
-    # the shipped draft layer reads the target's last features: N = L (30) is its place, and token trees (not
-    # drafted by it yet) are refused at start-up with the key named
+def test_a_draft_layer_sits_on_every_layer_and_drafts_trees(smollm2):
+    # the shipped draft layer reads the target's last features: N = L (30) is its place; token trees from its top-k
+    # are accepted (their budget within K)
     import os
 
     from transformers import AutoConfig
@@ -701,6 +701,6 @@ def test_a_draft_layer_sits_on_every_layer_and_refuses_trees(smollm2):
     hf = AutoConfig.from_pretrained(smollm2)
     r = resolve_config(parse_adaspec_config({"adaspec": {"exit_head": folder}}), **LLAMA, hf_config=hf)
     assert (r.exit_layer, r.exit_head) == (30, folder)
-    with pytest.raises(AdaspecConfigError, match=r"\['tree'\]: token trees are not drafted by a draft layer"):
-        resolve_config(parse_adaspec_config({"adaspec": {"exit_head": folder, "tree": {"budget": 4}}}), **LLAMA,
+    r = resolve_config(parse_adaspec_config({"adaspec": {"exit_head": folder, "tree": {"budget": 4}}}), **LLAMA,
                        hf_config=hf)
+    assert (r.exit_layer, r.tree.budget) == (30, 4)

@@ -91,6 +91,28 @@ def test_a_committed_row_reads_the_features_of_the_row_before_it_at_every_depth(
     assert d._carry["a"].tolist() == [2.0] * 4 + [102.0] * 4 and d._carry["b"].tolist() == [3.0] * 4 + [103.0] * 4
 
 
+def test_a_verified_trees_accepted_path_is_fed_each_node_reading_its_parents_feature():
+    # "a" verified a tree of 5 nodes (forward rows 0-5: the root, then node j at row 1 + j) and accepted the path of
+    # nodes 1 then 4 (rows 2, 5; rows 1, 3, 4 are rejected siblings); "b" decoded one row (6)
+    d = drafter()
+    d._steps = 3
+    d._primed = {"a": (3, 19)}  # the last call's first draft pass wrote "a"'s root (position 19)
+    d._carry = {"a": torch.full((4,), -1.0), "b": torch.full((4,), -2.0)}
+    qs = np.array([0, 6, 7])
+    fwd = ForwardRows(parts=(torch.arange(7.0)[:, None].repeat(1, 4),), input_ids=torch.arange(7),
+                      positions=torch.tensor([19, 20, 20, 21, 21, 21, 40]), query_start=qs)
+    view = SimpleNamespace(req_ids=["a", "b"], sampled=[[5, 6, 7], [8]], num_tokens=np.array([23, 41]))
+    d.observe(view, {0: SimpleNamespace(drafted=5, tree=True, accepted=(1, 4)),
+                     1: SimpleNamespace(drafted=0, tree=False)}, SimpleNamespace(forward=fwd))
+    ((rows, counts, first, batch_rows),) = d.prefix.fed
+    assert rows == [2, 5, 6] and counts == [2, 1] and batch_rows == [0, 1]  # the root (primed) is not run again
+    assert first[0].tolist() == [0.0] * 4  # node 1 reads the root's row 0, not the carried feature
+    assert d.prefix.feats[1].tolist() == [2.0] * 4  # node 4 reads its parent node 1 (row 2), not row 4 before it
+    assert first[1].tolist() == [-2.0] * 4
+    assert d._carry["a"].tolist() == [5.0] * 4 and d._carry["b"].tolist() == [6.0] * 4  # the path's last row
+    assert d.stats.feed_rows == 3 and d.stats.feed_rows_reused == 1
+
+
 def test_the_feed_pauses_once_plain_decoding_wins_and_its_requests_never_draft_again():
     d = drafter()
     d._feed_next = False  # the cost model drafted nothing for PAUSE_AFTER decode steps

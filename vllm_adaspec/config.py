@@ -536,9 +536,6 @@ def resolve_config(
         exit_layer = max(1, num_layers // 4)
     # a draft layer reading the target's last features sits on all of its layers
     top = head is not None and head_meta.get("input") == "features"
-    if top and cfg.tree is not None:
-        raise _fail("tree", f"token trees are not drafted by a draft layer reading the target's features ({head}) "
-                            "yet; drop 'tree', or set 'exit_head' to an exit head on h_N")
     if not 1 <= exit_layer < num_layers + top:
         raise _fail(
             "exit_layer",

@@ -150,23 +150,30 @@ class EarlyExitDrafter(Drafter):
         qs = fwd.query_start
         if len(qs) != len(view.req_ids) + 1:
             raise RuntimeError(f"the forward had {len(qs) - 1} requests, the batch {len(view.req_ids)}")
-        counts, starts, live, ends, skipped, reused = [], [], [], [], [], 0
+        # per request fed: its committed tokens' forward rows in order, and the row each reads the feature of (its
+        # parent: the row before in a chain, the path's node before in a tree; -1: the feature carried from before)
+        counts, live, ends, skipped, reused, row_list, parent_list = [], [], [], [], 0, [], []
         for i, sampled in enumerate(view.sampled):
-            sched = int(qs[i + 1] - qs[i])
             out = outcomes.get(i)
-            count = min(sched, len(sampled)) if out is not None and out.drafted else sched
-            if count <= 0:
-                continue
             start = int(qs[i])
-            ends.append((i, start + count - 1))
+            if out is not None and out.tree:  # the root, then the accepted path (node j is the forward's row 1 + j)
+                path = [start] + [start + 1 + a for a in out.accepted]
+            else:
+                sched = int(qs[i + 1] - qs[i])
+                path = list(range(start, start + (min(sched, len(sampled)) if out is not None and out.drafted
+                                                  else sched)))
+            if not path:
+                continue
+            ends.append((i, path[-1]))
             # The previous step's first draft pass already wrote this request's first row (its last committed token,
             # from the same carried feature): that KV stands, the row is not run again.
             primed = (self._steps - 1, int(view.num_tokens[i]) - len(sampled) - 1)
-            skip = bool(sampled) and self._primed.get(view.req_ids[i]) == primed
+            skip = int(bool(sampled) and self._primed.get(view.req_ids[i]) == primed)
             reused += skip
-            if count > skip:
-                counts.append(count - skip)
-                starts.append(start + skip)
+            if len(path) > skip:
+                row_list += path[skip:]
+                parent_list += ([-1] + path[:-1])[skip:]
+                counts.append(len(path) - skip)
                 live.append(i)
                 skipped.append(skip)
         if not ends:
@@ -177,12 +184,14 @@ class EarlyExitDrafter(Drafter):
         width = self.prefix.exit.feature_width
         if live:
             self.prefix.ensure_attached()
-            rows = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts)]).to(device)  # [M]
-            feats = fwd.features((rows - 1).clamp(min=0))  # [M, W] the row before's feature ...
-            first = self._carried(view, live, feats, width)  # [R, W] ... or, past a skipped row, that row's feature
-            if any(skipped):
-                past = torch.tensor([j for j, k in enumerate(skipped) if k], device=device)
-                first[past] = fwd.features(torch.tensor([a - 1 for a, k in zip(starts, skipped) if k], device=device))
+            rows = torch.tensor(row_list, device=device)  # [M]
+            parents = torch.tensor(parent_list, device=device)  # [M]
+            feats = fwd.features(parents.clamp(min=0))  # [M, W] each row's parent's feature ...
+            first = self._carried(view, live, feats, width)  # [R, W] ... or, where none ran here, the carried one
+            if any(skipped):  # past a skipped root, the first row's parent ran in this forward
+                heads = np.cumsum([0] + counts[:-1])
+                past = [j for j, k in enumerate(skipped) if k]
+                first[torch.tensor(past, device=device)] = feats[torch.from_numpy(heads[past]).to(device)]
             self.prefix.feed(rows, counts, first, feats, fwd.input_ids, fwd.positions,
                              torch.tensor(live, device=device), int(view.num_tokens.max()) + 1)
         last = fwd.features(torch.tensor([e for _, e in ends], device=device))  # [R, W]
@@ -208,11 +217,10 @@ class EarlyExitDrafter(Drafter):
         """Chain lengths from the cost model: a request's j-th draft is accepted with chance a^j (a: its share of
         drafts accepted, from a prior at the engine's rate); drafts are taken best first across the batch while the
         batch's expected tokens per second rise, a step costing its verified rows (the fitted curve) plus one draft
-        pass per depth drafted. Tree mode keeps the budgets (the tree builder sizes trees). When nothing pays, now
-        and then (EXPLORE) every request drafts one token so that acceptance keeps being measured, and a request
-        with fewer than OWN_EVIDENCE verified drafts of its own drafts one."""
-        if self.tree is not None:
-            return budgets
+        pass per depth drafted. In tree mode the length is the tree's depth (the tree builder fills it; a tree's
+        rounds measure a as the chance of going one depth further). When nothing pays, now and then (EXPLORE) every
+        request drafts one token so that acceptance keeps being measured, and a request with fewer than
+        OWN_EVIDENCE verified drafts of its own drafts one."""
         req_ids = view.req_ids
         total_acc, total_rej = self.driver.chain_counts
         engine_rate = (total_acc + 1) / (total_acc + total_rej + 2)
@@ -364,17 +372,25 @@ class EarlyExitDrafter(Drafter):
         max_seq_len = int(n.max()) + room  # bound on slot positions + 1
         record = [obs for obs in self.driver.observers if obs.wants_tree_features]
         top_n = ENTROPY_TOP_N if (self.c2t is not None or record) else None
+        # A draft layer: the roots read each request's carried feature, a node its parent's output (the layer's
+        # guess of the next feature); parent_row: (tree, node) -> its parent's row in the last pass's output.
+        feats = out_feats = None
+        parent_row: dict[tuple[int, int], int] = {}
+        if self.prefix.reads_features:
+            feats = self._carried(view, rows, self.prefix.exit.feat_norm.weight, self.prefix.exit.feature_width)
         for depth in range(1, max(limit) + 1):
             req = [e for e, _ in feed]
             tokens = [int(token_ids_cpu[rows[e], n[e] - 1]) if node < 0 else grown[e].tokens[node] for e, node in feed]
             slot_pos = [int(root[e]) + (slot_of[e][node] if node >= 0 else 0) for e, node in feed]
             idx = torch.tensor(req, device=device)
             mask = None if depth == 1 else self._draft_mask(feed, grown, slot_of, root, prefix)
+            if feats is not None and depth > 1:
+                feats = out_feats[torch.tensor([parent_row[f] for f in feed], device=device)]  # [F, H]
             t_pass = time.perf_counter()
             hidden, residual = self.prefix.forward(
                 block_rows[idx], torch.tensor(tokens, device=device),
                 torch.from_numpy(root[req] + depth - 1).to(device), max_seq_len,
-                slot_positions=torch.tensor(slot_pos, device=device), tree_mask=mask)
+                slot_positions=torch.tensor(slot_pos, device=device), tree_mask=mask, features=feats)
             self.driver.faults.point("draft")
             logits, vocab, normed = self.prefix.head(hidden, residual)  # [F, V'], ..., [F, H]
             stats = entropy_topk(logits, 1.0, k=ts.top_k, top_n=top_n)  # top_ids, top_probs [F, k]
@@ -385,6 +401,10 @@ class EarlyExitDrafter(Drafter):
                     entropy_of[e][node] = h
             self.stats.draft_passes += 1
             self.stats.draft_pass_seconds += time.perf_counter() - t_pass
+            if feats is not None:
+                out_feats = hidden + residual  # [F, H]
+                if depth == 1:  # this pass wrote the layer's KV of each root (the feed then skips that row)
+                    self._primed.update({view.req_ids[i]: (self._steps, int(root[e])) for e, i in enumerate(rows)})
             tp = time.perf_counter()
             conf = self._confidence(logits, None if temps is None else temps[idx], len(feed))
             scores = [None] * len(feed)
@@ -397,6 +417,11 @@ class EarlyExitDrafter(Drafter):
                 for f, (e, node) in enumerate(feed):
                     add_children(grown[e], node, ids[f], probs[f])
                     added.setdefault(e, []).append((len(grown[e].parents) - len(ids[f]), f))  # its best candidate
+                    if feats is not None:
+                        parent_row.update({(e, c): f for c in range(len(grown[e].parents) - len(ids[f]),
+                                                                     len(grown[e].parents))})
+            if feats is not None and self.c2t is not None:  # C2T's new nodes, each with its parent's row
+                parent_row.update({(e, c): f for e, new in added.items() for c, f in new})
             feed = []
             for e, new in added.items():
                 if not new:  # C2T: no candidate passed; the tree ends one depth up
