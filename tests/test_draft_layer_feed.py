@@ -188,3 +188,18 @@ def test_a_new_request_measures_its_own_acceptance_before_the_engines_rate_silen
     assert d.size(view, [0], [3], 1) == [0] and d._plain_streak == 1
     states["math"].accepted, states["math"].rejected = 7, 1  # ... or mostly accepted: it drafts on its own merit
     assert d.size(view, [0], [3], 1)[0] >= 1 and d._plain_streak == 0
+
+
+def test_tree_mode_drafts_a_tree_as_deep_as_the_cost_model_pays_for():
+    # token trees are sized like chains: the depth is the chain the cost model would draft (the builder fills
+    # it), none where nothing pays once the request measured its own rate
+    d, states = sizing_drafter(1, 39)
+    d.tree = SimpleNamespace(budget=6, top_k=2)
+    d._rng.random = lambda: 1.0  # (no random exploration)
+    view = SimpleNamespace(req_ids=["math"], num_tokens=np.array([50]))
+    st = d.driver.states.get("math")
+    st.drafted, st.rejected = 8, 8
+    assert d.size(view, [0], [6], 1) == [0]
+    st.accepted, st.rejected = 30, 2
+    depth = d.size(view, [0], [6], 1)[0]
+    assert 2 <= depth <= 6
