@@ -388,3 +388,24 @@ def test_the_default_features_are_eagle3s_low_middle_and_high_depths_and_the_las
     assert fused_layers(24) == (2, 12, 21, 24)  # Qwen2.5-0.5B
     assert fused_layers(4) == (1, 2, 4)
     assert parse_feature_layers("auto") == "auto" and parse_feature_layers("2+15,30") == (2, 15, 30)
+
+
+def test_a_dead_prefills_partial_files_are_deleted_and_a_live_ones_kept(tmp_path):
+    import os
+    import subprocess
+
+    from vllm_adaspec.training.draft_layer import _remove_dead_partials
+
+    dead = subprocess.Popen(["true"])  # a process that has exited: its pid is free (not reused this fast)
+    dead.wait()
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        names = {"dead": f"shard-00003.npy.{dead.pid}.tmp.npy", "dead_labels": f"shard-00003.labels.npy.{dead.pid}.tmp.npy",
+                 "live": f"shard-00004.npy.{live.pid}.tmp.npy", "done": "shard-00001.npy"}
+        for n in names.values():
+            (tmp_path / n).write_bytes(b"x")
+        gone = _remove_dead_partials(str(tmp_path))
+        assert sorted(os.path.basename(g) for g in gone) == sorted([names["dead"], names["dead_labels"]])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["live"], names["done"]])
+    finally:
+        live.kill()

@@ -258,6 +258,28 @@ def _shard_features(model: str, seqs, first: int, last: int, layers, parts, out:
     os.replace(tmp, fpath)
 
 
+def _remove_dead_partials(folder: str) -> list[str]:
+    """Delete the half-written shard files (NAME.PID.tmp.npy) of prefills no longer running: a killed prefill's
+    memory map can be gigabytes. A live process' files stay (folders are prefilled side by side). Returns them."""
+    import glob
+
+    gone = []
+    for path in glob.glob(os.path.join(folder, "*.tmp.npy")):
+        pid = path[:-len(".tmp.npy")].rsplit(".", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # someone else's live process
+        os.remove(path)
+        gone.append(path)
+    return gone
+
+
 def feature_cache(model: str, data: str, seqs, n, max_tokens: int = 0, progress: bool = True,
                   dtype: torch.dtype = torch.bfloat16, cached_only: bool = False) -> tuple:
     """(features [T, H * layers] float16 (`RowChunks` of memory maps), labels [T] int32, sequences) for every token of
@@ -292,6 +314,7 @@ def feature_cache(model: str, data: str, seqs, n, max_tokens: int = 0, progress:
     if todo:
         out = _feature_dir(data, layers)
         os.makedirs(out, exist_ok=True)
+        _remove_dead_partials(out)
         parts = _target_parts(model, dtype)
         work = sum(int(seqs.offsets[bounds[i + 1]] - seqs.offsets[bounds[i]]) for i in todo)
         with tqdm(total=work, unit="tok", desc=f"target features (N={_layers_name(layers)}, prefill, "
